@@ -1,0 +1,7 @@
+"""`python -m shoal ...`."""
+
+import sys
+
+from shoal.api.cli import main
+
+sys.exit(main())

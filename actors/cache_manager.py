@@ -1,0 +1,110 @@
+"""The cache manager actor: owns the request-slot table, page allocator and radix tree.
+
+It answers one PlanRequest per step (releases first, then extensions, then admissions in
+queue order, stopping at the first admission that does not fit) and never one message
+per request.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shoal.actors.mailbox import Mailbox
+from shoal.actors.messages import (
+    Admitted,
+    CacheMsg,
+    CacheStats,
+    CheckIntegrity,
+    FlushCache,
+    Plan,
+    PlanRequest,
+    RowWriteMsg,
+    SchedulerMsg,
+    Shutdown,
+)
+from shoal.cache.kv import KVCache
+
+log = logging.getLogger("shoal.cache")
+
+
+class CacheManager:
+    def __init__(
+        self,
+        kv: KVCache,
+        mailbox: Mailbox[CacheMsg],
+        scheduler: Mailbox[SchedulerMsg],
+        strict: bool,
+    ) -> None:
+        self.kv = kv
+        self.mailbox = mailbox
+        self.scheduler = scheduler
+        self.strict = strict
+
+    async def run(self) -> None:
+        while True:
+            match await self.mailbox.get():
+                case PlanRequest() as req:
+                    self.scheduler.put(self.plan(req))
+                case CheckIntegrity(reply=reply):
+                    error = self.check(loud=reply is None and self.strict)
+                    if reply is not None and not reply.done():
+                        reply.set_result(error)
+                case CacheStats(reply=reply):
+                    if not reply.done():
+                        reply.set_result(self.kv.stats())
+                case FlushCache(reply=reply):
+                    self.kv.flush()
+                    if not reply.done():
+                        reply.set_result(self.kv.stats())
+                case Shutdown():
+                    return
+
+    def plan(self, req: PlanRequest) -> Plan:
+        kv = self.kv
+        writes: list[RowWriteMsg] = []
+        released: list[str] = []
+        for rel in req.releases:
+            kv.release(rel.rid, rel.computed_tokens)
+            released.append(rel.rid)
+        extended: list[str] = []
+        extend_failed: list[str] = []
+        for ext in req.extends:
+            ext_writes = kv.extend(ext.rid, ext.total_tokens)
+            if ext_writes is None:
+                extend_failed.append(ext.rid)
+            else:
+                extended.append(ext.rid)
+                writes.extend(RowWriteMsg(w.row, w.start, tuple(w.pages)) for w in ext_writes)
+        admitted: list[Admitted] = []
+        admit_failed: list[str] = []
+        for adm in req.admits:
+            got = None if admit_failed else kv.admit(adm.rid, adm.tokens, adm.reserve_tokens)
+            if got is None:
+                admit_failed.append(adm.rid)
+                continue
+            admitted.append(Admitted(adm.rid, got.row, got.num_cached_tokens))
+            writes.extend(RowWriteMsg(w.row, w.start, tuple(w.pages)) for w in got.writes)
+        return Plan(
+            req.step,
+            tuple(released),
+            tuple(extended),
+            tuple(extend_failed),
+            tuple(admitted),
+            tuple(admit_failed),
+            tuple(writes),
+        )
+
+    def check(self, loud: bool) -> str | None:
+        """Laws 3-4 when idle: nothing leaked, accounting closes. Loud on violation."""
+        try:
+            self.kv.check_integrity()
+            stats = self.kv.stats()
+            assert stats["free_rows"] == stats["total_rows"], f"leaked rows: {stats}"
+            assert stats["request_pages"] == 0, f"leaked request pages: {stats}"
+            assert stats["locked_pages"] == 0, f"leaked tree locks: {stats}"
+        except AssertionError as exc:
+            log.error("integrity violation while idle: %s", exc)
+            if loud:
+                raise
+            return str(exc)
+        return None

@@ -1,0 +1,163 @@
+"""The executor actor: owns the device — weights, KV pool, the device request-slot table,
+each row's last sampled token and sampling state.
+
+Launches run strictly in launch order on one worker (a thread on CPU, so the event loop
+never blocks). Each launch first applies its table writes, then runs its forward: a row
+written for batch N+1 is never seen by batch N (law 3 by execution order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from shoal.actors.mailbox import Mailbox
+from shoal.actors.messages import ExecutorMsg, Launch, SchedulerMsg, Shutdown, StepDone
+from shoal.kernels.attention import build_metadata
+from shoal.kernels.model import KVPool, LlamaModel
+from shoal.kernels.sampling import SamplingRow, sample
+from shoal.params import SamplingParams
+
+log = logging.getLogger("shoal.executor")
+
+
+@dataclass
+class RowState:
+    sampling: SamplingParams
+    seed: int
+    prompt_ids: tuple[int, ...]
+    output_ids: list[int]
+
+
+class DeviceState:
+    """Everything the forward reads or writes; touched only by the worker."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVPool,
+        num_rows: int,
+        max_pages_per_row: int,
+        page_size: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        device = model.device
+        self.model = model
+        self.kv = kv
+        self.page_size = page_size
+        self.eos_token_ids = eos_token_ids
+        self.page_table = torch.zeros(num_rows, max_pages_per_row, dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.rows: dict[int, RowState] = {}
+
+    def step(self, launch: Launch) -> tuple[int, ...]:
+        device = self.model.device
+        for w in launch.writes:
+            pages = torch.tensor(w.pages, dtype=torch.int64, device=device)
+            self.page_table[w.row, w.start : w.start + len(w.pages)] = pages
+        input_ids: list[int] = []
+        positions: list[int] = []
+        decode_at: list[int] = []
+        decode_rows: list[int] = []
+        sample_index: list[int] = []
+        sample_rows: list[int] = []
+        for seq in launch.seqs:
+            if seq.init is not None:
+                init = seq.init
+                state = RowState(init.sampling, init.seed, init.prompt_ids, list(init.output_ids))
+                self.rows[seq.row] = state
+            if seq.input_ids is None:
+                decode_at.append(len(input_ids))
+                decode_rows.append(seq.row)
+                input_ids.append(0)
+            else:
+                input_ids.extend(seq.input_ids)
+            positions.extend(range(seq.start, seq.start + seq.num_tokens))
+            if seq.sample:
+                sample_index.append(len(input_ids) - 1)
+                sample_rows.append(seq.row)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        if decode_at:
+            at = torch.tensor(decode_at, dtype=torch.int64, device=device)
+            ids[at] = self.last_token[torch.tensor(decode_rows, device=device)]
+        rows = torch.tensor([s.row for s in launch.seqs], dtype=torch.int64, device=device)
+        meta = build_metadata(
+            self.page_table[rows],
+            [s.start for s in launch.seqs],
+            [s.num_tokens for s in launch.seqs],
+            self.page_size,
+        )
+        pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        where = torch.tensor(sample_index, dtype=torch.int64, device=device)
+        logits = self.model.forward(ids, pos, meta, self.kv, where)
+        states = [self.rows[r] for r in sample_rows]
+        sampling_rows = [
+            SamplingRow(s.sampling, s.seed, s.prompt_ids, s.output_ids) for s in states
+        ]
+        next_tokens = sample(logits, sampling_rows, self.eos_token_ids)
+        if sample_rows:
+            self.last_token[torch.tensor(sample_rows, device=device)] = next_tokens
+        host = tuple(int(t) for t in next_tokens.tolist())
+        for state, token in zip(states, host, strict=True):
+            state.output_ids.append(token)
+        return host
+
+
+class Executor:
+    def __init__(
+        self,
+        device_state: DeviceState,
+        mailbox: Mailbox[ExecutorMsg],
+        scheduler: Mailbox[SchedulerMsg],
+    ) -> None:
+        self.state = device_state
+        self.mailbox = mailbox
+        self.scheduler = scheduler
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        worker = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="shoal-forward",
+            initializer=torch.set_flush_denormal,  # denormals slow x86 math ~2x
+            initargs=(True,),
+        )
+        running: set[Future[tuple[int, ...]]] = set()
+        try:
+            while True:
+                match await self.mailbox.get():
+                    case Launch() as launch:
+                        done = worker.submit(self.state.step, launch)
+                        running.add(done)
+                        done.add_done_callback(running.discard)
+                        done.add_done_callback(partial(self._post, loop, launch.batch_id))
+                    case Shutdown():
+                        # Let launched forwards finish: they write into the KV pool.
+                        pending = [asyncio.wrap_future(f) for f in running]
+                        await asyncio.gather(*pending, return_exceptions=True)
+                        return
+        finally:
+            worker.shutdown(wait=False, cancel_futures=True)
+
+    def _post(
+        self, loop: asyncio.AbstractEventLoop, batch_id: int, done: Future[tuple[int, ...]]
+    ) -> None:
+        """Runs on the worker thread: hand the result to the event loop."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+            loop.call_soon_threadsafe(self._finished, batch_id, done)
+
+    def _finished(self, batch_id: int, done: Future[tuple[int, ...]]) -> None:
+        if done.cancelled():
+            return
+        error = done.exception()
+        if error is not None:
+            log.exception("forward of batch %d failed", batch_id, exc_info=error)
+            self.scheduler.put(StepDone(batch_id, (), error=repr(error)))
+        else:
+            self.scheduler.put(StepDone(batch_id, done.result()))

@@ -1,0 +1,333 @@
+"""The scheduler's state and planning, as plain Python over plain data (no asyncio, no torch).
+
+Where a request can be (law 1 — `idle` is true only when every one of these is empty)::
+
+    waiting ──admit──▶ prefill ──last chunk──▶ running ──eos/length/abort──▶ finishing ──▶ released
+       ▲                  │                       │                              ▲
+       └──── retracting ◀─┴───── out of pages ────┘                              │
+                                   launched batches whose results are pending ───┘
+
+A request holds its row and pages from admission to release (law 3). It is released only
+when no launched batch still reads it (`inflight == 0`); a token sampled for a request
+that already finished is discarded. `tokens` holds the prompt and every output received;
+`pending` counts tokens sampled on the device but not yet received.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shoal.actors.messages import (
+    Admit,
+    AdmitReq,
+    ExtendReq,
+    Launch,
+    Output,
+    Plan,
+    PlanRequest,
+    ReleaseReq,
+    RowInit,
+    RowWriteMsg,
+    SeqChunk,
+    StepDone,
+)
+from shoal.params import SamplingParams
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    RETRACTING = "retracting"
+    FINISHING = "finishing"
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    max_running: int
+    chunk_size: int
+    max_batch_tokens: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class Req:
+    rid: str
+    order: int
+    sampling: SamplingParams
+    seed: int
+    num_prompt: int
+    tokens: list[int]
+    phase: Phase = Phase.WAITING
+    row: int | None = None
+    num_cached_tokens: int | None = None
+    num_launched: int = 0
+    pending: int = 0
+    inflight: int = 0
+    needs_init: bool = False
+    release_sent: bool = False
+    drop_kv: bool = False
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+
+@dataclass
+class Planner:
+    config: PlannerConfig
+    reqs: dict[str, Req] = field(default_factory=dict)
+    waiting: deque[str] = field(default_factory=deque)
+    batches: dict[int, list[tuple[str, bool]]] = field(default_factory=dict)
+    plan_pending: bool = False
+    pressure: bool = False
+    next_order: int = 0
+    next_batch_id: int = 0
+    released: list[str] = field(default_factory=list)
+    errors: list[Output] = field(default_factory=list)
+    pending_writes: list[RowWriteMsg] = field(default_factory=list)
+    num_retractions: int = 0
+
+    # ---- questions ------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self.reqs and not self.batches and not self.plan_pending
+
+    def holding(self) -> list[Req]:
+        return [r for r in self.reqs.values() if r.row is not None]
+
+    def snapshot(self) -> dict[str, object]:
+        phases: dict[str, list[str]] = {p.value: [] for p in Phase}
+        for r in self.reqs.values():
+            phases[r.phase.value].append(r.rid)
+        return {
+            **phases,
+            "launched_batches": {b: [rid for rid, _ in seqs] for b, seqs in self.batches.items()},
+            "plan_pending": self.plan_pending,
+            "num_retractions": self.num_retractions,
+            "idle": self.idle,
+        }
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def add(self, msg: Admit) -> None:
+        assert msg.rid not in self.reqs, f"duplicate request id {msg.rid}"
+        tokens = list(msg.prompt_ids)
+        req = Req(msg.rid, self.next_order, msg.sampling, msg.seed, len(tokens), tokens)
+        self.next_order += 1
+        self.reqs[msg.rid] = req
+        self.waiting.append(msg.rid)
+
+    def abort(self, rid: str, reason: str, message: str) -> list[Output]:
+        """End a request wherever it is. A "stop" (stop string matched) emits nothing."""
+        req = self.reqs.get(rid)
+        if req is None or req.phase is Phase.FINISHING:
+            return []
+        out = [] if reason == "stop" else [Output(rid, (), "abort", message or "aborted")]
+        if req.phase is Phase.WAITING:
+            self.waiting.remove(rid)
+            del self.reqs[rid]
+            self.released.append(rid)
+        else:
+            req.phase = Phase.FINISHING
+        return out
+
+    def fail_all(self, message: str) -> list[Output]:
+        """Executor failure: end every request with an error; their KV is not trusted."""
+        out = []
+        for req in list(self.reqs.values()):
+            if req.phase is not Phase.FINISHING:
+                out.append(Output(req.rid, (), "error", message))
+            req.drop_kv = True
+            if req.phase is Phase.WAITING:
+                self.waiting.remove(req.rid)
+                del self.reqs[req.rid]
+                self.released.append(req.rid)
+            else:
+                req.phase = Phase.FINISHING
+        return out
+
+    def take_released(self) -> list[str]:
+        done, self.released = self.released, []
+        return done
+
+    # ---- planning -------------------------------------------------------------------------
+
+    def propose(self, step: int) -> PlanRequest | None:
+        releases = []
+        for req in self.holding():
+            done = req.phase in (Phase.FINISHING, Phase.RETRACTING)
+            if done and req.inflight == 0 and not req.release_sent:
+                req.release_sent = True
+                computed = None if req.drop_kv else tuple(req.tokens[: req.num_launched])
+                releases.append(ReleaseReq(req.rid, computed))
+        extends = [
+            ExtendReq(r.rid, r.num_launched + 1) for r in self.holding() if self._wants_decode(r)
+        ]
+        budget = self.config.max_batch_tokens - len(extends)
+        has_prefill = any(r.phase is Phase.PREFILL for r in self.reqs.values())
+        admits: list[AdmitReq] = []
+        if not self.pressure:
+            num_holding = len(self.holding()) - len(releases)
+            for rid in self.waiting:
+                if num_holding + len(admits) >= self.config.max_running:
+                    break
+                tokens = self.reqs[rid].tokens
+                if budget <= 0 and (admits or has_prefill or extends):
+                    break
+                admits.append(AdmitReq(rid, tuple(tokens), len(tokens)))
+                budget -= min(len(tokens), self.config.chunk_size)
+        if not (releases or extends or admits or has_prefill):
+            return None
+        self.plan_pending = True
+        return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits))
+
+    def _wants_decode(self, req: Req) -> bool:
+        if req.phase is not Phase.RUNNING:
+            return False
+        return req.num_outputs + req.pending < req.sampling.max_new_tokens
+
+    def apply_plan(self, plan: Plan) -> Launch | None:
+        """Take the cache manager's answer; form the batch it allows (None if empty)."""
+        self.plan_pending = False
+        self.pending_writes.extend(plan.writes)
+        for rid in plan.released:
+            req = self.reqs[rid]
+            if req.phase is Phase.RETRACTING:
+                self._requeue(req)
+            else:
+                del self.reqs[rid]
+                self.released.append(rid)
+        self.pressure = bool(plan.extend_failed)
+        if plan.extend_failed:
+            self._retract_youngest()
+        for adm in plan.admitted:
+            req = self.reqs[adm.rid]
+            self.waiting.remove(adm.rid)
+            req.phase, req.row, req.needs_init = Phase.PREFILL, adm.row, True
+            req.num_launched = adm.num_cached_tokens
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = adm.num_cached_tokens
+        if plan.admit_failed and not self.holding():
+            # Nothing else holds KV, so this request can never fit: fail it, don't hang.
+            for rid in plan.admit_failed:
+                self.waiting.remove(rid)
+                del self.reqs[rid]
+                self.released.append(rid)
+                self.errors.append(Output(rid, (), "error", "request does not fit in KV cache"))
+        return self._build_batch(set(plan.extended))
+
+    def take_errors(self) -> list[Output]:
+        done, self.errors = self.errors, []
+        return done
+
+    def _build_batch(self, extended: set[str]) -> Launch | None:
+        seqs: list[SeqChunk] = []
+        members: list[tuple[str, bool]] = []
+        by_order = sorted(self.holding(), key=lambda r: r.order)
+        for req in by_order:
+            if req.rid in extended and self._wants_decode(req):
+                assert req.row is not None
+                assert req.num_launched == len(req.tokens) + req.pending - 1
+                seqs.append(SeqChunk(req.row, req.num_launched, 1, None, True))
+                members.append((req.rid, True))
+                req.num_launched += 1
+                req.pending += 1
+                req.inflight += 1
+        budget = self.config.max_batch_tokens - len(seqs)
+        for req in by_order:
+            if req.phase is not Phase.PREFILL or budget <= 0:
+                continue
+            assert req.row is not None
+            start = req.num_launched
+            n = min(len(req.tokens) - start, self.config.chunk_size, budget)
+            sample = start + n == len(req.tokens)
+            init = None
+            if req.needs_init:
+                prompt, outputs = req.tokens[: req.num_prompt], req.tokens[req.num_prompt :]
+                init = RowInit(req.sampling, req.seed, tuple(prompt), tuple(outputs))
+                req.needs_init = False
+            seqs.append(
+                SeqChunk(req.row, start, n, tuple(req.tokens[start : start + n]), sample, init)
+            )
+            members.append((req.rid, sample))
+            budget -= n
+            req.num_launched += n
+            req.inflight += 1
+            if sample:
+                req.pending += 1
+                req.phase = Phase.RUNNING
+        if not seqs:
+            return None
+        batch_id = self.next_batch_id
+        self.next_batch_id += 1
+        self.batches[batch_id] = members
+        writes, self.pending_writes = tuple(self.pending_writes), []
+        return Launch(batch_id, writes, tuple(seqs))
+
+    def _retract_youngest(self) -> None:
+        holding = self.holding()
+        live = [r for r in holding if r.phase in (Phase.RUNNING, Phase.PREFILL)]
+        if len(live) > 1:
+            max(live, key=lambda r: r.order).phase = Phase.RETRACTING
+            self.num_retractions += 1
+        elif len(holding) == 1 and holding[0].phase is Phase.RUNNING:
+            # Alone and still out of pages: it can never grow, so end it rather than spin.
+            req = holding[0]
+            req.phase = Phase.FINISHING
+            self.errors.append(Output(req.rid, (), "error", "out of KV cache pages"))
+
+    def _requeue(self, req: Req) -> None:
+        req.phase, req.row, req.release_sent = Phase.WAITING, None, False
+        req.num_launched = 0
+        position = sum(1 for rid in self.waiting if self.reqs[rid].order < req.order)
+        self.waiting.insert(position, req.rid)
+
+    # ---- results --------------------------------------------------------------------------
+
+    def process(self, done: StepDone) -> list[Output]:
+        members = self.batches.pop(done.batch_id)
+        if done.error is not None:
+            for rid, _ in members:
+                self.reqs[rid].inflight -= 1
+            return self.fail_all(f"forward failed: {done.error}")
+        outputs = []
+        tokens = iter(done.next_tokens)
+        for rid, samples in members:
+            req = self.reqs[rid]
+            req.inflight -= 1
+            if not samples:
+                continue
+            token = next(tokens)
+            req.pending -= 1
+            if req.phase is Phase.FINISHING:
+                continue  # launched before its finish was known: discard
+            req.tokens.append(token)
+            finish = self._finish_reason(req, token)
+            cached = req.num_cached_tokens if req.num_outputs == 1 else None
+            outputs.append(
+                Output(
+                    rid,
+                    (token,),
+                    finish,
+                    num_cached_tokens=cached,
+                    matched_token=token if finish == "stop" else None,
+                )
+            )
+            if finish is not None:
+                req.phase = Phase.FINISHING
+        return outputs
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        sp = req.sampling
+        if req.num_outputs >= sp.min_new_tokens:
+            if token in sp.stop_token_ids:
+                return "stop"
+            if not sp.ignore_eos and token in self.config.eos_token_ids:
+                return "stop"
+        if req.num_outputs >= sp.max_new_tokens:
+            return "length"
+        return None

@@ -1,0 +1,157 @@
+"""The tokenizer actor: the front door and the back door of every request.
+
+In: applies the chat template, encodes, validates against the context and vocabulary,
+gives unseeded requests a seed, admits them to the scheduler. Out: detokenizes
+incrementally, applies stop strings, feeds each caller's stream, and ends it with a reason.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.actors.detokenize import IncrementalDetokenizer
+from shoal.actors.mailbox import Mailbox
+from shoal.actors.messages import (
+    Abort,
+    Admit,
+    Generate,
+    Output,
+    Outputs,
+    Released,
+    SchedulerMsg,
+    Shutdown,
+    TokenizerMsg,
+)
+from shoal.actors.stops import StopMatcher
+from shoal.api.stream import Completion, Delta, RequestStream, Usage
+
+
+@dataclass
+class Live:
+    stream: RequestStream
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    num_prompt: int
+    output_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        context_length: int,
+        vocab_size: int,
+        mailbox: Mailbox[TokenizerMsg],
+        scheduler: Mailbox[SchedulerMsg],
+        seed: int | None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.mailbox = mailbox
+        self.scheduler = scheduler
+        self.rng = random.Random(seed)
+        self.live: dict[str, Live] = {}
+        self.held: set[str] = set()  # admitted and not yet confirmed released (law 2)
+
+    async def run(self) -> None:
+        while True:
+            match await self.mailbox.get():
+                case Generate() as gen:
+                    self.admit(gen)
+                case Abort(rid=rid) as abort:
+                    if rid in self.live:
+                        self.scheduler.put(abort)
+                case Outputs(items=items):
+                    for item in items:
+                        self.deliver(item)
+                case Released(rids=rids):
+                    self.held.difference_update(rids)
+                case Shutdown():
+                    return
+
+    # ---- in --------------------------------------------------------------------------------
+
+    def encode(self, gen: Generate) -> list[int]:
+        if gen.input_ids is not None:
+            ids = list(gen.input_ids)
+        elif gen.messages is not None:
+            if not gen.messages:
+                raise ValueError("messages must not be empty")
+            text = self.tokenizer.apply_chat_template(
+                list(gen.messages), add_generation_prompt=True, tokenize=False
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif gen.text is not None:
+            ids = self.tokenizer.encode(gen.text)
+        else:
+            raise ValueError("one of prompt, input_ids or messages is required")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids contain ids outside the vocabulary: {bad[:5]}")
+        limit = self.context_length
+        if len(ids) + gen.sampling.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens plus max_new_tokens "
+                f"{gen.sampling.max_new_tokens} exceeds the context length {limit}"
+            )
+        return ids
+
+    def admit(self, gen: Generate) -> None:
+        if gen.rid in self.live or gen.rid in self.held:
+            gen.stream.fail(ValueError(f"request id {gen.rid!r} is already in use"))
+            return
+        try:
+            ids = self.encode(gen)
+        except ValueError as exc:
+            gen.stream.fail(exc)
+            return
+        sampling = gen.sampling
+        seed = sampling.seed if sampling.seed is not None else self.rng.getrandbits(63)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.skip_special_tokens)
+        self.live[gen.rid] = Live(gen.stream, detok, StopMatcher(sampling.stop), len(ids))
+        self.held.add(gen.rid)
+        self.scheduler.put(Admit(gen.rid, tuple(ids), sampling, seed))
+
+    # ---- out -------------------------------------------------------------------------------
+
+    def deliver(self, item: Output) -> None:
+        live = self.live.get(item.rid)
+        if live is None:
+            return  # its stream already ended on a stop string; late tokens are dropped
+        if item.num_cached_tokens is not None:
+            live.num_cached_tokens = item.num_cached_tokens
+        live.output_ids.extend(item.token_ids)
+        text = live.detok.push(item.token_ids) if item.token_ids else ""
+        if item.finish in ("stop", "length"):
+            text += live.detok.flush()
+        emit, matched = live.stops.push(text) if text else ("", None)
+        if matched is None and item.finish is not None:
+            emit += live.stops.flush()
+        if emit or item.token_ids:
+            live.text.append(emit)
+            live.stream.push(Delta(emit, item.token_ids))
+        if matched is not None:
+            self.scheduler.put(Abort(item.rid, reason="stop"))
+            self.end(item.rid, "stop", matched)
+        elif item.finish is not None:
+            self.end(item.rid, item.finish, item.matched_token, item.message)
+
+    def end(self, rid: str, reason: str, matched: str | int | None, message: str = "") -> None:
+        live = self.live.pop(rid)
+        usage = Usage(live.num_prompt, len(live.output_ids), live.num_cached_tokens)
+        completion = Completion(
+            rid, "".join(live.text), tuple(live.output_ids), reason, usage, matched, message
+        )
+        live.stream.finish(completion)
+
+    def fail_all(self, error: BaseException) -> None:
+        for live in self.live.values():
+            live.stream.fail(error)
+        self.live.clear()

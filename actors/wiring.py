@@ -1,0 +1,139 @@
+"""Builds the four actors, connects their mailboxes, starts them, and supervises them.
+
+If any actor ends while the engine is running, the engine is dead: every open request
+ends with EngineDeadError and the remaining actors are stopped. Nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from shoal.actors.cache_manager import CacheManager
+from shoal.actors.executor import DeviceState, Executor
+from shoal.actors.mailbox import Mailbox
+from shoal.actors.messages import (
+    CacheMsg,
+    ExecutorMsg,
+    Generate,
+    SchedulerMsg,
+    Shutdown,
+    TokenizerMsg,
+)
+from shoal.actors.planner import Planner, PlannerConfig
+from shoal.actors.scheduler import Scheduler
+from shoal.actors.tokenizer import Tokenizer
+from shoal.api.stream import EngineDeadError
+from shoal.cache.kv import KVCache
+from shoal.config import EngineOptions, Resolved
+from shoal.kernels.loader import LoadedModel
+from shoal.kernels.model import KVPool, LlamaModel
+
+log = logging.getLogger("shoal")
+
+
+@dataclass
+class Actors:
+    tokenizer_box: Mailbox[TokenizerMsg]
+    scheduler_box: Mailbox[SchedulerMsg]
+    cache_box: Mailbox[CacheMsg]
+    executor_box: Mailbox[ExecutorMsg]
+    tokenizer: Tokenizer
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    stopping: bool = False
+    dead_reason: str | None = None
+
+    async def stop(self) -> None:
+        """Ask every actor to finish, then wait for them."""
+        self.stopping = True
+        for box in (self.tokenizer_box, self.scheduler_box, self.cache_box, self.executor_box):
+            box.put(Shutdown())
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self._fail_open("the engine was shut down")
+
+    def _fail_open(self, reason: str) -> None:
+        error = EngineDeadError(reason)
+        self.tokenizer.fail_all(error)
+        for msg in self.tokenizer_box.drain():
+            if isinstance(msg, Generate):
+                msg.stream.fail(error)
+
+    def _on_exit(
+        self, name: str, on_death: Callable[[str], None], task: asyncio.Task[None]
+    ) -> None:
+        if self.stopping:
+            return
+        error = None if task.cancelled() else task.exception()
+        reason = f"actor {name} died: {error!r}" if error else f"actor {name} stopped"
+        if error is not None:
+            log.error("%s", reason, exc_info=error)
+        self.dead_reason = reason
+        self.stopping = True
+        for other in self.tasks.values():
+            other.cancel()
+        self._fail_open(reason)
+        on_death(reason)
+
+
+def start_actors(
+    loaded: LoadedModel,
+    options: EngineOptions,
+    resolved: Resolved,
+    on_death: Callable[[str], None],
+) -> Actors:
+    layout = resolved.cache
+    config = loaded.config
+    tokenizer_box: Mailbox[TokenizerMsg] = Mailbox("tokenizer")
+    scheduler_box: Mailbox[SchedulerMsg] = Mailbox("scheduler")
+    cache_box: Mailbox[CacheMsg] = Mailbox("cache")
+    executor_box: Mailbox[ExecutorMsg] = Mailbox("executor")
+
+    kv = KVCache(
+        num_pages=layout.num_pages,
+        page_size=layout.page_size,
+        num_rows=layout.num_rows,
+        max_pages_per_row=layout.max_pages_per_row,
+    )
+    model = LlamaModel(config, loaded.weights, resolved.dtype, resolved.device)
+    pool = KVPool(config, layout.num_pages * layout.page_size, resolved.dtype, resolved.device)
+    device_state = DeviceState(
+        model,
+        pool,
+        layout.num_rows,
+        layout.max_pages_per_row,
+        layout.page_size,
+        config.eos_token_ids,
+    )
+    planner = Planner(
+        PlannerConfig(
+            max_running=layout.num_rows,
+            chunk_size=options.chunk_size,
+            max_batch_tokens=max(options.max_batch_tokens, layout.num_rows),
+            eos_token_ids=config.eos_token_ids,
+        )
+    )
+    tokenizer = Tokenizer(
+        loaded.tokenizer,
+        resolved.context_length,
+        config.vocab_size,
+        tokenizer_box,
+        scheduler_box,
+        options.seed,
+    )
+    actors = Actors(tokenizer_box, scheduler_box, cache_box, executor_box, tokenizer)
+    runs = {
+        "tokenizer": tokenizer.run(),
+        "scheduler": Scheduler(
+            planner, options.max_inflight, scheduler_box, cache_box, executor_box, tokenizer_box
+        ).run(),
+        "cache": CacheManager(kv, cache_box, scheduler_box, options.strict_integrity).run(),
+        "executor": Executor(device_state, executor_box, scheduler_box).run(),
+    }
+    for name, coro in runs.items():
+        task = asyncio.create_task(coro, name=f"shoal-{name}")
+        task.add_done_callback(partial(actors._on_exit, name, on_death))
+        actors.tasks[name] = task
+    return actors

@@ -1,0 +1,111 @@
+"""The command line: `python -m shoal generate "text"` (and `serve`, with the HTTP server)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from shoal.api.engine import Engine
+from shoal.config import EngineOptions
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineOptions()
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--page-size", type=int, default=defaults.page_size)
+    parser.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens)
+    parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+    parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
+    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
+    parser.add_argument("--max-inflight", type=int, default=defaults.max_inflight)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--dtype", default=defaults.dtype)
+    parser.add_argument("--device", default=defaults.device, choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    return Engine(
+        args.model,
+        page_size=args.page_size,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_running_requests=args.max_running_requests,
+        chunk_size=args.chunk_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_inflight=args.max_inflight,
+        context_length=args.context_length,
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.num_threads,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m shoal", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument(
+        "--raw", action="store_true", help="send the text as is instead of as a chat message"
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    add_engine_options(gen)
+    return parser
+
+
+async def generate(args: argparse.Namespace) -> int:
+    began = time.perf_counter()
+    async with engine_from_args(args) as engine:
+        ready = time.perf_counter()
+        kwargs = (
+            {"prompt": args.prompt}
+            if args.raw
+            else {"messages": [{"role": "user", "content": args.prompt}]}
+        )
+        stream = engine.generate(
+            **kwargs,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+        async for delta in stream:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        done = await stream.result()
+        took = time.perf_counter() - ready
+        sys.stdout.write("\n")
+        print(
+            f"[{done.finish_reason}; {done.usage.completion_tokens} tokens in {took:.2f}s "
+            f"({done.usage.completion_tokens / max(took, 1e-9):.1f} tok/s); "
+            f"engine ready in {ready - began:.2f}s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        try:
+            return asyncio.run(generate(args))
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    return 2

@@ -1,0 +1,119 @@
+"""What a caller holds for one request: an async stream of deltas ending in a Completion."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from types import TracebackType
+
+import msgspec
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Delta(msgspec.Struct, frozen=True):
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class Completion(msgspec.Struct, frozen=True):
+    rid: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    usage: Usage
+    matched_stop: str | int | None = None  # the stop string or stop token that ended it
+    message: str = ""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (an actor died or it was shut down) before the request ended."""
+
+
+class RequestStream:
+    """Async-iterate for Deltas; `await result()` for the Completion.
+
+    Leaving `async with stream:` early, or cancelling the task that iterates it, aborts the
+    request. Written to only by the tokenizer actor, on the event loop.
+    """
+
+    def __init__(self, rid: str, abort: Callable[[str], None]) -> None:
+        self.rid = rid
+        self._abort = abort
+        self._queue: asyncio.Queue[Delta | Completion | BaseException] = asyncio.Queue()
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+        self._ended = False
+
+    # ---- producer side (tokenizer actor) -------------------------------------------------
+
+    def push(self, delta: Delta) -> None:
+        if not self._ended:
+            self._queue.put_nowait(delta)
+
+    def finish(self, completion: Completion) -> None:
+        if not self._ended:
+            self._ended = True
+            self._queue.put_nowait(completion)
+
+    def fail(self, error: BaseException) -> None:
+        if not self._ended:
+            self._ended = True
+            self._queue.put_nowait(error)
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    # ---- consumer side ---------------------------------------------------------------------
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        while True:
+            if self._completion is not None:
+                raise StopAsyncIteration
+            if self._error is not None:
+                raise self._error
+            try:
+                item = await self._queue.get()
+            except asyncio.CancelledError:
+                self.abort()
+                raise
+            if isinstance(item, Delta):
+                return item
+            if isinstance(item, Completion):
+                self._completion = item
+            else:
+                self._error = item
+
+    async def result(self) -> Completion:
+        async for _ in self:
+            pass
+        assert self._completion is not None
+        return self._completion
+
+    def abort(self) -> None:
+        if not self._ended:
+            self._abort(self.rid)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._completion is None and self._error is None:
+            self.abort()

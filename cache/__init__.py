@@ -1,0 +1,28 @@
+"""Pure data structures for the paged KV cache: no torch, no asyncio, no numpy.
+
+Files::
+
+    pages.py   PageAllocator   free list of KV page ids
+    rows.py    RowTable        request-slot rows (host mirror of the device table), RowWrite
+    radix.py   RadixTree       page-aligned prefix tree whose edges own pages
+    node.py    Node            the tree's node, IntegrityError, walks
+    lru.py     LazyHeap        eviction queue keyed by a logical clock
+    kv.py      KVCache         the composition, one owner per page, Admission
+"""
+
+from shoal.cache.kv import Admission, KVCache
+from shoal.cache.node import IntegrityError, Node
+from shoal.cache.pages import PageAllocator
+from shoal.cache.radix import RadixTree
+from shoal.cache.rows import RowTable, RowWrite
+
+__all__ = [
+    "Admission",
+    "IntegrityError",
+    "KVCache",
+    "Node",
+    "PageAllocator",
+    "RadixTree",
+    "RowTable",
+    "RowWrite",
+]

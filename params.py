@@ -1,0 +1,90 @@
+"""Sampling parameters: one frozen struct per request, validated before anything is queued."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick each next token of one request.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    Penalties follow the OpenAI meaning for frequency/presence (over generated tokens) and the
+    Hugging Face meaning for repetition_penalty (over prompt and generated tokens).
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad field."""
+        _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
+        _check(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            "must be in [0, max_new_tokens]",
+            self.min_new_tokens,
+        )
+        _check(
+            _finite(self.temperature) and 0.0 <= self.temperature <= 2.0,
+            "temperature",
+            "must be in [0, 2]",
+            self.temperature,
+        )
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 or >= 1", self.top_k)
+        _check(
+            _finite(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            "must be in (0, 1]",
+            self.top_p,
+        )
+        _check(
+            _finite(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            "min_p",
+            "must be in [0, 1]",
+            self.min_p,
+        )
+        _check(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            "must be in (0, 2]",
+            self.repetition_penalty,
+        )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2.0 <= value <= 2.0, name, "must be in [-2, 2]", value)
+        _check(
+            self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)", self.seed
+        )
+        for stop in self.stop:
+            _check(isinstance(stop, str) and stop != "", "stop", "entries must be non-empty", stop)
+        for token_id in self.stop_token_ids:
+            ok = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
+            _check(ok, "stop_token_ids", "entries must be valid token ids", token_id)
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _check(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field} {rule}, got {value!r}")

@@ -1,0 +1,98 @@
+"""Shared fixtures: a tiny random Llama (folder, loaded weights, HF reference), engines."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(2)
+
+from tiny_model import make_tiny_model_folder  # noqa: E402
+
+from shoal.api.engine import Engine  # noqa: E402
+from shoal.kernels.loader import LoadedModel, load_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_folder(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_folder: Path) -> LoadedModel:
+    return load_model(tiny_folder, progress=False)
+
+
+class Reference:
+    """Greedy continuations from transformers `generate(do_sample=False)`, memoized."""
+
+    def __init__(self, folder: Path, eos_token_ids: Sequence[int]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+        self.model.eval()
+        self.eos = list(eos_token_ids)
+        self.memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def greedy(
+        self, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False
+    ) -> list[int]:
+        key = (tuple(prompt), max_new_tokens, ignore_eos)
+        if key not in self.memo:
+            ids = torch.tensor([list(prompt)])
+            with torch.no_grad():
+                out = self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=None if ignore_eos else self.eos,
+                    pad_token_id=self.eos[0] if self.eos else 0,
+                )
+            new = out[0, ids.shape[1] :].tolist()
+            if not ignore_eos:
+                for i, t in enumerate(new):
+                    if t in self.eos:
+                        new = new[: i + 1]
+                        break
+            self.memo[key] = new
+        return self.memo[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_folder: Path, tiny_model: LoadedModel) -> Reference:
+    return Reference(tiny_folder, tiny_model.config.eos_token_ids)
+
+
+EngineFactory = Callable[..., Any]
+
+
+@pytest.fixture
+async def make_engine(tiny_model: LoadedModel) -> AsyncIterator[EngineFactory]:
+    """Start engines on the tiny model; after the test each must be idle with no leaks."""
+    engines: list[Engine] = []
+
+    async def make(model: LoadedModel | None = None, **options: Any) -> Engine:
+        options.setdefault("strict_integrity", True)
+        options.setdefault("seed", 0)
+        engine = await Engine(model or tiny_model, **options).start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        try:
+            if engine.dead_reason is None:
+                await engine.check_integrity()
+                stats = await engine.cache_stats()
+                assert stats["free_rows"] == stats["total_rows"]
+                assert stats["request_pages"] == 0 and stats["locked_pages"] == 0
+        finally:
+            await engine.close()
