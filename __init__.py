@@ -1,6 +1,6 @@
 """shoal: an LLM inference server in one Python process.
 
-    from shoal import Engine, SamplingParams
+from shoal import Engine, SamplingParams
 """
 
 from shoal.api.engine import Engine

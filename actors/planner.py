@@ -89,6 +89,7 @@ class Planner:
     errors: list[Output] = field(default_factory=list)
     pending_writes: list[RowWriteMsg] = field(default_factory=list)
     num_retractions: int = 0
+    stalled: bool = False  # the last plan changed nothing: wait for a result or a request
 
     # ---- questions ------------------------------------------------------------------------
 
@@ -120,6 +121,7 @@ class Planner:
         self.next_order += 1
         self.reqs[msg.rid] = req
         self.waiting.append(msg.rid)
+        self.stalled = False
 
     def abort(self, rid: str, reason: str, message: str) -> list[Output]:
         """End a request wherever it is. A "stop" (stop string matched) emits nothing."""
@@ -127,6 +129,7 @@ class Planner:
         if req is None or req.phase is Phase.FINISHING:
             return []
         out = [] if reason == "stop" else [Output(rid, (), "abort", message or "aborted")]
+        self.stalled = False
         if req.phase is Phase.WAITING:
             self.waiting.remove(rid)
             del self.reqs[rid]
@@ -157,6 +160,8 @@ class Planner:
     # ---- planning -------------------------------------------------------------------------
 
     def propose(self, step: int) -> PlanRequest | None:
+        if self.stalled:
+            return None
         releases = []
         for req in self.holding():
             done = req.phase in (Phase.FINISHING, Phase.RETRACTING)
@@ -193,6 +198,7 @@ class Planner:
     def apply_plan(self, plan: Plan) -> Launch | None:
         """Take the cache manager's answer; form the batch it allows (None if empty)."""
         self.plan_pending = False
+        retractions = self.num_retractions
         self.pending_writes.extend(plan.writes)
         for rid in plan.released:
             req = self.reqs[rid]
@@ -218,7 +224,10 @@ class Planner:
                 del self.reqs[rid]
                 self.released.append(rid)
                 self.errors.append(Output(rid, (), "error", "request does not fit in KV cache"))
-        return self._build_batch(set(plan.extended))
+        launch = self._build_batch(set(plan.extended))
+        changed = plan.released or plan.admitted or self.errors
+        self.stalled = launch is None and not changed and retractions == self.num_retractions
+        return launch
 
     def take_errors(self) -> list[Output]:
         done, self.errors = self.errors, []
@@ -290,6 +299,7 @@ class Planner:
 
     def process(self, done: StepDone) -> list[Output]:
         members = self.batches.pop(done.batch_id)
+        self.stalled = False
         if done.error is not None:
             for rid, _ in members:
                 self.reqs[rid].inflight -= 1

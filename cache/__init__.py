@@ -10,11 +10,11 @@ Files::
     kv.py      KVCache         the composition, one owner per page, Admission
 """
 
-from shoal.cache.kv import Admission, KVCache
-from shoal.cache.node import IntegrityError, Node
-from shoal.cache.pages import PageAllocator
-from shoal.cache.radix import RadixTree
-from shoal.cache.rows import RowTable, RowWrite
+from .kv import Admission, KVCache
+from .node import IntegrityError, Node
+from .pages import PageAllocator
+from .radix import RadixTree
+from .rows import RowTable, RowWrite
 
 __all__ = [
     "Admission",

@@ -13,11 +13,11 @@ Interface (what the engine's cache manager calls)::
 Page ownership of one live request's row (page_size 4, prompt of 11 tokens,
 reserve 14; the tree already held the first 8 tokens)::
 
-    positions  0..3    4..7    8..11   12..15
-    row       [ p7   | p3    | p12   | p13   ]
-               \\__ tree's, ___/ \\_ request's __/
-               locked via the node       own_pages: freed on release, or
-               matched at admit          given to the tree if inserted
+    positions    0..3    4..7    8..11   12..15
+    row        [ p7    | p3    | p12   | p13   ]     num_cached_tokens == 8
+                └── tree's ───┘ └── request's ──┘
+                matched at admit, own_pages: freed on release,
+                locked via node   or handed to the tree if inserted
 
 Every page has exactly one owner: the allocator's free list, the tree (evictable
 when its node's lock_ref is 0, locked otherwise), or one request. At all times::
@@ -38,10 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from shoal.cache.node import IntegrityError, Node, path_pages
-from shoal.cache.pages import PageAllocator
-from shoal.cache.radix import RadixTree
-from shoal.cache.rows import RowTable, RowWrite
+from .node import IntegrityError, Node, path_pages
+from .pages import PageAllocator
+from .radix import RadixTree
+from .rows import RowTable, RowWrite
 
 __all__ = ["Admission", "KVCache"]
 

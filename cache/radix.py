@@ -41,8 +41,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shoal.cache.lru import LazyHeap
-from shoal.cache.node import IntegrityError, Node, Tokens, node_problem, walk
+from .lru import LazyHeap
+from .node import IntegrityError, Node, Tokens, node_problem, walk
 
 __all__ = ["IntegrityError", "Node", "RadixTree"]
 

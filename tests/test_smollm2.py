@@ -8,8 +8,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import Reference
+
 from shoal.api.engine import Engine
 from shoal.kernels.loader import LoadedModel, load_model
 
@@ -59,8 +59,15 @@ async def test_chat_greedy_matches_transformers(smollm2: LoadedModel) -> None:
 def test_cli_generate_streams_from_the_bundled_model(smollm2: LoadedModel) -> None:
     began = time.perf_counter()
     run = subprocess.run(
-        [sys.executable, "-m", "shoal", "generate", "What is the capital of France?",
-         "--max-new-tokens", "16"],
+        [
+            sys.executable,
+            "-m",
+            "shoal",
+            "generate",
+            "What is the capital of France?",
+            "--max-new-tokens",
+            "16",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
