@@ -1,0 +1,242 @@
+"""The Engine facade: sampling, validation, stops, streaming, aborts and failures."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from conftest import EngineFactory, Reference
+
+from shoal import EngineDeadError, SamplingParams
+from shoal.actors.executor import DeviceState
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+async def test_seeded_sampling_is_the_same_whatever_the_batch(make_engine: EngineFactory) -> None:
+    engine = await make_engine(page_size=4)
+    target = prompt_ids(20, 1)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_new_tokens=16)
+
+    alone = await engine.generate(input_ids=target, sampling=sampling).result()
+    others = [
+        engine.generate(input_ids=prompt_ids(5 + 9 * i, 10 + i), max_new_tokens=20)
+        for i in range(5)
+    ]
+    crowded = engine.generate(input_ids=target, sampling=sampling)
+    more = [
+        engine.generate(input_ids=prompt_ids(30, 20 + i), temperature=1.0, max_new_tokens=9)
+        for i in range(3)
+    ]
+    results = await asyncio.gather(crowded.result(), *(s.result() for s in others + more))
+    assert results[0].token_ids == alone.token_ids
+    reseeded = await engine.generate(
+        input_ids=target,
+        sampling=SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_new_tokens=16),
+    ).result()
+    assert reseeded.token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"seed": -1}, "seed"),
+        ({"stop_token_ids": (10**9,)}, "stop_token_ids"),
+        ({"stop": ("",)}, "stop"),
+        ({"max_new_tokens": "many"}, "max_new_tokens"),
+    ],
+)
+async def test_bad_sampling_raises_before_anything_is_queued(
+    make_engine: EngineFactory, options: dict[str, object], field: str
+) -> None:
+    engine = await make_engine()
+    with pytest.raises(ValueError, match=field):
+        engine.generate(input_ids=[5, 6, 7], **options)
+    snap = await engine.snapshot()
+    assert snap["idle"] and not snap["waiting"]
+
+
+async def test_bad_inputs_end_the_stream_with_a_clear_error(make_engine: EngineFactory) -> None:
+    engine = await make_engine(context_length=64)
+    with pytest.raises(ValueError, match="context length"):
+        await engine.generate(input_ids=list(range(3, 60)), max_new_tokens=10).result()
+    with pytest.raises(ValueError, match="vocabulary"):
+        await engine.generate(input_ids=[5, 100_000]).result()
+    with pytest.raises(ValueError, match="empty"):
+        await engine.generate(input_ids=[]).result()
+    with pytest.raises(ValueError, match="exactly one"):
+        engine.generate("text", input_ids=[1])
+    with pytest.raises(TypeError, match="unknown sampling"):
+        engine.generate("text", temprature=0.5)
+    ok = await engine.generate(input_ids=[5, 6, 7], max_new_tokens=3).result()
+    assert len(ok.token_ids) <= 3
+
+
+async def test_stream_deltas_add_up_to_the_completion(make_engine: EngineFactory) -> None:
+    engine = await make_engine()
+    stream = engine.generate(
+        "Once upon a time", max_new_tokens=24, temperature=0.0, ignore_eos=True
+    )
+    deltas = [d async for d in stream]
+    done = await stream.result()
+    assert "".join(d.text for d in deltas) == done.text
+    assert tuple(t for d in deltas for t in d.token_ids) == done.token_ids
+    assert done.text == engine.tokenizer.decode(list(done.token_ids), skip_special_tokens=True)
+    assert done.finish_reason == "length" and done.usage.completion_tokens == 24
+
+
+async def test_stop_string_trims_the_text_and_ends_the_request(
+    make_engine: EngineFactory,
+) -> None:
+    engine = await make_engine()
+    full = await engine.generate(
+        "The quick", max_new_tokens=40, temperature=0.0, ignore_eos=True
+    ).result()
+    text = full.text
+    stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if text[i : i + 3].strip())
+    cut = await engine.generate(
+        "The quick", max_new_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]
+    ).result()
+    assert cut.finish_reason == "stop" and cut.matched_stop == stop
+    assert cut.text == text[: text.index(stop)]
+    assert len(cut.token_ids) < len(full.token_ids)
+
+
+async def test_stop_token_and_eos(make_engine: EngineFactory, tiny_reference: Reference) -> None:
+    engine = await make_engine()
+    prompt = prompt_ids(12, 3)
+    full = await engine.generate(
+        input_ids=prompt, max_new_tokens=10, temperature=0.0, ignore_eos=True
+    ).result()
+    token = full.token_ids[4]
+    first = full.token_ids.index(token)
+    cut = await engine.generate(
+        input_ids=prompt,
+        max_new_tokens=10,
+        temperature=0.0,
+        ignore_eos=True,
+        stop_token_ids=[token],
+    ).result()
+    assert cut.finish_reason == "stop" and cut.matched_stop == token
+    assert cut.token_ids == full.token_ids[: first + 1]
+    assert full.token_ids == tuple(tiny_reference.greedy(prompt, 10, ignore_eos=True))
+
+
+async def test_abort_mid_stream_and_by_leaving_the_block(make_engine: EngineFactory) -> None:
+    engine = await make_engine()
+    stream = engine.generate(input_ids=prompt_ids(30, 4), max_new_tokens=400, ignore_eos=True)
+    async for _ in stream:
+        stream.abort()
+    done = await stream.result()
+    assert done.finish_reason == "abort" and len(done.token_ids) < 400
+
+    async with engine.generate(
+        input_ids=prompt_ids(30, 5), max_new_tokens=400, ignore_eos=True
+    ) as second:
+        async for _ in second:
+            break
+    await engine.wait_idle()
+
+    third = engine.generate(input_ids=prompt_ids(30, 6), max_new_tokens=400, ignore_eos=True)
+    engine.abort(third.rid)
+    assert (await third.result()).finish_reason == "abort"
+
+
+async def test_cancelling_the_consumer_aborts_the_request(make_engine: EngineFactory) -> None:
+    engine = await make_engine()
+    stream = engine.generate(input_ids=prompt_ids(8, 7), max_new_tokens=400, ignore_eos=True)
+
+    async def consume() -> None:
+        async for _ in stream:
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await engine.wait_idle(timeout_s=10)
+
+
+async def test_duplicate_request_id_is_refused(make_engine: EngineFactory) -> None:
+    engine = await make_engine()
+    first = engine.generate(input_ids=[5, 6], max_new_tokens=50, ignore_eos=True, rid="same")
+    second = engine.generate(input_ids=[5, 6], max_new_tokens=5, rid="same")
+    with pytest.raises(ValueError, match="already in use"):
+        await second.result()
+    assert (await first.result()).finish_reason == "length"
+
+
+async def test_chat_messages_use_the_template(make_engine: EngineFactory) -> None:
+    engine = await make_engine()
+    messages = [{"role": "user", "content": "Hello there"}]
+    done = await engine.generate(messages=messages, max_new_tokens=5, temperature=0.0).result()
+    text = engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    assert done.usage.prompt_tokens == len(ids)
+    same = await engine.generate(input_ids=ids, max_new_tokens=5, temperature=0.0).result()
+    assert same.token_ids == done.token_ids
+    assert same.usage.cached_tokens > 0
+
+
+async def test_a_failing_forward_ends_requests_with_an_error_and_serving_goes_on(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = await make_engine()
+    real_step = DeviceState.step
+    calls = 0
+
+    def flaky(self: DeviceState, launch):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected device fault")
+        return real_step(self, launch)
+
+    monkeypatch.setattr(DeviceState, "step", flaky)
+    streams = [
+        engine.generate(input_ids=prompt_ids(10, i), max_new_tokens=30, ignore_eos=True)
+        for i in range(3)
+    ]
+    done = await asyncio.gather(*(s.result() for s in streams))
+    assert {d.finish_reason for d in done} == {"error"}
+    assert "injected device fault" in done[0].message
+    after = await engine.generate(input_ids=[5, 6, 7], max_new_tokens=4, ignore_eos=True).result()
+    assert after.finish_reason == "length"
+
+
+async def test_a_dead_actor_fails_every_open_request(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoal.actors.planner import Planner
+
+    engine = await make_engine()
+
+    def broken(self: Planner, done):  # type: ignore[no-untyped-def]
+        raise RuntimeError("scheduler bug")
+
+    streams = [
+        engine.generate(input_ids=prompt_ids(10, i), max_new_tokens=50, ignore_eos=True)
+        for i in range(3)
+    ]
+    monkeypatch.setattr(Planner, "process", broken)
+    for stream in streams:
+        with pytest.raises(EngineDeadError, match="scheduler"):
+            await asyncio.wait_for(stream.result(), timeout=10)
+    assert engine.dead_reason is not None
+    with pytest.raises(EngineDeadError):
+        engine.generate(input_ids=[5, 6])
