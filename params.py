@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+MAX_TOP_LOGPROBS = 20
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick each next token of one request.
@@ -13,6 +15,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
     Penalties follow the OpenAI meaning for frequency/presence (over generated tokens) and the
     Hugging Face meaning for repetition_penalty (over prompt and generated tokens).
+    logprobs / top_logprobs report the model's raw log-probabilities (before penalties and
+    temperature) of each chosen token and of its top alternatives.
     """
 
     max_new_tokens: int = 128
@@ -29,10 +33,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field."""
@@ -76,6 +86,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         )
         for stop in self.stop:
             _check(isinstance(stop, str) and stop != "", "stop", "entries must be non-empty", stop)
+        _check(
+            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            "top_logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+            self.top_logprobs,
+        )
         for token_id in self.stop_token_ids:
             ok = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
             _check(ok, "stop_token_ids", "entries must be valid token ids", token_id)

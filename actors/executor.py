@@ -19,12 +19,15 @@ import torch
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import ExecutorMsg, Launch, SchedulerMsg, Shutdown, StepDone
+from shoal.api.stream import TokenLogprob
 from shoal.kernels.attention import build_metadata
 from shoal.kernels.model import KVPool, LlamaModel
-from shoal.kernels.sampling import SamplingRow, sample
+from shoal.kernels.sampling import SamplingRow, compute_logprobs, sample
 from shoal.params import SamplingParams
 
 log = logging.getLogger("shoal.executor")
+
+StepResult = tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]]
 
 
 @dataclass
@@ -56,7 +59,7 @@ class DeviceState:
         self.last_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.rows: dict[int, RowState] = {}
 
-    def step(self, launch: Launch) -> tuple[int, ...]:
+    def step(self, launch: Launch) -> StepResult:
         device = self.model.device
         for w in launch.writes:
             pages = torch.tensor(w.pages, dtype=torch.int64, device=device)
@@ -106,7 +109,28 @@ class DeviceState:
         host = tuple(int(t) for t in next_tokens.tolist())
         for state, token in zip(states, host, strict=True):
             state.output_ids.append(token)
-        return host
+        return host, self.logprobs(logits, next_tokens, states, host)
+
+    @staticmethod
+    def logprobs(
+        logits: torch.Tensor,
+        next_tokens: torch.Tensor,
+        states: list[RowState],
+        host: tuple[int, ...],
+    ) -> tuple[TokenLogprob | None, ...]:
+        """Raw logprobs for the rows that asked for them; () when none did."""
+        want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
+        if not want:
+            return ()
+        index = torch.tensor(want, device=logits.device)
+        top_k = max(states[i].sampling.top_logprobs for i in want)
+        chosen, values, ids = compute_logprobs(logits[index], next_tokens[index], top_k)
+        out: list[TokenLogprob | None] = [None] * len(states)
+        for j, i in enumerate(want):
+            k = states[i].sampling.top_logprobs
+            top = tuple(zip(ids[j, :k].tolist(), values[j, :k].tolist(), strict=True))
+            out[i] = TokenLogprob(host[i], float(chosen[j]), top)
+        return tuple(out)
 
 
 class Executor:
@@ -128,7 +152,7 @@ class Executor:
             initializer=torch.set_flush_denormal,  # denormals slow x86 math ~2x
             initargs=(True,),
         )
-        running: set[Future[tuple[int, ...]]] = set()
+        running: set[Future[StepResult]] = set()
         try:
             while True:
                 match await self.mailbox.get():
@@ -146,13 +170,13 @@ class Executor:
             worker.shutdown(wait=False, cancel_futures=True)
 
     def _post(
-        self, loop: asyncio.AbstractEventLoop, batch_id: int, done: Future[tuple[int, ...]]
+        self, loop: asyncio.AbstractEventLoop, batch_id: int, done: Future[StepResult]
     ) -> None:
         """Runs on the worker thread: hand the result to the event loop."""
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
             loop.call_soon_threadsafe(self._finished, batch_id, done)
 
-    def _finished(self, batch_id: int, done: Future[tuple[int, ...]]) -> None:
+    def _finished(self, batch_id: int, done: Future[StepResult]) -> None:
         if done.cancelled():
             return
         error = done.exception()
@@ -160,4 +184,5 @@ class Executor:
             log.exception("forward of batch %d failed", batch_id, exc_info=error)
             self.scheduler.put(StepDone(batch_id, (), error=repr(error)))
         else:
-            self.scheduler.put(StepDone(batch_id, done.result()))
+            tokens, logprobs = done.result()
+            self.scheduler.put(StepDone(batch_id, tokens, logprobs=logprobs))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from shoal.api.stream import TokenLogprob
 from shoal.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class Output(msgspec.Struct, frozen=True):
     message: str = ""
     matched_token: int | None = None
     num_cached_tokens: int | None = None  # sent once, with the first output of a request
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Outputs(msgspec.Struct, frozen=True, tag=True):
@@ -108,6 +110,7 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
     batch_id: int
     next_tokens: tuple[int, ...]  # one per sampling sequence, in batch order
     error: str | None = None
+    logprobs: tuple[TokenLogprob | None, ...] = ()  # parallel to next_tokens, when any asked
 
 
 class Snapshot(msgspec.Struct, frozen=True, tag=True):

@@ -306,12 +306,13 @@ class Planner:
             return self.fail_all(f"forward failed: {done.error}")
         outputs = []
         tokens = iter(done.next_tokens)
+        logprobs = iter(done.logprobs or (None,) * len(done.next_tokens))
         for rid, samples in members:
             req = self.reqs[rid]
             req.inflight -= 1
             if not samples:
                 continue
-            token = next(tokens)
+            token, logprob = next(tokens), next(logprobs)
             req.pending -= 1
             if req.phase is Phase.FINISHING:
                 continue  # launched before its finish was known: discard
@@ -325,6 +326,7 @@ class Planner:
                     finish,
                     num_cached_tokens=cached,
                     matched_token=token if finish == "stop" else None,
+                    logprobs=None if logprob is None else (logprob,),
                 )
             )
             if finish is not None:

@@ -25,7 +25,7 @@ from shoal.actors.messages import (
     TokenizerMsg,
 )
 from shoal.actors.stops import StopMatcher
-from shoal.api.stream import Completion, Delta, RequestStream, Usage
+from shoal.api.stream import Completion, Delta, RequestStream, TokenLogprob, Usage
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Live:
     output_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Tokenizer:
@@ -115,7 +116,9 @@ class Tokenizer:
         sampling = gen.sampling
         seed = sampling.seed if sampling.seed is not None else self.rng.getrandbits(63)
         detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.skip_special_tokens)
-        self.live[gen.rid] = Live(gen.stream, detok, StopMatcher(sampling.stop), len(ids))
+        live = Live(gen.stream, detok, StopMatcher(sampling.stop), len(ids))
+        live.logprobs = [] if sampling.wants_logprobs else None
+        self.live[gen.rid] = live
         self.held.add(gen.rid)
         self.scheduler.put(Admit(gen.rid, tuple(ids), sampling, seed))
 
@@ -134,9 +137,11 @@ class Tokenizer:
         emit, matched = live.stops.push(text) if text else ("", None)
         if matched is None and item.finish is not None:
             emit += live.stops.flush()
+        if item.logprobs is not None and live.logprobs is not None:
+            live.logprobs.extend(item.logprobs)
         if emit or item.token_ids:
             live.text.append(emit)
-            live.stream.push(Delta(emit, item.token_ids))
+            live.stream.push(Delta(emit, item.token_ids, item.logprobs))
         if matched is not None:
             self.scheduler.put(Abort(item.rid, reason="stop"))
             self.end(item.rid, "stop", matched)
@@ -146,8 +151,16 @@ class Tokenizer:
     def end(self, rid: str, reason: str, matched: str | int | None, message: str = "") -> None:
         live = self.live.pop(rid)
         usage = Usage(live.num_prompt, len(live.output_ids), live.num_cached_tokens)
+        logprobs = tuple(live.logprobs) if live.logprobs is not None else None
         completion = Completion(
-            rid, "".join(live.text), tuple(live.output_ids), reason, usage, matched, message
+            rid,
+            "".join(live.text),
+            tuple(live.output_ids),
+            reason,
+            usage,
+            matched,
+            message,
+            logprobs,
         )
         live.stream.finish(completion)
 

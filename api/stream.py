@@ -19,9 +19,18 @@ class Usage(msgspec.Struct, frozen=True):
         return self.prompt_tokens + self.completion_tokens
 
 
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """The raw log-probability of a chosen token, and its most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class Delta(msgspec.Struct, frozen=True):
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when asked for
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -32,6 +41,7 @@ class Completion(msgspec.Struct, frozen=True):
     usage: Usage
     matched_stop: str | int | None = None  # the stop string or stop token that ended it
     message: str = ""
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class EngineDeadError(RuntimeError):

@@ -96,10 +96,18 @@ def sample(
     return next_tokens.index_put((sampled_index,), race.argmax(dim=-1))
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Log-probability of token_ids [B] under the raw (unprocessed) logits [B, V]: float32 [B]."""
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_k: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw log-probabilities (before penalties and temperature) from logits [B, V].
+
+    Returns the log-probability of each token_ids[b] (float32 [B]) and the top_k most likely
+    tokens per row, values and ids ([B, top_k], most likely first; [B, 0] when top_k is 0).
+    """
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
+    chosen = logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
+    values, ids = logprobs.topk(top_k, dim=-1) if top_k > 0 else (logprobs[:, :0],) * 2
+    return chosen, values, ids.long()
 
 
 def _has_penalty(params: SamplingParams) -> bool:

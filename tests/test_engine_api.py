@@ -240,3 +240,30 @@ async def test_a_dead_actor_fails_every_open_request(
     assert engine.dead_reason is not None
     with pytest.raises(EngineDeadError):
         engine.generate(input_ids=[5, 6])
+
+
+async def test_logprobs_are_the_models_raw_log_probabilities(
+    make_engine: EngineFactory, tiny_reference: Reference
+) -> None:
+    import torch
+
+    engine = await make_engine()
+    prompt = prompt_ids(9, 8)
+    stream = engine.generate(
+        input_ids=prompt, max_new_tokens=4, temperature=0.0, ignore_eos=True, top_logprobs=3
+    )
+    deltas = [d async for d in stream]
+    done = await stream.result()
+    assert done.logprobs is not None and len(done.logprobs) == 4
+    assert tuple(lp for d in deltas for lp in d.logprobs or ()) == done.logprobs
+    ids = torch.tensor([prompt + list(done.token_ids)])
+    with torch.no_grad():
+        logits = tiny_reference.model(ids).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for step, lp in enumerate(done.logprobs):
+        assert lp.token_id == done.token_ids[step]
+        assert abs(lp.logprob - float(expected[step, lp.token_id])) < 1e-4
+        assert [t for t, _ in lp.top] == expected[step].topk(3).indices.tolist()
+        assert lp.top[0][0] == lp.token_id  # greedy picks the most likely
+    plain = await engine.generate(input_ids=prompt, max_new_tokens=2).result()
+    assert plain.logprobs is None

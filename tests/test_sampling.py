@@ -250,5 +250,10 @@ def test_top_k_ties_same_on_both_paths() -> None:
 def test_empty_batch_and_logprobs() -> None:
     assert sample(torch.zeros(0, 8), []).shape == (0,)
     logits = torch.tensor([[0.0, math.log(3.0)]])
-    logprobs = compute_logprobs(logits, torch.tensor([1]))
-    assert torch.allclose(logprobs, torch.tensor([math.log(0.75)]))
+    chosen, values, ids = compute_logprobs(logits, torch.tensor([1]))
+    assert torch.allclose(chosen, torch.tensor([math.log(0.75)]))
+    assert values.shape == ids.shape == (1, 0)
+    chosen, values, ids = compute_logprobs(logits, torch.tensor([0]), top_k=2)
+    assert torch.allclose(chosen, torch.tensor([math.log(0.25)]))
+    assert ids.tolist() == [[1, 0]]
+    assert torch.allclose(values, torch.tensor([[math.log(0.75), math.log(0.25)]]))
