@@ -18,9 +18,18 @@ from functools import partial
 import torch
 
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import ExecutorMsg, Launch, SchedulerMsg, Shutdown, StepDone
+from shoal.actors.messages import (
+    ExecutorMsg,
+    Launch,
+    LoadWeights,
+    SchedulerMsg,
+    Shutdown,
+    StepDone,
+)
 from shoal.api.stream import TokenLogprob
 from shoal.kernels.attention import build_metadata
+from shoal.kernels.config import ModelConfig
+from shoal.kernels.loader import load_weights, read_model_config, resolve_model_folder
 from shoal.kernels.model import KVPool, LlamaModel
 from shoal.kernels.sampling import SamplingRow, compute_logprobs, sample
 from shoal.params import SamplingParams
@@ -58,6 +67,24 @@ class DeviceState:
         self.page_table = torch.zeros(num_rows, max_pages_per_row, dtype=torch.int64, device=device)
         self.last_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.rows: dict[int, RowState] = {}
+
+    def load_weights(self, model_path: str) -> str | None:
+        """Swap in a same-architecture checkpoint; None, or why it was refused (old weights
+        stay). Runs on the worker, so it is ordered with every forward."""
+        config = self.model.config
+        try:
+            folder = resolve_model_folder(model_path, progress=False)
+            other = read_model_config(folder)
+            if _shape_of(other) != _shape_of(config):
+                return (
+                    f"checkpoint {model_path} has a different architecture: "
+                    f"{_shape_of(other)} instead of {_shape_of(config)}"
+                )
+            weights = load_weights(folder, config, dtype=self.model.dtype)
+            self.model.load(weights)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            return f"could not load {model_path}: {exc}"
+        return None
 
     def step(self, launch: Launch) -> StepResult:
         device = self.model.device
@@ -133,6 +160,21 @@ class DeviceState:
         return tuple(out)
 
 
+def _shape_of(config: ModelConfig) -> dict[str, int | bool]:
+    names = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "attention_bias",
+    )
+    return {name: getattr(config, name) for name in names}
+
+
 class Executor:
     def __init__(
         self,
@@ -161,6 +203,11 @@ class Executor:
                         running.add(done)
                         done.add_done_callback(running.discard)
                         done.add_done_callback(partial(self._post, loop, launch.batch_id))
+                    case LoadWeights(model_path=model_path, reply=reply):
+                        loading = worker.submit(self.state.load_weights, model_path)
+                        error = await asyncio.wrap_future(loading)
+                        if not reply.done():
+                            reply.set_result(error)
                     case Shutdown():
                         # Let launched forwards finish: they write into the KV pool.
                         pending = [asyncio.wrap_future(f) for f in running]

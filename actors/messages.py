@@ -75,7 +75,23 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-TokenizerMsg = Generate | Abort | Outputs | Released | Shutdown
+class UpdateWeights(msgspec.Struct, frozen=True, tag=True):
+    """Take the writer lock, load the checkpoint, flush the prefix cache, bump the version."""
+
+    model_path: str
+    abort_all: bool
+    weight_version: int | None
+    reply: asyncio.Future[Any]
+
+
+class Pause(msgspec.Struct, frozen=True, tag=True):
+    paused: bool
+
+
+class WriteDone(msgspec.Struct, frozen=True, tag=True):
+    """The writer's work finished (posted by the tokenizer's own write task)."""
+
+    error: str | None
 
 
 # ---- into the scheduler -------------------------------------------------------------------
@@ -117,7 +133,64 @@ class Snapshot(msgspec.Struct, frozen=True, tag=True):
     reply: asyncio.Future[Any]
 
 
-SchedulerMsg = Admit | Abort | Plan | StepDone | Snapshot | Shutdown
+class FlushWhenIdle(msgspec.Struct, frozen=True, tag=True):
+    """Empty the prefix cache once the engine is idle; refuse if not idle by the deadline."""
+
+    flush_id: int
+    timeout_s: float
+    reply: asyncio.Future[Any]
+
+
+class FlushDeadline(msgspec.Struct, frozen=True, tag=True):
+    flush_id: int
+
+
+class SetPaused(msgspec.Struct, frozen=True, tag=True):
+    """Pause: nothing new is scheduled, running requests keep their KV. False continues."""
+
+    paused: bool
+
+
+class Park(msgspec.Struct, frozen=True, tag=True):
+    """Retract every request, dropping its KV; answer when no request holds anything and no
+    batch is in flight. Used by a weight update during a pause."""
+
+    reply: asyncio.Future[Any]
+
+
+class Gate(msgspec.Struct, frozen=True, tag=True):
+    """Test stepping: hold=True stops planning and result processing until told to go on."""
+
+    hold: bool
+
+
+class Advance(msgspec.Struct, frozen=True, tag=True):
+    """While held: plan and launch one step; the reply is the launched batch id or None."""
+
+    reply: asyncio.Future[Any]
+
+
+class Deliver(msgspec.Struct, frozen=True, tag=True):
+    """While held: process the oldest result (waiting for one); the reply is its batch id."""
+
+    reply: asyncio.Future[Any]
+
+
+SchedulerMsg = (
+    Admit
+    | Abort
+    | Plan
+    | StepDone
+    | Snapshot
+    | FlushWhenIdle
+    | FlushDeadline
+    | SetPaused
+    | Park
+    | Gate
+    | Advance
+    | Deliver
+    | Shutdown
+)
 
 
 # ---- into the cache manager ---------------------------------------------------------------
@@ -193,4 +266,28 @@ class Launch(msgspec.Struct, frozen=True, tag=True):
     seqs: tuple[SeqChunk, ...]
 
 
-ExecutorMsg = Launch | Shutdown
+class LoadWeights(msgspec.Struct, frozen=True, tag=True):
+    """Swap in a checkpoint of the same architecture (only sent while nothing is in flight).
+    The reply is None on success or the reason it was refused (old weights stay)."""
+
+    model_path: str
+    reply: asyncio.Future[Any]
+
+
+ExecutorMsg = Launch | LoadWeights | Shutdown
+
+
+# Control messages from the API pass through the tokenizer, so they keep their order with
+# the requests sent before them (an Advance never overtakes the Generate it follows).
+SchedulerControl = Snapshot | FlushWhenIdle | Gate | Advance | Deliver
+TokenizerMsg = (
+    Generate
+    | Abort
+    | Outputs
+    | Released
+    | UpdateWeights
+    | Pause
+    | WriteDone
+    | SchedulerControl
+    | Shutdown
+)

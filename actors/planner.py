@@ -90,12 +90,19 @@ class Planner:
     pending_writes: list[RowWriteMsg] = field(default_factory=list)
     num_retractions: int = 0
     stalled: bool = False  # the last plan changed nothing: wait for a result or a request
+    paused: bool = False  # schedule nothing new; only releases go on
 
     # ---- questions ------------------------------------------------------------------------
 
     @property
     def idle(self) -> bool:
+        """Law 1: no request anywhere, no batch in flight, no plan outstanding."""
         return not self.reqs and not self.batches and not self.plan_pending
+
+    @property
+    def parked(self) -> bool:
+        """No request holds a row or pages and nothing is in flight (requests may wait)."""
+        return not self.holding() and not self.batches and not self.plan_pending
 
     def holding(self) -> list[Req]:
         return [r for r in self.reqs.values() if r.row is not None]
@@ -107,7 +114,10 @@ class Planner:
         return {
             **phases,
             "launched_batches": {b: [rid for rid, _ in seqs] for b, seqs in self.batches.items()},
+            "rows": {r.rid: r.row for r in self.reqs.values() if r.row is not None},
+            "progress": {r.rid: r.num_launched for r in self.reqs.values()},
             "plan_pending": self.plan_pending,
+            "paused": self.paused,
             "num_retractions": self.num_retractions,
             "idle": self.idle,
         }
@@ -153,6 +163,18 @@ class Planner:
                 req.phase = Phase.FINISHING
         return out
 
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        self.stalled = False
+
+    def park_all(self) -> None:
+        """Retract every request that holds KV, dropping it (weights are about to change)."""
+        for req in self.holding():
+            req.drop_kv = True
+            if req.phase in (Phase.RUNNING, Phase.PREFILL):
+                req.phase = Phase.RETRACTING
+        self.stalled = False
+
     def take_released(self) -> list[str]:
         done, self.released = self.released, []
         return done
@@ -169,6 +191,11 @@ class Planner:
                 req.release_sent = True
                 computed = None if req.drop_kv else tuple(req.tokens[: req.num_launched])
                 releases.append(ReleaseReq(req.rid, computed))
+        if self.paused:
+            if not releases:
+                return None
+            self.plan_pending = True
+            return PlanRequest(step, tuple(releases), (), ())
         extends = [
             ExtendReq(r.rid, r.num_launched + 1) for r in self.holding() if self._wants_decode(r)
         ]
@@ -224,7 +251,7 @@ class Planner:
                 del self.reqs[rid]
                 self.released.append(rid)
                 self.errors.append(Output(rid, (), "error", "request does not fit in KV cache"))
-        launch = self._build_batch(set(plan.extended))
+        launch = None if self.paused else self._build_batch(set(plan.extended))
         changed = plan.released or plan.admitted or self.errors
         self.stalled = launch is None and not changed and retractions == self.num_retractions
         return launch
@@ -291,7 +318,7 @@ class Planner:
 
     def _requeue(self, req: Req) -> None:
         req.phase, req.row, req.release_sent = Phase.WAITING, None, False
-        req.num_launched = 0
+        req.num_launched, req.drop_kv = 0, False
         position = sum(1 for rid in self.waiting if self.reqs[rid].order < req.order)
         self.waiting.insert(position, req.rid)
 

@@ -3,23 +3,39 @@
 One step is one round trip: PlanRequest → cache manager → Plan → Launch → executor →
 StepDone. Up to `max_inflight` launches are outstanding at once, so the results of step N
 are processed while step N+1 runs.
+
+Operations that need the engine idle (a cache flush) or quiet (a weight update during a
+pause) are deferred here until the planner says so — never asserted (law 5). Because the
+cache manager's mailbox is FIFO, a flush sent while idle lands before any later admission.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     Abort,
     Admit,
+    Advance,
     CacheMsg,
     CheckIntegrity,
+    Deliver,
     ExecutorMsg,
+    FlushCache,
+    FlushDeadline,
+    FlushWhenIdle,
+    Gate,
     Outputs,
+    Park,
     Plan,
     Released,
     SchedulerMsg,
+    SetPaused,
     Shutdown,
     Snapshot,
     StepDone,
@@ -28,6 +44,18 @@ from shoal.actors.messages import (
 from shoal.actors.planner import Planner
 
 log = logging.getLogger("shoal.scheduler")
+
+
+@dataclass
+class StepGate:
+    """Test stepping. While held, a plan is made only per Advance, a result processed only
+    per Deliver; results that arrive meanwhile wait in `results`."""
+
+    held: bool = False
+    advances: deque[asyncio.Future[Any]] = field(default_factory=deque)
+    planning: asyncio.Future[Any] | None = None
+    delivers: deque[asyncio.Future[Any]] = field(default_factory=deque)
+    results: deque[StepDone] = field(default_factory=deque)
 
 
 class Scheduler:
@@ -49,47 +77,129 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.step = 0
         self.was_idle = True
+        self.gate = StepGate()
+        self.flushes: dict[int, tuple[asyncio.Future[Any], asyncio.TimerHandle]] = {}
+        self.parks: list[asyncio.Future[Any]] = []
 
     async def run(self) -> None:
-        planner = self.planner
         while True:
-            outputs = []
-            match await self.mailbox.get():
-                case Admit() as admit:
-                    planner.add(admit)
-                case Abort(rid=rid, reason=reason, message=message):
-                    outputs = planner.abort(rid, reason, message)
-                case Plan() as plan:
-                    launch = planner.apply_plan(plan)
-                    outputs = planner.take_errors()
-                    if launch is not None:
-                        self.executor.put(launch)
-                case StepDone() as done:
-                    outputs = planner.process(done)
-                case Snapshot(reply=reply):
-                    if not reply.done():
-                        reply.set_result(planner.snapshot())
-                case Shutdown():
-                    return
-            if outputs:
-                self.tokenizer.put(Outputs(tuple(outputs)))
-            released = planner.take_released()
-            if released:
-                self.tokenizer.put(Released(tuple(released)))
+            msg = await self.mailbox.get()
+            if isinstance(msg, Shutdown):
+                return
+            self.handle(msg)
+            self._pump_gate()
             self._maybe_plan()
-            self._check_when_idle()
+            self._when_quiet()
+
+    def handle(self, msg: SchedulerMsg) -> None:
+        planner = self.planner
+        match msg:
+            case Admit() as admit:
+                planner.add(admit)
+            case Abort(rid=rid, reason=reason, message=message):
+                self._send(planner.abort(rid, reason, message))
+            case Plan() as plan:
+                launch = planner.apply_plan(plan)
+                self._send(planner.take_errors())
+                if launch is not None:
+                    self.executor.put(launch)
+                if self.gate.planning is not None:
+                    _answer(self.gate.planning, launch.batch_id if launch else None)
+                    self.gate.planning = None
+            case StepDone() as done:
+                if self.gate.held:
+                    self.gate.results.append(done)
+                else:
+                    self._send(planner.process(done))
+            case Snapshot(reply=reply):
+                snap = planner.snapshot()
+                snap["held_results"] = [d.batch_id for d in self.gate.results]
+                _answer(reply, snap)
+            case FlushWhenIdle(flush_id=flush_id, timeout_s=timeout_s, reply=reply):
+                loop = asyncio.get_running_loop()
+                timer = loop.call_later(timeout_s, self.mailbox.put, FlushDeadline(flush_id))
+                self.flushes[flush_id] = (reply, timer)
+            case FlushDeadline(flush_id=flush_id):
+                if flush_id in self.flushes:
+                    reply, _ = self.flushes.pop(flush_id)
+                    _answer(
+                        reply,
+                        f"not flushed: the engine did not become idle in time "
+                        f"({self._busy_summary()})",
+                    )
+            case SetPaused(paused=paused):
+                planner.set_paused(paused)
+            case Park(reply=reply):
+                planner.park_all()
+                self.parks.append(reply)
+            case Gate(hold=hold):
+                self.gate.held = hold
+                if not hold:
+                    for done in self.gate.results:
+                        self._send(planner.process(done))
+                    self.gate.results.clear()
+            case Advance(reply=reply):
+                self.gate.advances.append(reply)
+            case Deliver(reply=reply):
+                self.gate.delivers.append(reply)
+
+    def _send(self, outputs: list[Any]) -> None:
+        if outputs:
+            self.tokenizer.put(Outputs(tuple(outputs)))
+        released = self.planner.take_released()
+        if released:
+            self.tokenizer.put(Released(tuple(released)))
+
+    def _pump_gate(self) -> None:
+        gate = self.gate
+        while gate.delivers and gate.results:
+            done = gate.results.popleft()
+            self._send(self.planner.process(done))
+            _answer(gate.delivers.popleft(), done.batch_id)
 
     def _maybe_plan(self) -> None:
         planner = self.planner
-        if planner.plan_pending or len(planner.batches) >= self.max_inflight:
+        if planner.plan_pending:
+            return
+        gate = self.gate
+        if gate.held and (not gate.advances or gate.planning is not None):
+            return
+        if len(planner.batches) >= self.max_inflight:
+            if gate.held:
+                _answer(gate.advances.popleft(), None)  # the pipeline is full
             return
         request = planner.propose(self.step)
         if request is not None:
             self.step += 1
             self.cache.put(request)
+            if self.gate.held:
+                self.gate.planning = self.gate.advances.popleft()
+        elif self.gate.held:
+            _answer(self.gate.advances.popleft(), None)
 
-    def _check_when_idle(self) -> None:
-        idle = self.planner.idle
+    def _when_quiet(self) -> None:
+        """Serve deferred operations; run the integrity self-check on becoming idle."""
+        planner = self.planner
+        if self.parks and planner.parked:
+            for reply in self.parks:
+                _answer(reply, None)
+            self.parks.clear()
+        idle = planner.idle
+        if idle and self.flushes:
+            for reply, timer in self.flushes.values():
+                timer.cancel()
+                self.cache.put(FlushCache(reply))
+            self.flushes.clear()
         if idle and not self.was_idle:
             self.cache.put(CheckIntegrity())
         self.was_idle = idle
+
+    def _busy_summary(self) -> str:
+        snap = self.planner.snapshot()
+        counts = {k: len(v) for k, v in snap.items() if isinstance(v, list) and v}
+        return ", ".join(f"{n} {k}" for k, n in counts.items()) or "a batch in flight"
+
+
+def _answer(reply: asyncio.Future[Any], value: Any) -> None:
+    if not reply.done():
+        reply.set_result(value)

@@ -7,6 +7,7 @@ incrementally, applies stop strings, feeds each caller's stream, and ends it wit
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,15 +17,30 @@ from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     Abort,
     Admit,
+    Advance,
+    CacheMsg,
+    Deliver,
+    ExecutorMsg,
+    FlushCache,
+    FlushWhenIdle,
+    Gate,
     Generate,
+    LoadWeights,
     Output,
     Outputs,
+    Park,
+    Pause,
     Released,
     SchedulerMsg,
+    SetPaused,
     Shutdown,
+    Snapshot,
     TokenizerMsg,
+    UpdateWeights,
+    WriteDone,
 )
 from shoal.actors.stops import StopMatcher
+from shoal.actors.update_lock import UpdateLock
 from shoal.api.stream import Completion, Delta, RequestStream, TokenLogprob, Usage
 
 
@@ -38,6 +54,7 @@ class Live:
     text: list[str] = field(default_factory=list)
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    weight_version: int = 0
 
 
 class Tokenizer:
@@ -48,6 +65,8 @@ class Tokenizer:
         vocab_size: int,
         mailbox: Mailbox[TokenizerMsg],
         scheduler: Mailbox[SchedulerMsg],
+        cache: Mailbox[CacheMsg],
+        executor: Mailbox[ExecutorMsg],
         seed: int | None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -55,25 +74,88 @@ class Tokenizer:
         self.vocab_size = vocab_size
         self.mailbox = mailbox
         self.scheduler = scheduler
+        self.cache = cache
+        self.executor = executor
         self.rng = random.Random(seed)
         self.live: dict[str, Live] = {}
-        self.held: set[str] = set()  # admitted and not yet confirmed released (law 2)
+        self.lock = UpdateLock()
+        self.paused = False
+        self.writing: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         while True:
             match await self.mailbox.get():
                 case Generate() as gen:
-                    self.admit(gen)
+                    if self.lock.writing:
+                        self.lock.queued.append(gen)
+                    else:
+                        self.admit(gen)
                 case Abort(rid=rid) as abort:
                     if rid in self.live:
                         self.scheduler.put(abort)
+                    else:
+                        self.abort_queued(rid, abort.message)
                 case Outputs(items=items):
                     for item in items:
                         self.deliver(item)
                 case Released(rids=rids):
-                    self.held.difference_update(rids)
+                    self.lock.readers.difference_update(rids)
+                case UpdateWeights() as update:
+                    self.lock.writers.append(update)
+                    if update.abort_all:
+                        for rid in self.live:
+                            self.scheduler.put(Abort(rid, "abort", "aborted for a weight update"))
+                case Pause(paused=paused):
+                    self.paused = paused
+                    self.scheduler.put(SetPaused(paused))
+                case WriteDone(error=error):
+                    writer = self.lock.finish(error is None)
+                    message = error or f"weights loaded from {writer.model_path}"
+                    _answer(writer.reply, (error is None, message, self.lock.version))
+                    for gen in self.lock.release_queue():
+                        self.admit(gen)
+                case Snapshot() | FlushWhenIdle() | Gate() | Advance() | Deliver() as control:
+                    self.scheduler.put(control)
                 case Shutdown():
+                    if self.writing is not None:
+                        self.writing.cancel()
                     return
+            self.maybe_write()
+
+    # ---- weight updates (the writer side of the lock) -------------------------------------
+
+    def maybe_write(self) -> None:
+        start = self.lock.next_writer(self.paused)
+        if start is not None:
+            writer, park = start
+            self.writing = asyncio.create_task(self.write(writer, park))
+
+    async def write(self, writer: UpdateWeights, park: bool) -> None:
+        """Park (if paused), load, flush; report back through the mailbox."""
+        loop = asyncio.get_running_loop()
+        error: str | None = None
+        try:
+            if park:
+                parked: asyncio.Future[Any] = loop.create_future()
+                self.scheduler.put(Park(parked))
+                await parked
+            loaded: asyncio.Future[Any] = loop.create_future()
+            self.executor.put(LoadWeights(writer.model_path, loaded))
+            error = await loaded
+            if error is None:
+                flushed: asyncio.Future[Any] = loop.create_future()
+                self.cache.put(FlushCache(flushed))
+                error = await flushed
+        finally:
+            self.mailbox.put(WriteDone(error))
+
+    def abort_queued(self, rid: str, message: str) -> None:
+        for gen in self.lock.queued:
+            if gen.rid == rid:
+                self.lock.queued.remove(gen)
+                usage = Usage(0, 0, 0)
+                gen.stream.finish(Completion(rid, "", (), "abort", usage, None, message))
+                return
 
     # ---- in --------------------------------------------------------------------------------
 
@@ -105,7 +187,7 @@ class Tokenizer:
         return ids
 
     def admit(self, gen: Generate) -> None:
-        if gen.rid in self.live or gen.rid in self.held:
+        if gen.rid in self.live or gen.rid in self.lock.readers:
             gen.stream.fail(ValueError(f"request id {gen.rid!r} is already in use"))
             return
         try:
@@ -118,8 +200,9 @@ class Tokenizer:
         detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.skip_special_tokens)
         live = Live(gen.stream, detok, StopMatcher(sampling.stop), len(ids))
         live.logprobs = [] if sampling.wants_logprobs else None
+        live.weight_version = self.lock.version
         self.live[gen.rid] = live
-        self.held.add(gen.rid)
+        self.lock.readers.add(gen.rid)
         self.scheduler.put(Admit(gen.rid, tuple(ids), sampling, seed))
 
     # ---- out -------------------------------------------------------------------------------
@@ -161,6 +244,7 @@ class Tokenizer:
             matched,
             message,
             logprobs,
+            live.weight_version,
         )
         live.stream.finish(completion)
 
@@ -168,3 +252,14 @@ class Tokenizer:
         for live in self.live.values():
             live.stream.fail(error)
         self.live.clear()
+        for gen in self.lock.queued:
+            gen.stream.fail(error)
+        self.lock.queued.clear()
+        for writer in (self.lock.active, *self.lock.writers):
+            if writer is not None:
+                _answer(writer.reply, (False, str(error), self.lock.version))
+
+
+def _answer(reply: asyncio.Future[Any], value: Any) -> None:
+    if not reply.done():
+        reply.set_result(value)

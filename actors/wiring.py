@@ -121,6 +121,8 @@ def start_actors(
         config.vocab_size,
         tokenizer_box,
         scheduler_box,
+        cache_box,
+        executor_box,
         options.seed,
     )
     actors = Actors(tokenizer_box, scheduler_box, cache_box, executor_box, tokenizer)

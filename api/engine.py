@@ -19,7 +19,19 @@ from typing import Any
 import msgspec
 import torch
 
-from shoal.actors.messages import Abort, CacheStats, CheckIntegrity, Generate, Snapshot
+from shoal.actors.messages import (
+    Abort,
+    Advance,
+    CacheStats,
+    CheckIntegrity,
+    Deliver,
+    FlushWhenIdle,
+    Gate,
+    Generate,
+    Pause,
+    Snapshot,
+    UpdateWeights,
+)
 from shoal.actors.wiring import Actors, start_actors
 from shoal.api.stream import EngineDeadError, RequestStream
 from shoal.config import DTYPES, EngineOptions, Resolved, resolve
@@ -27,6 +39,17 @@ from shoal.kernels.loader import LoadedModel, load_model
 from shoal.params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+class UpdateResult(msgspec.Struct, frozen=True):
+    success: bool
+    message: str
+    weight_version: int
+
+
+class FlushResult(msgspec.Struct, frozen=True):
+    success: bool
+    message: str
 
 
 class Engine:
@@ -130,12 +153,77 @@ class Engine:
         if self._actors is not None and not self._actors.stopping:
             self._actors.tokenizer_box.put(Abort(rid, "abort", message))
 
+    # ---- lifecycle operations (DESIGN.md, "Model updates and cache flush") -----------------
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str | Path,
+        abort_all_requests: bool = False,
+        weight_version: int | None = None,
+    ) -> UpdateResult:
+        """Load a same-architecture checkpoint under the writer lock, then flush the prefix
+        cache. New requests wait meanwhile; in-flight ones finish first (or are aborted with
+        abort_all_requests; or, while paused, are parked and continue on the new weights).
+        A bad checkpoint leaves the old weights serving: success False and the reason."""
+        reply = self._future()
+        self.actors.tokenizer_box.put(
+            UpdateWeights(str(model_path), abort_all_requests, weight_version, reply)
+        )
+        success, message, version = await reply
+        return UpdateResult(success, message, version)
+
+    async def flush_cache(self, timeout_s: float = 30.0) -> FlushResult:
+        """Empty the prefix cache once the engine is idle (law 1), waiting up to timeout_s;
+        if it does not become idle in time, refuse and change nothing."""
+        reply = self._future()
+        self.actors.tokenizer_box.put(FlushWhenIdle(next(self._ids), timeout_s, reply))
+        error = await reply
+        return FlushResult(error is None, error or "prefix cache flushed")
+
+    def pause_generation(self) -> None:
+        """New requests queue; running ones stop being scheduled and keep their KV."""
+        self.actors.tokenizer_box.put(Pause(True))
+
+    def continue_generation(self) -> None:
+        self.actors.tokenizer_box.put(Pause(False))
+
+    @property
+    def weight_version(self) -> int:
+        return self.actors.tokenizer.lock.version
+
+    # ---- stepping, for deterministic tests ------------------------------------------------
+
+    def hold(self) -> None:
+        """Stop the scheduler between steps: nothing is planned or processed until
+        `advance()` / `deliver()`; `release()` lets it run freely again."""
+        self.actors.tokenizer_box.put(Gate(True))
+
+    def release(self) -> None:
+        self.actors.tokenizer_box.put(Gate(False))
+
+    async def advance(self) -> int | None:
+        """Plan and launch one step; the launched batch id, or None if nothing to launch."""
+        reply = self._future()
+        self.actors.tokenizer_box.put(Advance(reply))
+        result: int | None = await reply
+        return result
+
+    async def deliver(self) -> int:
+        """Process the oldest launched batch's result (waiting for it); its batch id."""
+        reply = self._future()
+        self.actors.tokenizer_box.put(Deliver(reply))
+        result: int = await reply
+        return result
+
+    def _future(self) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().create_future()
+
     # ---- introspection ---------------------------------------------------------------------
 
     async def snapshot(self) -> dict[str, Any]:
         """Where every request is: waiting / prefill / running / finishing, launched batches."""
         reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.actors.scheduler_box.put(Snapshot(reply))
+        self.actors.tokenizer_box.put(Snapshot(reply))
         result: dict[str, Any] = await reply
         return result
 

@@ -1,0 +1,59 @@
+"""The model-update reader/writer lock (DESIGN.md, law 2), owned by the tokenizer actor.
+
+    reader   one per admitted request, from admission until the scheduler reports that the
+             cache manager released everything it held (not merely its last token sent)
+    writer   one weight update at a time, in arrival order; while any writer waits or works,
+             new requests queue here and are admitted when the last writer is done
+
+So when a writer starts, no request holds a row, a page or a place in any batch (unless the
+engine is paused, where the scheduler parks them first), and the flush after the load
+cannot fail.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shoal.actors.messages import Generate, UpdateWeights
+
+
+@dataclass
+class UpdateLock:
+    readers: set[str] = field(default_factory=set)
+    writers: deque[UpdateWeights] = field(default_factory=deque)
+    active: UpdateWeights | None = None
+    queued: deque[Generate] = field(default_factory=deque)
+    version: int = 0
+
+    @property
+    def writing(self) -> bool:
+        """A writer waits or works: new requests must queue."""
+        return self.active is not None or bool(self.writers)
+
+    def next_writer(self, paused: bool) -> tuple[UpdateWeights, bool] | None:
+        """The writer to start now and whether it must park paused requests first."""
+        if self.active is not None or not self.writers:
+            return None
+        if self.readers and not paused:
+            return None
+        self.active = self.writers.popleft()
+        return self.active, bool(self.readers)
+
+    def finish(self, success: bool) -> UpdateWeights:
+        writer = self.active
+        assert writer is not None
+        self.active = None
+        if success:
+            self.version = (
+                writer.weight_version if writer.weight_version is not None else (self.version + 1)
+            )
+        return writer
+
+    def release_queue(self) -> list[Generate]:
+        """Requests that waited for the writers, once none is left."""
+        if self.writing:
+            return []
+        out = list(self.queued)
+        self.queued.clear()
+        return out
