@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 
 from shoal.actors.messages import (
     Admit,
@@ -33,46 +32,7 @@ from shoal.actors.messages import (
     SeqChunk,
     StepDone,
 )
-from shoal.params import SamplingParams
-
-
-class Phase(Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    RUNNING = "running"
-    RETRACTING = "retracting"
-    FINISHING = "finishing"
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    max_running: int
-    chunk_size: int
-    max_batch_tokens: int
-    eos_token_ids: tuple[int, ...]
-
-
-@dataclass
-class Req:
-    rid: str
-    order: int
-    sampling: SamplingParams
-    seed: int
-    num_prompt: int
-    tokens: list[int]
-    phase: Phase = Phase.WAITING
-    row: int | None = None
-    num_cached_tokens: int | None = None
-    num_launched: int = 0
-    pending: int = 0
-    inflight: int = 0
-    needs_init: bool = False
-    release_sent: bool = False
-    drop_kv: bool = False
-
-    @property
-    def num_outputs(self) -> int:
-        return len(self.tokens) - self.num_prompt
+from shoal.actors.request import Phase, PlannerConfig, Req, finish_reason
 
 
 @dataclass
@@ -344,7 +304,7 @@ class Planner:
             if req.phase is Phase.FINISHING:
                 continue  # launched before its finish was known: discard
             req.tokens.append(token)
-            finish = self._finish_reason(req, token)
+            finish = finish_reason(req, token, self.config.eos_token_ids)
             cached = req.num_cached_tokens if req.num_outputs == 1 else None
             outputs.append(
                 Output(
@@ -359,14 +319,3 @@ class Planner:
             if finish is not None:
                 req.phase = Phase.FINISHING
         return outputs
-
-    def _finish_reason(self, req: Req, token: int) -> str | None:
-        sp = req.sampling
-        if req.num_outputs >= sp.min_new_tokens:
-            if token in sp.stop_token_ids:
-                return "stop"
-            if not sp.ignore_eos and token in self.config.eos_token_ids:
-                return "stop"
-        if req.num_outputs >= sp.max_new_tokens:
-            return "length"
-        return None

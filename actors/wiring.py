@@ -23,7 +23,8 @@ from shoal.actors.messages import (
     Shutdown,
     TokenizerMsg,
 )
-from shoal.actors.planner import Planner, PlannerConfig
+from shoal.actors.planner import Planner
+from shoal.actors.request import PlannerConfig
 from shoal.actors.scheduler import Scheduler
 from shoal.actors.tokenizer import Tokenizer
 from shoal.api.stream import EngineDeadError

@@ -1,0 +1,60 @@
+"""One live request as the scheduler sees it, and when it is finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from shoal.params import SamplingParams
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    RETRACTING = "retracting"
+    FINISHING = "finishing"
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    max_running: int
+    chunk_size: int
+    max_batch_tokens: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class Req:
+    rid: str
+    order: int
+    sampling: SamplingParams
+    seed: int
+    num_prompt: int
+    tokens: list[int]
+    phase: Phase = Phase.WAITING
+    row: int | None = None
+    num_cached_tokens: int | None = None
+    num_launched: int = 0
+    pending: int = 0
+    inflight: int = 0
+    needs_init: bool = False
+    release_sent: bool = False
+    drop_kv: bool = False
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+
+def finish_reason(req: Req, token: int, eos_token_ids: tuple[int, ...]) -> str | None:
+    """After `token` was appended: "stop" (stop token or EOS), "length", or None."""
+    sp = req.sampling
+    if req.num_outputs >= sp.min_new_tokens:
+        if token in sp.stop_token_ids:
+            return "stop"
+        if not sp.ignore_eos and token in eos_token_ids:
+            return "stop"
+    if req.num_outputs >= sp.max_new_tokens:
+        return "length"
+    return None
