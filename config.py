@@ -23,6 +23,7 @@ class EngineOptions:
     num_threads: int | None = None
     seed: int | None = None
     strict_integrity: bool = False
+    prefix_cache: bool = True
 
     def validate(self) -> None:
         for name in (

@@ -149,7 +149,8 @@ class Planner:
             done = req.phase in (Phase.FINISHING, Phase.RETRACTING)
             if done and req.inflight == 0 and not req.release_sent:
                 req.release_sent = True
-                computed = None if req.drop_kv else tuple(req.tokens[: req.num_launched])
+                keep = self.config.prefix_cache and not req.drop_kv
+                computed = tuple(req.tokens[: req.num_launched]) if keep else None
                 releases.append(ReleaseReq(req.rid, computed))
         if self.paused:
             if not releases:

@@ -22,6 +22,7 @@ class PlannerConfig:
     chunk_size: int
     max_batch_tokens: int
     eos_token_ids: tuple[int, ...]
+    prefix_cache: bool = True  # False: no KV is ever kept in the tree for reuse
 
 
 @dataclass

@@ -114,6 +114,7 @@ def start_actors(
             chunk_size=options.chunk_size,
             max_batch_tokens=max(options.max_batch_tokens, layout.num_rows),
             eos_token_ids=config.eos_token_ids,
+            prefix_cache=options.prefix_cache,
         )
     )
     tokenizer = Tokenizer(

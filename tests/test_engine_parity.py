@@ -93,3 +93,15 @@ async def test_overlap_depth_does_not_change_tokens(
     prompts = mixed_prompts(engine.loaded.config.vocab_size)
     done = await run_all(engine, prompts)
     assert [list(d.token_ids) for d in done] == expect(tiny_reference, prompts)
+
+
+async def test_prefix_cache_off_reuses_nothing_and_changes_no_token(
+    make_engine: EngineFactory, tiny_reference: Reference
+) -> None:
+    engine = await make_engine(page_size=4, prefix_cache=False, kv_cache_tokens=240)
+    prompts = mixed_prompts(engine.loaded.config.vocab_size)[1:]
+    for _ in range(2):
+        done = await run_all(engine, prompts)
+        assert [list(d.token_ids) for d in done] == expect(tiny_reference, prompts)
+        assert all(d.usage.cached_tokens == 0 for d in done)
+    assert (await engine.cache_stats())["cached_tokens"] == 0
