@@ -24,6 +24,7 @@ class EngineOptions:
     seed: int | None = None
     strict_integrity: bool = False
     prefix_cache: bool = True
+    max_sessions: int = 256
 
     def validate(self) -> None:
         for name in (

@@ -41,6 +41,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     messages: tuple[dict[str, Any], ...] | None
     sampling: SamplingParams
     stream: RequestStream
+    session_id: str | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -49,6 +50,7 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
     rid: str
     reason: str = "abort"
     message: str = ""
+    keep_outputs: int | None = None  # "stop": outputs the caller kept (a session's history)
 
 
 class Output(msgspec.Struct, frozen=True):
@@ -88,6 +90,21 @@ class Pause(msgspec.Struct, frozen=True, tag=True):
     paused: bool
 
 
+class OpenSession(msgspec.Struct, frozen=True, tag=True):
+    session_id: str
+    timeout_s: float
+    max_tokens: int | None
+    reply: asyncio.Future[Any]
+
+
+class EndSession(msgspec.Struct, frozen=True, tag=True):
+    """Close a session (deferred until its turn ends); reason "close" or "timeout"."""
+
+    session_id: str
+    reason: str = "close"
+    reply: asyncio.Future[Any] | None = None
+
+
 class WriteDone(msgspec.Struct, frozen=True, tag=True):
     """The writer's work finished (posted by the tokenizer's own write task)."""
 
@@ -102,6 +119,8 @@ class Admit(msgspec.Struct, frozen=True, tag=True):
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     seed: int
+    session_id: str | None = None
+    session_prev_len: int = 0  # the history before this turn: what an abort rolls back to
 
 
 class Admitted(msgspec.Struct, frozen=True):
@@ -199,6 +218,7 @@ SchedulerMsg = (
 class ReleaseReq(msgspec.Struct, frozen=True):
     rid: str
     computed_tokens: tuple[int, ...] | None  # cache these tokens' KV in the tree; None: drop
+    session_id: str | None = None  # the session keeps that KV for its next turn
 
 
 class ExtendReq(msgspec.Struct, frozen=True):
@@ -210,6 +230,7 @@ class AdmitReq(msgspec.Struct, frozen=True):
     rid: str
     tokens: tuple[int, ...]
     reserve_tokens: int
+    session_id: str | None = None
 
 
 class PlanRequest(msgspec.Struct, frozen=True, tag=True):
@@ -231,7 +252,13 @@ class FlushCache(msgspec.Struct, frozen=True, tag=True):
     reply: asyncio.Future[Any]
 
 
-CacheMsg = PlanRequest | CheckIntegrity | CacheStats | FlushCache | Shutdown
+class CloseSession(msgspec.Struct, frozen=True, tag=True):
+    """Give back the KV a session keeps (sent only when none of its turns is live)."""
+
+    session_id: str
+
+
+CacheMsg = PlanRequest | CheckIntegrity | CacheStats | FlushCache | CloseSession | Shutdown
 
 
 # ---- into the executor --------------------------------------------------------------------
@@ -288,6 +315,8 @@ TokenizerMsg = (
     | UpdateWeights
     | Pause
     | WriteDone
+    | OpenSession
+    | EndSession
     | SchedulerControl
     | Shutdown
 )

@@ -88,16 +88,22 @@ class Planner:
         assert msg.rid not in self.reqs, f"duplicate request id {msg.rid}"
         tokens = list(msg.prompt_ids)
         req = Req(msg.rid, self.next_order, msg.sampling, msg.seed, len(tokens), tokens)
+        req.session_id, req.session_prev_len = msg.session_id, msg.session_prev_len
         self.next_order += 1
         self.reqs[msg.rid] = req
         self.waiting.append(msg.rid)
         self.stalled = False
 
-    def abort(self, rid: str, reason: str, message: str) -> list[Output]:
+    def abort(
+        self, rid: str, reason: str, message: str, keep_outputs: int | None = None
+    ) -> list[Output]:
         """End a request wherever it is. A "stop" (stop string matched) emits nothing."""
         req = self.reqs.get(rid)
         if req is None or req.phase is Phase.FINISHING:
             return []
+        req.finish, req.keep_outputs = (
+            ("stop", keep_outputs) if reason == "stop" else ("abort", None)
+        )
         out = [] if reason == "stop" else [Output(rid, (), "abort", message or "aborted")]
         self.stalled = False
         if req.phase is Phase.WAITING:
@@ -114,7 +120,7 @@ class Planner:
         for req in list(self.reqs.values()):
             if req.phase is not Phase.FINISHING:
                 out.append(Output(req.rid, (), "error", message))
-            req.drop_kv = True
+            req.drop_kv, req.finish = True, "error"
             if req.phase is Phase.WAITING:
                 self.waiting.remove(req.rid)
                 del self.reqs[req.rid]
@@ -130,7 +136,7 @@ class Planner:
     def park_all(self) -> None:
         """Retract every request that holds KV, dropping it (weights are about to change)."""
         for req in self.holding():
-            req.drop_kv = True
+            req.drop_kv, req.finish = True, "error"
             if req.phase in (Phase.RUNNING, Phase.PREFILL):
                 req.phase = Phase.RETRACTING
         self.stalled = False
@@ -149,9 +155,8 @@ class Planner:
             done = req.phase in (Phase.FINISHING, Phase.RETRACTING)
             if done and req.inflight == 0 and not req.release_sent:
                 req.release_sent = True
-                keep = self.config.prefix_cache and not req.drop_kv
-                computed = tuple(req.tokens[: req.num_launched]) if keep else None
-                releases.append(ReleaseReq(req.rid, computed))
+                computed, session = req.kept_tokens(self.config.prefix_cache)
+                releases.append(ReleaseReq(req.rid, computed, session))
         if self.paused:
             if not releases:
                 return None
@@ -171,7 +176,8 @@ class Planner:
                 tokens = self.reqs[rid].tokens
                 if budget <= 0 and (admits or has_prefill or extends):
                     break
-                admits.append(AdmitReq(rid, tuple(tokens), len(tokens)))
+                session = self.reqs[rid].session_id
+                admits.append(AdmitReq(rid, tuple(tokens), len(tokens), session))
                 budget -= min(len(tokens), self.config.chunk_size)
         if not (releases or extends or admits or has_prefill):
             return None
@@ -274,7 +280,7 @@ class Planner:
         elif len(holding) == 1 and holding[0].phase is Phase.RUNNING:
             # Alone and still out of pages: it can never grow, so end it rather than spin.
             req = holding[0]
-            req.phase = Phase.FINISHING
+            req.phase, req.finish = Phase.FINISHING, "error"
             self.errors.append(Output(req.rid, (), "error", "out of KV cache pages"))
 
     def _requeue(self, req: Req) -> None:
@@ -318,5 +324,5 @@ class Planner:
                 )
             )
             if finish is not None:
-                req.phase = Phase.FINISHING
+                req.phase, req.finish = Phase.FINISHING, finish
         return outputs

@@ -34,6 +34,7 @@ class Req:
     num_prompt: int
     tokens: list[int]
     phase: Phase = Phase.WAITING
+    finish: str | None = None
     row: int | None = None
     num_cached_tokens: int | None = None
     num_launched: int = 0
@@ -42,10 +43,26 @@ class Req:
     needs_init: bool = False
     release_sent: bool = False
     drop_kv: bool = False
+    session_id: str | None = None
+    session_prev_len: int = 0
+    keep_outputs: int | None = None  # a stop string ended it: the outputs the caller kept
 
     @property
     def num_outputs(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+    def kept_tokens(self, prefix_cache: bool) -> tuple[tuple[int, ...] | None, str | None]:
+        """At release: the tokens whose KV to keep, and the session that keeps them."""
+        if self.drop_kv:
+            return None, None
+        computed = self.tokens[: self.num_launched]
+        if self.session_id is None or self.phase is Phase.RETRACTING:
+            return (tuple(computed) if prefix_cache else None), None
+        if self.finish == "abort":  # the turn is rolled back to the last completed one
+            return tuple(computed[: self.session_prev_len]), self.session_id
+        if self.keep_outputs is not None:
+            computed = computed[: self.num_prompt + self.keep_outputs]
+        return tuple(computed), self.session_id
 
 
 def finish_reason(req: Req, token: int, eos_token_ids: tuple[int, ...]) -> str | None:

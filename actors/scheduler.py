@@ -96,8 +96,8 @@ class Scheduler:
         match msg:
             case Admit() as admit:
                 planner.add(admit)
-            case Abort(rid=rid, reason=reason, message=message):
-                self._send(planner.abort(rid, reason, message))
+            case Abort(rid=rid, reason=reason, message=message, keep_outputs=keep):
+                self._send(planner.abort(rid, reason, message, keep))
             case Plan() as plan:
                 launch = planner.apply_plan(plan)
                 self._send(planner.take_errors())

@@ -19,13 +19,16 @@ from shoal.actors.messages import (
     Admit,
     Advance,
     CacheMsg,
+    CloseSession,
     Deliver,
+    EndSession,
     ExecutorMsg,
     FlushCache,
     FlushWhenIdle,
     Gate,
     Generate,
     LoadWeights,
+    OpenSession,
     Output,
     Outputs,
     Park,
@@ -39,6 +42,7 @@ from shoal.actors.messages import (
     UpdateWeights,
     WriteDone,
 )
+from shoal.actors.sessions import SessionState, completed_messages, turn_input_ids
 from shoal.actors.stops import StopMatcher
 from shoal.actors.update_lock import UpdateLock
 from shoal.api.stream import Completion, Delta, RequestStream, TokenLogprob, Usage
@@ -55,6 +59,7 @@ class Live:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     weight_version: int = 0
+    session: SessionState | None = None
 
 
 class Tokenizer:
@@ -68,6 +73,7 @@ class Tokenizer:
         cache: Mailbox[CacheMsg],
         executor: Mailbox[ExecutorMsg],
         seed: int | None,
+        max_sessions: int = 256,
     ) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -80,6 +86,9 @@ class Tokenizer:
         self.live: dict[str, Live] = {}
         self.lock = UpdateLock()
         self.paused = False
+        self.max_sessions = max_sessions
+        self.sessions: dict[str, SessionState] = {}
+        self.turn_of: dict[str, str] = {}  # live turn's request id -> its session
         self.writing: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
@@ -89,7 +98,7 @@ class Tokenizer:
                     if self.lock.writing:
                         self.lock.queued.append(gen)
                     else:
-                        self.admit(gen)
+                        self.dispatch(gen)
                 case Abort(rid=rid) as abort:
                     if rid in self.live:
                         self.scheduler.put(abort)
@@ -100,6 +109,12 @@ class Tokenizer:
                         self.deliver(item)
                 case Released(rids=rids):
                     self.lock.readers.difference_update(rids)
+                    for rid in rids:
+                        self.turn_released(rid)
+                case OpenSession() as opening:
+                    _answer(opening.reply, self.open_session(opening))
+                case EndSession() as ending:
+                    self.end_session(ending)
                 case UpdateWeights() as update:
                     self.lock.writers.append(update)
                     if update.abort_all:
@@ -113,12 +128,15 @@ class Tokenizer:
                     message = error or f"weights loaded from {writer.model_path}"
                     _answer(writer.reply, (error is None, message, self.lock.version))
                     for gen in self.lock.release_queue():
-                        self.admit(gen)
+                        self.dispatch(gen)
                 case Snapshot() | FlushWhenIdle() | Gate() | Advance() | Deliver() as control:
                     self.scheduler.put(control)
                 case Shutdown():
                     if self.writing is not None:
                         self.writing.cancel()
+                    for state in self.sessions.values():
+                        if state.timer is not None:
+                            state.timer.cancel()
                     return
             self.maybe_write()
 
@@ -149,6 +167,101 @@ class Tokenizer:
         finally:
             self.mailbox.put(WriteDone(error))
 
+    # ---- sessions -------------------------------------------------------------------------
+
+    def open_session(self, msg: OpenSession) -> str | None:
+        """None, or why the session cannot be opened."""
+        if msg.session_id in self.sessions:
+            return f"session {msg.session_id!r} is already open"
+        if len(self.sessions) >= self.max_sessions:
+            return f"too many open sessions (the cap is {self.max_sessions})"
+        state = SessionState(msg.session_id, msg.timeout_s, msg.max_tokens)
+        self.sessions[msg.session_id] = state
+        self.arm_timer(state)
+        return None
+
+    def session_turn(self, gen: Generate) -> None:
+        assert gen.session_id is not None
+        state = self.sessions.get(gen.session_id)
+        if state is None or state.closing is not None:
+            gen.stream.fail(ValueError(f"session {gen.session_id!r} is not open"))
+        elif state.turn is not None and state.stream_open:
+            gen.stream.fail(
+                ValueError(
+                    f"session {gen.session_id!r} already has a turn in progress: one turn at a time"
+                )
+            )
+        elif state.turn is not None:
+            state.queued.append(gen)  # the last turn ended; its KV is still being handed back
+        else:
+            self.admit(gen, state)
+
+    def session_prompt(self, state: SessionState, gen: Generate) -> list[int]:
+        new = turn_input_ids(self.tokenizer, state, gen)
+        if not new:
+            raise ValueError("the turn adds no tokens")
+        ids = state.tokens + new
+        self.validate(ids, gen.sampling.max_new_tokens)
+        cap = state.max_tokens
+        if cap is not None and len(ids) + gen.sampling.max_new_tokens > cap:
+            raise ValueError(
+                f"the session would reach {len(ids) + gen.sampling.max_new_tokens} tokens, "
+                f"over its max_tokens {cap}"
+            )
+        return ids
+
+    def turn_ended(self, state: SessionState, live: Live, reason: str) -> None:
+        """The turn's stream ended: a completed turn becomes history once released."""
+        state.stream_open = False
+        if reason in ("stop", "length") and state.turn_gen is not None:
+            reply = "".join(live.text)
+            messages, closing = completed_messages(
+                self.tokenizer, state, state.turn_gen, reply, live.output_ids
+            )
+            state.pending = (state.turn_prompt + live.output_ids, messages, closing)
+
+    def turn_released(self, rid: str) -> None:
+        sid = self.turn_of.pop(rid, None)
+        state = self.sessions.get(sid) if sid is not None else None
+        if state is None:
+            return
+        if state.pending is not None:
+            state.tokens, state.messages, state.closing_text = state.pending
+        state.turn, state.pending, state.turn_gen = None, None, None
+        if state.closing is not None:
+            self.close_session(state)
+        elif state.queued:
+            self.session_turn(state.queued.popleft())
+        else:
+            self.arm_timer(state)
+
+    def end_session(self, msg: EndSession) -> None:
+        state = self.sessions.get(msg.session_id)
+        if state is None:
+            if msg.reply is not None:
+                _answer(msg.reply, f"session {msg.session_id!r} is not open")
+            return
+        if state.turn is None:
+            self.close_session(state, msg)
+        elif msg.reason != "timeout":  # a live turn is never reaped; close when it ends
+            state.closing = msg
+
+    def close_session(self, state: SessionState, msg: EndSession | None = None) -> None:
+        msg = msg or state.closing
+        del self.sessions[state.session_id]
+        if state.timer is not None:
+            state.timer.cancel()
+        for gen in state.queued:
+            gen.stream.fail(ValueError(f"session {state.session_id!r} was closed"))
+        self.cache.put(CloseSession(state.session_id))
+        if msg is not None and msg.reply is not None:
+            _answer(msg.reply, None)
+
+    def arm_timer(self, state: SessionState) -> None:
+        loop = asyncio.get_running_loop()
+        timeout = EndSession(state.session_id, "timeout")
+        state.timer = loop.call_later(state.timeout_s, self.mailbox.put, timeout)
+
     def abort_queued(self, rid: str, message: str) -> None:
         for gen in self.lock.queued:
             if gen.rid == rid:
@@ -173,25 +286,34 @@ class Tokenizer:
             ids = self.tokenizer.encode(gen.text)
         else:
             raise ValueError("one of prompt, input_ids or messages is required")
+        self.validate(ids, gen.sampling.max_new_tokens)
+        return ids
+
+    def validate(self, ids: list[int], max_new_tokens: int) -> None:
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"input_ids contain ids outside the vocabulary: {bad[:5]}")
         limit = self.context_length
-        if len(ids) + gen.sampling.max_new_tokens > limit:
+        if len(ids) + max_new_tokens > limit:
             raise ValueError(
                 f"prompt of {len(ids)} tokens plus max_new_tokens "
-                f"{gen.sampling.max_new_tokens} exceeds the context length {limit}"
+                f"{max_new_tokens} exceeds the context length {limit}"
             )
-        return ids
 
-    def admit(self, gen: Generate) -> None:
+    def dispatch(self, gen: Generate) -> None:
+        if gen.session_id is None:
+            self.admit(gen)
+        else:
+            self.session_turn(gen)
+
+    def admit(self, gen: Generate, session: SessionState | None = None) -> None:
         if gen.rid in self.live or gen.rid in self.lock.readers:
             gen.stream.fail(ValueError(f"request id {gen.rid!r} is already in use"))
             return
         try:
-            ids = self.encode(gen)
+            ids = self.encode(gen) if session is None else self.session_prompt(session, gen)
         except ValueError as exc:
             gen.stream.fail(exc)
             return
@@ -203,7 +325,16 @@ class Tokenizer:
         live.weight_version = self.lock.version
         self.live[gen.rid] = live
         self.lock.readers.add(gen.rid)
-        self.scheduler.put(Admit(gen.rid, tuple(ids), sampling, seed))
+        prev_len = 0
+        if session is not None:
+            live.session, prev_len = session, len(session.tokens)
+            session.turn, session.stream_open = gen.rid, True
+            session.turn_prompt, session.turn_gen = ids, gen
+            self.turn_of[gen.rid] = session.session_id
+            if session.timer is not None:
+                session.timer.cancel()
+        sid = session.session_id if session is not None else None
+        self.scheduler.put(Admit(gen.rid, tuple(ids), sampling, seed, sid, prev_len))
 
     # ---- out -------------------------------------------------------------------------------
 
@@ -226,13 +357,16 @@ class Tokenizer:
             live.text.append(emit)
             live.stream.push(Delta(emit, item.token_ids, item.logprobs))
         if matched is not None:
-            self.scheduler.put(Abort(item.rid, reason="stop"))
+            kept = len(live.output_ids)
+            self.scheduler.put(Abort(item.rid, reason="stop", keep_outputs=kept))
             self.end(item.rid, "stop", matched)
         elif item.finish is not None:
             self.end(item.rid, item.finish, item.matched_token, item.message)
 
     def end(self, rid: str, reason: str, matched: str | int | None, message: str = "") -> None:
         live = self.live.pop(rid)
+        if live.session is not None:
+            self.turn_ended(live.session, live, reason)
         usage = Usage(live.num_prompt, len(live.output_ids), live.num_cached_tokens)
         logprobs = tuple(live.logprobs) if live.logprobs is not None else None
         completion = Completion(

@@ -126,6 +126,7 @@ def start_actors(
         cache_box,
         executor_box,
         options.seed,
+        options.max_sessions,
     )
     actors = Actors(tokenizer_box, scheduler_box, cache_box, executor_box, tokenizer)
     runs = {

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any
 
 from shoal.api.engine import Engine
+from shoal.api.server import Server, ServerOptions
 from shoal.config import EngineOptions
 
 
@@ -32,7 +36,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None)
 
 
-def engine_from_args(args: argparse.Namespace) -> Engine:
+def engine_from_args(args: argparse.Namespace, **extra: Any) -> Engine:
     return Engine(
         args.model,
         page_size=args.page_size,
@@ -45,6 +49,7 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
         dtype=args.dtype,
         device=args.device,
         num_threads=args.num_threads,
+        **extra,
     )
 
 
@@ -63,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     add_engine_options(gen)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
+    server_defaults = ServerOptions()
+    serve.add_argument("--host", default=server_defaults.host)
+    serve.add_argument("--port", type=int, default=server_defaults.port, help="0: pick a free one")
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-body-bytes", type=int, default=server_defaults.max_body_bytes)
+    serve.add_argument(
+        "--max-queued-requests", type=int, default=server_defaults.max_queued_requests
+    )
+    serve.add_argument("--max-n", type=int, default=server_defaults.max_n)
+    serve.add_argument("--seed", type=int, default=None)
+    add_engine_options(serve)
     return parser
 
 
@@ -99,6 +117,51 @@ async def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def serve(args: argparse.Namespace) -> int:
+    """Serve until SIGINT / SIGTERM, then end open streams with an error event and exit."""
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name or _model_name(args.model),
+        max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests,
+        max_n=args.max_n,
+    )
+    options.validate()
+    engine = engine_from_args(args, seed=args.seed)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with engine, Server(engine, options) as server:
+        print(
+            f"shoal serving {server.model_names[0]} at {server.url} "
+            f"(engine ready in {engine.startup_s:.1f}s)",
+            flush=True,
+        )
+        await stop.wait()
+        print("shoal: shutting down", file=sys.stderr, flush=True)
+    return 0
+
+
+def _model_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
@@ -106,6 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return asyncio.run(generate(args))
         except (ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "serve":
+        try:
+            return _run(serve(args))
+        except (ValueError, FileNotFoundError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     return 2

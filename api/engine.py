@@ -25,14 +25,17 @@ from shoal.actors.messages import (
     CacheStats,
     CheckIntegrity,
     Deliver,
+    EndSession,
     FlushWhenIdle,
     Gate,
     Generate,
+    OpenSession,
     Pause,
     Snapshot,
     UpdateWeights,
 )
 from shoal.actors.wiring import Actors, start_actors
+from shoal.api.session import Session
 from shoal.api.stream import EngineDeadError, RequestStream
 from shoal.config import DTYPES, EngineOptions, Resolved, resolve
 from shoal.kernels.loader import LoadedModel, load_model
@@ -124,6 +127,7 @@ class Engine:
         messages: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None,
         rid: str | None = None,
+        session_id: str | None = None,
         **sampling_fields: Any,
     ) -> RequestStream:
         """Start one request. Sampling is a SamplingParams or its fields as keywords.
@@ -146,12 +150,40 @@ class Engine:
         stream = RequestStream(rid, self.abort)
         ids = tuple(int(t) for t in input_ids) if input_ids is not None else None
         msgs = tuple(messages) if messages is not None else None
-        actors.tokenizer_box.put(Generate(rid, prompt, ids, msgs, sampling, stream))
+        gen = Generate(rid, prompt, ids, msgs, sampling, stream, session_id)
+        actors.tokenizer_box.put(gen)
         return stream
 
     def abort(self, rid: str, message: str = "aborted by the caller") -> None:
         if self._actors is not None and not self._actors.stopping:
             self._actors.tokenizer_box.put(Abort(rid, "abort", message))
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    async def open_session(
+        self,
+        timeout_s: float = 600.0,
+        max_tokens: int | None = None,
+        session_id: str | None = None,
+    ) -> Session:
+        """Open a streaming session; idle past timeout_s it is closed. max_tokens caps its
+        whole history. ValueError if it cannot be opened (id in use, too many sessions)."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_tokens is not None and max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+        session_id = session_id or f"session-{uuid.uuid4().hex}"
+        reply = self._future()
+        self.actors.tokenizer_box.put(OpenSession(session_id, timeout_s, max_tokens, reply))
+        error = await reply
+        if error is not None:
+            raise ValueError(error)
+        return Session(self, session_id)
+
+    async def close_session(self, session_id: str) -> None:
+        reply = self._future()
+        self.actors.tokenizer_box.put(EndSession(session_id, "close", reply))
+        await reply
 
     # ---- lifecycle operations (DESIGN.md, "Model updates and cache flush") -----------------
 

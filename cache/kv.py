@@ -65,6 +65,17 @@ class _Live:
     own_pages: list[int]  # request-owned
 
 
+@dataclass(slots=True)
+class _Session:
+    """KV a session keeps between turns: a lock on the tree node covering its full pages,
+    and its partial last page, which belongs to the session alone (law 4)."""
+
+    node: Node
+    tokens: tuple[int, ...]  # whose KV it keeps: full pages in the tree, then the tail
+    tail_page: int | None  # positions len(full) .. len(tokens), or None when aligned
+    last_used: int
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -82,6 +93,8 @@ class KVCache:
         self.tree = RadixTree(page_size)
         self._live: dict[str, _Live] = {}
         self._request_pages = 0
+        self._sessions: dict[str, _Session] = {}
+        self._clock = 0
 
     # ---- accounting -----------------------------------------------------------
 
@@ -101,6 +114,10 @@ class KVCache:
     def num_request_pages(self) -> int:
         return self._request_pages
 
+    @property
+    def num_session_pages(self) -> int:
+        return sum(s.tail_page is not None for s in self._sessions.values())
+
     def holds(self, rid: str) -> bool:
         return rid in self._live
 
@@ -115,7 +132,8 @@ class KVCache:
             "evictable_pages": self.tree.evictable_pages,
             "locked_pages": self.tree.locked_pages,
             "request_pages": self._request_pages,
-            "session_pages": 0,
+            "session_pages": self.num_session_pages,
+            "sessions": len(self._sessions),
             "total_rows": self.rows.num_total,
             "free_rows": self.rows.num_free,
             "cached_tokens": self.tree.total_pages * self.page_size,
@@ -123,31 +141,47 @@ class KVCache:
 
     # ---- request lifecycle ----------------------------------------------------
 
-    def admit(self, rid: str, tokens: Sequence[int], reserve_tokens: int) -> Admission | None:
+    def admit(
+        self, rid: str, tokens: Sequence[int], reserve_tokens: int, session: str | None = None
+    ) -> Admission | None:
         """Give request ``rid`` a row covering ``reserve_tokens`` positions, reusing the
-        longest cached prefix of ``tokens[:-1]``. None (and nothing held) if no row or
-        not enough pages even after eviction."""
+        longest cached prefix of ``tokens[:-1]`` — and, for a session's turn, the session's
+        partial last page too. None (and nothing held) if no row or not enough pages even
+        after eviction."""
         assert rid not in self._live, f"admit of live request {rid!r}"
         if self.rows.num_free == 0:
             return None
         ps = self.page_size
         matched_pages, node = self.tree.match(tokens[: max(len(tokens) - 1, 0)])
         num_cached_tokens = len(matched_pages) * ps
+        kept = self._sessions.get(session) if session is not None else None
+        tail: list[int] = []
+        if kept is not None and kept.tail_page is not None:
+            n = len(kept.tokens)
+            full = n - n % ps
+            if num_cached_tokens == full and n < len(tokens) and tuple(tokens[:n]) == kept.tokens:
+                tail = [kept.tail_page]  # the session's partial page continues this turn
+                num_cached_tokens = n
         num_row_pages = _ceil_div(max(reserve_tokens, num_cached_tokens), ps)
         assert num_row_pages <= self.rows.max_pages_per_row, (
             f"request {rid!r} needs {num_row_pages} pages, over max_pages_per_row="
             f"{self.rows.max_pages_per_row}"
         )
         self.tree.lock(node)  # before evicting: the matched prefix must survive
-        own_pages = self._take_pages(num_row_pages - len(matched_pages))
-        if own_pages is None:
+        new_pages = self._take_pages(num_row_pages - len(matched_pages) - len(tail), session)
+        if new_pages is None:
             self.tree.unlock(node)
             return None
+        if kept is not None and session is not None:  # the turn now holds the session's KV
+            del self._sessions[session]
+            self.tree.unlock(kept.node)
+            if kept.tail_page is not None and not tail:
+                self.allocator.free([kept.tail_page])  # not reusable for these tokens
+        own_pages = tail + new_pages
         row = self.rows.acquire()
         assert row is not None  # checked above; nothing in between releases rows
-        self._live[rid] = _Live(
-            row, node, tuple(tokens[:num_cached_tokens]), matched_pages, own_pages
-        )
+        cached = tuple(tokens[: len(matched_pages) * ps])
+        self._live[rid] = _Live(row, node, cached, matched_pages, own_pages)
         self._request_pages += len(own_pages)
         write = self.rows.append(row, matched_pages + own_pages)
         return Admission(row, num_cached_tokens, [write] if write.pages else [])
@@ -172,9 +206,13 @@ class KVCache:
         self._request_pages += len(pages)
         return [self.rows.append(live.row, pages)]
 
-    def release(self, rid: str, computed_tokens: Sequence[int] | None) -> None:
+    def release(
+        self, rid: str, computed_tokens: Sequence[int] | None, session: str | None = None
+    ) -> None:
         """``rid`` is done. Cache the page-aligned prefix of ``computed_tokens`` (the
-        tokens whose KV is valid in the row, from position 0) if given; free the rest."""
+        tokens whose KV is valid in the row, from position 0) if given; free the rest.
+        With ``session``, the session keeps that KV for its next turn: a lock on the full
+        pages and the partial last page (a rollback passes the previous turn's tokens)."""
         assert rid in self._live, f"release of unknown request {rid!r}"
         live = self._live[rid]
         ps = self.page_size
@@ -203,10 +241,50 @@ class KVCache:
                 )
                 keep_lo = max(num_present - num_matched, 0)
                 keep_hi = max(num_pages - num_matched, keep_lo)
+        tail = None
+        if session is not None and computed_tokens is not None:
+            tail = self._keep_for_session(session, computed_tokens, live.matched_pages + own)
         self.tree.unlock(live.node)
-        self.allocator.free(own[:keep_lo] + own[keep_hi:])
+        self.allocator.free([p for p in own[:keep_lo] + own[keep_hi:] if p != tail])
         self._request_pages -= len(own)
         self.rows.release(live.row)
+
+    def _keep_for_session(
+        self, session: str, tokens: Sequence[int], row_pages: list[int]
+    ) -> int | None:
+        """Lock the (just inserted) full pages of ``tokens`` for ``session``; return its
+        tail page, which the caller must not free."""
+        assert session not in self._sessions, f"session {session!r} already keeps KV"
+        ps = self.page_size
+        full = len(tokens) - len(tokens) % ps
+        pages, node = self.tree.match(tokens[:full])
+        assert len(pages) * ps == full, f"session {session!r}: its pages left the tree"
+        self.tree.lock(node)
+        tail = row_pages[full // ps] if full < len(tokens) else None
+        self._clock += 1
+        self._sessions[session] = _Session(node, tuple(tokens), tail, self._clock)
+        return tail
+
+    def close_session(self, session: str) -> None:
+        """Give back whatever KV ``session`` keeps (nothing if it keeps none)."""
+        kept = self._sessions.pop(session, None)
+        if kept is not None:
+            self.tree.unlock(kept.node)
+            if kept.tail_page is not None:
+                self.allocator.free([kept.tail_page])
+
+    def session_tokens(self, session: str) -> tuple[int, ...] | None:
+        kept = self._sessions.get(session)
+        return kept.tokens if kept is not None else None
+
+    def _reclaim_sessions(self, num_pages: int, spare: str | None) -> None:
+        """Under pressure, idle sessions give their KV back, least recently used first,
+        until ``num_pages`` could be had (their next turn re-prefills from the tree)."""
+        for name in sorted(self._sessions, key=lambda n: self._sessions[n].last_used):
+            if self.can_admit_pages(num_pages):
+                return
+            if name != spare:
+                self.close_session(name)
 
     def evict(self, num_pages: int) -> int:
         """Evict at least ``num_pages`` unlocked tree pages if possible; return how many."""
@@ -215,17 +293,23 @@ class KVCache:
         return len(freed)
 
     def flush(self) -> None:
-        """Empty the prefix cache. Only when idle: asserts no request holds anything."""
+        """Empty the prefix cache (sessions keep their tokens but lose their KV, so their
+        next turn re-prefills). Only when idle: asserts no request holds anything."""
         assert not self._live, f"flush with live requests: {sorted(self._live)[:8]}"
+        for name in list(self._sessions):
+            self.close_session(name)
         assert self.rows.num_free == self.rows.num_total, "flush with held rows"
         self.allocator.free(self.tree.reset())
         assert self.allocator.num_free == self.allocator.num_total, "flush leaked pages"
 
-    def _take_pages(self, num_pages: int) -> list[int] | None:
-        """Allocate ``num_pages`` request-owned pages, evicting unlocked tree pages if
-        the free list is short. None, with nothing evicted, if even that is not enough."""
+    def _take_pages(self, num_pages: int, spare: str | None = None) -> list[int] | None:
+        """Allocate ``num_pages`` request-owned pages, evicting unlocked tree pages (and
+        reclaiming idle sessions' KV, but not ``spare``'s) if the free list is short. None,
+        with nothing evicted, if even that is not enough."""
         if num_pages <= 0:
             return []
+        if not self.can_admit_pages(num_pages):
+            self._reclaim_sessions(num_pages, spare)
         if not self.can_admit_pages(num_pages):
             return None
         short = num_pages - self.allocator.num_free
@@ -256,6 +340,18 @@ class KVCache:
                     raise IntegrityError(f"kv cache: page {page} owned by {name} and {owner[page]}")
                 owner[page] = name
             num_request_pages += len(live.own_pages)
+        for name, kept in self._sessions.items():
+            full = len(kept.tokens) - len(kept.tokens) % self.page_size
+            if kept.node.evicted or len(path_pages(kept.node)) * self.page_size != full:
+                raise IntegrityError(f"kv cache: session {name!r} lost its tree pages")
+            num_locks += kept.node is not self.tree.root
+            if kept.tail_page is not None:
+                if kept.tail_page in owner:
+                    raise IntegrityError(
+                        f"kv cache: page {kept.tail_page} owned by session {name!r} "
+                        f"and {owner[kept.tail_page]}"
+                    )
+                owner[kept.tail_page] = f"session {name!r}"
         for page in owner:
             if self.allocator.is_free(page):
                 raise IntegrityError(f"kv cache: page {page} is free but owned by {owner[page]}")
@@ -274,6 +370,7 @@ class KVCache:
             + self.tree.evictable_pages
             + self.tree.locked_pages
             + self._request_pages
+            + self.num_session_pages
         )
         if total != self.allocator.num_total:
             raise IntegrityError(f"kv cache: pages do not add up: {self.stats()}")

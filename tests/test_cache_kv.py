@@ -265,6 +265,7 @@ def test_stats_and_can_admit_pages() -> None:
         "locked_pages": 0,
         "request_pages": 0,
         "session_pages": 0,
+        "sessions": 0,
         "total_rows": 3,
         "free_rows": 3,
         "cached_tokens": 0,

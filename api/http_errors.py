@@ -1,0 +1,146 @@
+"""Every HTTP error shoal answers has one shape, OpenAI's::
+
+    {"error": {"message": "temperature must be in [0, 2], got 3.0",
+               "type": "invalid_request_error", "param": "temperature", "code": "invalid_value"}}
+
+`ApiError` carries it from wherever a handler finds the problem to the error middleware, which
+also turns aiohttp's own errors (404, 405, 413) and any bug into this shape. Bad input is a 4xx,
+never a 5xx: clients (the openai package among them) retry 5xx answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import msgspec
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from shoal.api.stream import EngineDeadError
+
+log = logging.getLogger("shoal.http")
+
+JSON = "application/json"
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+_CODES = {
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorEnvelope(msgspec.Struct, frozen=True):
+    error: ErrorBody
+
+
+class ApiError(Exception):
+    """An answer other than 2xx, raised from anywhere under a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else _CODES.get(status, "invalid_value")
+
+    @property
+    def body(self) -> ErrorEnvelope:
+        kind = _TYPES.get(self.status, "invalid_request_error")
+        return ErrorEnvelope(ErrorBody(self.message, kind, self.param, self.code))
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status, body=msgspec.json.encode(self.body), content_type=JSON
+        )
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_FIELD = re.compile(r"(missing required|unknown) field `(?P<field>[^`]+)`")
+
+
+def from_validation(exc: msgspec.ValidationError) -> ApiError:
+    """msgspec says "Expected `int`, got `str` - at `$.n`": answer 400 with param "n"."""
+    text = str(exc)
+    match = _PATH.search(text)
+    path = match["path"].lstrip(".") if match else ""
+    message = text[: match.start()] if match else text
+    field = _FIELD.search(message)
+    if field is not None:
+        path = f"{path}.{field['field']}" if path else field["field"]
+    where = f" at {path!r}" if path else ""
+    return bad_request(f"invalid request body{where}: {message}", path or None)
+
+
+def from_engine(exc: BaseException, prompt_param: str) -> ApiError:
+    """Map what an engine request can raise onto 400 / 503 / 500."""
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, f"the engine is not serving: {exc}")
+    if isinstance(exc, ValueError):
+        text = str(exc)
+        if "context length" in text:
+            return bad_request(text, prompt_param, "context_length_exceeded")
+        return bad_request(text, "rid" if "request id" in text else prompt_param)
+    log.error("request failed: %r", exc, exc_info=exc)
+    return ApiError(500, f"internal error: {exc!r}")
+
+
+def from_http_exception(exc: web.HTTPException, path: str) -> ApiError:
+    status = exc.status
+    if status == 404:
+        return ApiError(404, f"no route {path!r}: see GET /v1/models, POST /v1/chat/completions")
+    if status == 405:
+        return ApiError(405, f"method not allowed on {path!r}")
+    if status == 413:
+        return ApiError(413, f"request body too large: {exc.text or exc.reason}")
+    return ApiError(status, exc.text or exc.reason or f"HTTP {status}")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The outermost middleware: every failure leaves in the one error shape."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return from_http_exception(exc, request.path).response()
+    except ConnectionError:
+        raise  # the client is gone: there is nobody to answer
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(500, f"internal error: {exc!r}").response()

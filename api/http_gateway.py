@@ -1,0 +1,275 @@
+"""The gateway between HTTP handlers and the engine, shared by the OpenAI and native routes.
+
+    ids = gateway.encode_messages(messages)              # or encode_text / check_ids
+    max_new = gateway.budget(len(ids), body.max_tokens, "max_tokens", "messages")
+    async with gateway.submit(public_id, [(ids, sampling, rid), ...], arrived_at) as job:
+        async for index, event in job.events():          # Delta ... then Completion, per choice
+            ...
+
+It turns every problem into an ApiError (400 naming the field, 429 when saturated, 503 while
+draining or when the engine is dead), keeps the table of open jobs (for /abort_request, the
+429 cap and shutdown), and times each request for the metrics. Leaving `async with job` in any
+way — finished, an exception, the handler cancelled because the client went away — aborts
+whatever is still running, so nothing a gone client asked for keeps holding rows or pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+from typing import Any
+
+from shoal.api.engine import Engine
+from shoal.api.http_errors import ApiError, bad_request, from_engine
+from shoal.api.metrics import Metrics, RequestTimer
+from shoal.api.stream import Completion, Delta, RequestStream
+from shoal.params import SamplingParams
+
+Event = tuple[int, Delta | Completion]
+Choice = tuple[list[int], SamplingParams, str]  # prompt ids, sampling, engine rid
+
+
+class Gateway:
+    def __init__(self, engine: Engine, metrics: Metrics, max_open_requests: int) -> None:
+        assert engine.loaded is not None and engine.resolved is not None, "start the engine"
+        self.engine = engine
+        self.metrics = metrics
+        self.max_open_requests = max_open_requests
+        self.vocab_size = engine.loaded.config.vocab_size
+        self.context_length = engine.resolved.context_length
+        self.jobs: dict[str, Job] = {}
+        self.draining = False
+        self.late: set[asyncio.Task[None]] = set()  # awaiting the ends of abandoned requests
+
+    @property
+    def num_open(self) -> int:
+        return sum(len(job.streams) for job in self.jobs.values())
+
+    # ---- prompts ---------------------------------------------------------------------------
+
+    def encode_messages(self, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
+        """Exactly what the tokenizer actor does for `messages=`: template, then encode."""
+        if not messages:
+            raise bad_request(f"{param} must not be empty", param)
+        tokenizer = self.engine.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja raises whatever the template author chose
+            message = f"{param} could not be formatted by the chat template: {exc}"
+            raise bad_request(message, param) from None
+        return self.check_ids(tokenizer.encode(text, add_special_tokens=False), param)
+
+    def encode_text(self, text: str, param: str) -> list[int]:
+        """Exactly what the tokenizer actor does for `prompt=`."""
+        if not text:
+            raise bad_request(f"{param} must not be empty", param)
+        return self.check_ids(self.engine.tokenizer.encode(text), param)
+
+    def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        if not ids:
+            raise bad_request(f"{param} must not be empty", param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"{param} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                param,
+            )
+        return list(ids)
+
+    def budget(self, num_prompt: int, max_tokens: int | None, field: str, prompt: str) -> int:
+        """max_new_tokens for this prompt: max_tokens, or all the room left if None."""
+        context = self.context_length
+        if num_prompt >= context:
+            raise bad_request(
+                f"{prompt} is {num_prompt} tokens; this model's context length is {context} "
+                "tokens, which leaves no room to generate",
+                prompt,
+                "context_length_exceeded",
+            )
+        if max_tokens is None:
+            return context - num_prompt
+        if max_tokens < 1:
+            raise bad_request(f"{field} must be >= 1, got {max_tokens}", field)
+        if num_prompt + max_tokens > context:
+            raise bad_request(
+                f"{field} {max_tokens} plus the prompt's {num_prompt} tokens exceeds the context "
+                f"length {context}; ask for at most {context - num_prompt}",
+                field,
+                "context_length_exceeded",
+            )
+        return max_tokens
+
+    def validate(self, sampling: SamplingParams, names: dict[str, str]) -> SamplingParams:
+        """SamplingParams.validate, its message and param spoken in the API's field names."""
+        try:
+            sampling.validate(self.vocab_size)
+        except ValueError as exc:
+            text = str(exc)
+            field = text.split(" ", 1)[0]
+            name = names.get(field, field)
+            raise bad_request(name + text[len(field) :], name) from None
+        return sampling
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(
+        self, public_id: str, choices: Sequence[Choice], arrived_at: float, prompt_param: str
+    ) -> Job:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down")
+        if public_id in self.jobs:
+            raise bad_request(f"request id {public_id!r} is already in use", "rid")
+        if len(choices) > self.max_open_requests:
+            raise bad_request(
+                f"this request asks for {len(choices)} generations (prompts x n); the server "
+                f"holds at most {self.max_open_requests} at once",
+                "n",
+            )
+        if self.num_open + len(choices) > self.max_open_requests:
+            raise ApiError(
+                429,
+                f"the server is saturated ({self.num_open} requests open, at most "
+                f"{self.max_open_requests}): retry later",
+            )
+        streams: list[RequestStream] = []
+        try:
+            for ids, sampling, rid in choices:
+                streams.append(self.engine.generate(input_ids=ids, sampling=sampling, rid=rid))
+        except Exception as exc:
+            for stream in streams:
+                stream.abort()
+            raise from_engine(exc, prompt_param) from None
+        job = Job(self, public_id, streams, arrived_at, prompt_param)
+        self.jobs[public_id] = job
+        return job
+
+    def abort(self, rid: str) -> int:
+        """Abort the job with this public id, or the one engine request with this rid."""
+        job = self.jobs.get(rid)
+        if job is not None:
+            return job.abort()
+        for job in self.jobs.values():
+            for stream in job.streams:
+                if stream.rid == rid and not stream.ended:
+                    stream.abort()
+                    return 1
+        return 0
+
+    def abort_all(self) -> int:
+        return sum(job.abort() for job in list(self.jobs.values()))
+
+
+class Job:
+    """One HTTP request's engine requests (n choices, or a batch of prompts)."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        public_id: str,
+        streams: list[RequestStream],
+        arrived_at: float,
+        prompt_param: str,
+    ) -> None:
+        self.gateway = gateway
+        self.public_id = public_id
+        self.streams = streams
+        self.timers = [gateway.metrics.timer(arrived_at) for _ in streams]
+        self.prompt_param = prompt_param
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every choice's Deltas then its Completion, interleaved as they come.
+
+        Raises ApiError if a request fails (bad input found by the engine: 400; engine dead:
+        503); the others are aborted when the job is left.
+        """
+        if len(self.streams) == 1:
+            async for event in self._pump(0):
+                yield event
+            return
+        queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+        self.tasks = [
+            asyncio.create_task(self._feed(i, queue), name=f"shoal-http-{self.streams[i].rid}")
+            for i in range(len(self.streams))
+        ]
+        remaining = len(self.streams)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item[1], Completion):
+                remaining -= 1
+            yield item
+
+    async def results(self) -> list[Completion]:
+        done: dict[int, Completion] = {}
+        async for index, event in self.events():
+            if isinstance(event, Completion):
+                done[index] = event
+        return [done[i] for i in range(len(self.streams))]
+
+    async def _pump(self, index: int) -> AsyncIterator[Event]:
+        stream, timer = self.streams[index], self.timers[index]
+        try:
+            async for delta in stream:
+                timer.tokens(len(delta.token_ids))
+                yield index, delta
+            completion = await stream.result()
+        except Exception as exc:
+            error = from_engine(exc, self.prompt_param)
+            timer.failed(counted=error.status >= 500)  # input the engine refused: not counted
+            raise error from None
+        timer.finish(completion)
+        yield index, completion
+
+    async def _feed(self, index: int, queue: asyncio.Queue[Event | BaseException]) -> None:
+        try:
+            async for event in self._pump(index):
+                queue.put_nowait(event)
+        except ApiError as exc:
+            queue.put_nowait(exc)
+
+    def abort(self) -> int:
+        live = [stream for stream in self.streams if not stream.ended]
+        for stream in live:
+            stream.abort()
+        return len(live)
+
+    async def __aenter__(self) -> Job:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.abort()
+        for task in self.tasks:
+            task.cancel()
+        for stream, timer in zip(self.streams, self.timers, strict=True):
+            if not timer.done:  # abandoned (client gone, failure): count it when it ends
+                task = asyncio.get_running_loop().create_task(_record_late(stream, timer))
+                self.gateway.late.add(task)
+                task.add_done_callback(self.gateway.late.discard)
+        if self.gateway.jobs.get(self.public_id) is self:
+            del self.gateway.jobs[self.public_id]
+
+
+async def _record_late(stream: RequestStream, timer: RequestTimer, timeout_s: float = 60.0) -> None:
+    """An abandoned request's Completion still comes (its abort is in flight): record it."""
+    try:
+        completion = await asyncio.wait_for(stream.result(), timeout_s)
+    except asyncio.CancelledError:
+        timer.gone()
+        raise
+    except Exception:  # the engine died or never answered: it ended without a Completion
+        timer.gone()
+        return
+    timer.finish(completion)

@@ -1,0 +1,222 @@
+"""POST /generate, SGLang's native generation route (see http_native_protocol for the shape).
+
+One prompt answers one object (or, with "stream": true, SSE events carrying the text and
+output ids so far, the last with its finish_reason, then `data: [DONE]`); a batch of prompts
+answers a list, in order. The engine request id is the caller's `rid` when given, so
+`/abort_request {"rid": ...}` reaches it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from shoal.api.http_body import decode_body, json_response
+from shoal.api.http_errors import ApiError, bad_request
+from shoal.api.http_gateway import Choice, Gateway, Job
+from shoal.api.http_native_protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    MetaInfo,
+    NativeSampling,
+)
+from shoal.api.http_sse import open_sse, send_done, send_error, send_event
+from shoal.api.stream import Completion, Delta, TokenLogprob, Usage
+from shoal.params import MAX_TOP_LOGPROBS, SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class NativeRoutes:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/generate", self.generate)]
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        arrived_at = time.monotonic()
+        body = await decode_body(request, GenerateRequest)
+        prompts = self._prompts(body)
+        batch = len(prompts) > 1 or isinstance(body.text, list) or _nested(body.input_ids)
+        rids = self._rids(body, len(prompts), batch)
+        settings = self._settings(body, len(prompts))
+        choices: list[Choice] = []
+        for (name, ids), rid, native in zip(prompts, rids, settings, strict=True):
+            choices.append((ids, self._sampling(body, native, len(ids), name), rid))
+        if body.stream and batch:
+            raise bad_request("stream is supported for one prompt, not a batch", "stream")
+        public_id = rids[0] if not batch else f"batch-{uuid.uuid4().hex}"
+        prompt_param = prompts[0][0].split("[")[0]
+        async with self.gateway.submit(public_id, choices, arrived_at, prompt_param) as job:
+            if body.stream:
+                return await self._stream(request, body, job, len(prompts[0][1]), arrived_at)
+            completions = await job.results()
+        for completion in completions:
+            self._check_finished(completion)
+        answers = [self._answer(body, c, arrived_at, c.logprobs) for c in completions]
+        return json_response(answers if batch else answers[0])
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: GenerateRequest,
+        job: Job,
+        num_prompt: int,
+        arrived_at: float,
+    ) -> web.StreamResponse:
+        """Each event carries the text and output ids so far; the last, the finish_reason."""
+        response = await open_sse(request)
+        rid = job.streams[0].rid
+        version = self.gateway.engine.weight_version  # fixed while the request is held (law 2)
+        text = ""
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        try:
+            async for _, event in job.events():
+                if isinstance(event, Delta):
+                    text += event.text
+                    ids += event.token_ids
+                    logprobs += event.logprobs or ()
+                    usage = Usage(num_prompt, len(ids), 0)
+                    so_far = Completion(rid, text, tuple(ids), "", usage, weight_version=version)
+                    chunk = self._answer(body, so_far, arrived_at, tuple(logprobs))
+                else:
+                    self._check_finished(event)
+                    chunk = self._answer(body, event, arrived_at, event.logprobs)
+                await send_event(response, chunk)
+        except ApiError as exc:
+            job.abort()
+            await send_error(response, exc)
+        await send_done(response)
+        return response
+
+    # ---- request ---------------------------------------------------------------------------
+
+    def _prompts(self, body: GenerateRequest) -> list[tuple[str, list[int]]]:
+        if (body.text is None) == (body.input_ids is None):
+            raise bad_request("give exactly one of text or input_ids", "text")
+        gateway = self.gateway
+        if isinstance(body.text, str):
+            return [("text", gateway.encode_text(body.text, "text"))]
+        if body.text is not None:
+            if not body.text:
+                raise bad_request("text must not be an empty list", "text")
+            return [
+                (f"text[{i}]", gateway.encode_text(t, f"text[{i}]"))
+                for i, t in enumerate(body.text)
+            ]
+        ids = body.input_ids or []
+        flat = [t for t in ids if isinstance(t, int)]
+        if len(flat) == len(ids):
+            return [("input_ids", gateway.check_ids(flat, "input_ids"))]
+        nested = [t for t in ids if isinstance(t, list)]
+        if len(nested) != len(ids):
+            raise bad_request("input_ids must be a list of ids or a list of id lists", "input_ids")
+        return [
+            (f"input_ids[{i}]", gateway.check_ids(t, f"input_ids[{i}]"))
+            for i, t in enumerate(nested)
+        ]
+
+    def _rids(self, body: GenerateRequest, count: int, batch: bool) -> list[str]:
+        rid = body.rid
+        if rid is None:
+            return [f"gen-{uuid.uuid4().hex}" for _ in range(count)]
+        rids = [rid] if isinstance(rid, str) else rid
+        if isinstance(rid, str) and batch:
+            raise bad_request("a batch needs a list of rids, one per prompt", "rid")
+        if len(rids) != count or len(set(rids)) != count or not all(rids):
+            raise bad_request(f"rid must give {count} distinct non-empty ids", "rid")
+        return rids
+
+    def _settings(self, body: GenerateRequest, count: int) -> list[NativeSampling]:
+        given = body.sampling_params
+        if given is None:
+            return [NativeSampling()] * count
+        if isinstance(given, NativeSampling):
+            return [given] * count
+        if len(given) != count:
+            raise bad_request(f"sampling_params must give {count} entries", "sampling_params")
+        return list(given)
+
+    def _sampling(
+        self, body: GenerateRequest, native: NativeSampling, num_prompt: int, prompt_param: str
+    ) -> SamplingParams:
+        top = body.top_logprobs_num or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
+                "top_logprobs_num",
+            )
+        max_tokens = native.max_new_tokens
+        max_tokens = DEFAULT_MAX_NEW_TOKENS if max_tokens is None else max_tokens
+        if native.max_new_tokens is None:
+            max_tokens = min(max_tokens, max(1, self.gateway.context_length - num_prompt))
+        field = "sampling_params.max_new_tokens"
+        max_new = self.gateway.budget(num_prompt, max_tokens, field, prompt_param)
+        fields = {
+            k: v
+            for k, v in msgspec.structs.asdict(native).items()
+            if v is not None and k in SamplingParams.__struct_fields__
+        }
+        if isinstance(native.stop, str):
+            fields["stop"] = (native.stop,)
+        if native.sampling_seed is not None and native.seed is None:
+            fields["seed"] = native.sampling_seed
+        fields.update(max_new_tokens=max_new, logprobs=bool(body.return_logprob), top_logprobs=top)
+        try:
+            sampling = msgspec.convert(fields, SamplingParams)
+        except msgspec.ValidationError as exc:
+            raise bad_request(f"invalid sampling_params: {exc}", "sampling_params") from None
+        names = {f: f"sampling_params.{f}" for f in SamplingParams.__struct_fields__}
+        return self.gateway.validate(sampling, names)
+
+    # ---- response --------------------------------------------------------------------------
+
+    def _answer(
+        self,
+        body: GenerateRequest,
+        c: Completion,
+        arrived_at: float,
+        logprobs: tuple[TokenLogprob, ...] | None,
+    ) -> GenerateResponse:
+        meta = MetaInfo(
+            c.rid,
+            _finish_reason(c),
+            c.usage.prompt_tokens,
+            c.usage.completion_tokens,
+            c.usage.cached_tokens,
+            c.weight_version,
+            time.monotonic() - arrived_at,
+        )
+        if body.return_logprob:
+            items = logprobs or ()
+            meta.output_token_logprobs = [(t.logprob, t.token_id, None) for t in items]
+            if body.top_logprobs_num:
+                meta.output_top_logprobs = [[(lp, i, None) for i, lp in t.top] for t in items]
+        return GenerateResponse(c.text, list(c.token_ids), meta)
+
+    def _check_finished(self, completion: Completion) -> None:
+        if completion.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {completion.message}")
+        if completion.finish_reason == "abort" and self.gateway.draining:
+            raise ApiError(503, "the server is shutting down")
+
+
+def _finish_reason(c: Completion) -> dict[str, object] | None:
+    match c.finish_reason:
+        case "":
+            return None
+        case "stop":
+            return {"type": "stop", "matched": c.matched_stop}
+        case "length":
+            return {"type": "length", "length": c.usage.completion_tokens}
+        case reason:
+            return {"type": "abort", "message": c.message or reason}
+
+
+def _nested(input_ids: list[int | list[int]] | None) -> bool:
+    return bool(input_ids) and any(isinstance(t, list) for t in input_ids or ())

@@ -1,0 +1,193 @@
+"""From an OpenAI request body to engine inputs: messages, prompts, SamplingParams, usage.
+
+Everything here raises ApiError 400 naming the OpenAI field; nothing touches the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from shoal.api.http_errors import ApiError, bad_request
+from shoal.api.http_gateway import Gateway
+from shoal.api.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+)
+from shoal.api.stream import Completion
+from shoal.params import MAX_TOP_LOGPROBS, SamplingParams
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+SEED_LIMIT = 2**63
+
+
+def check_model(requested: str | None, names: Sequence[str]) -> str:
+    """The served name to answer with; 404 model_not_found for any other name."""
+    if requested is None or requested in names:
+        return names[0]
+    raise ApiError(
+        404,
+        f"the model {requested!r} does not exist: this server serves {names[0]!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def check_n(n: int | None, max_n: int) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= max_n:
+        raise bad_request(f"n must be in [1, {max_n}], got {n}", "n")
+    return n
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools:
+            raise bad_request("tools are not supported", "tools")
+        fmt = body.response_format
+        if fmt is not None and fmt.type != "text":
+            raise bad_request(f"response_format {fmt.type!r} is not supported", "response_format")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise bad_request("echo is not supported", "echo")
+        if body.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if body.best_of is not None and body.best_of != (body.n or 1):
+            raise bad_request("best_of other than n is not supported", "best_of")
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them: role and plain-text content."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise bad_request(
+                f"messages[{i}].role must be one of {sorted(ROLES)}, got {message.role!r}",
+                f"messages[{i}].role",
+            )
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}].content[{j}]: only text parts are supported, "
+                        f"got type {part.type!r}",
+                        f"messages[{i}].content[{j}]",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def encode_prompts(
+    gateway: Gateway, prompt: str | list[str | int | list[int]]
+) -> list[tuple[str, list[int]]]:
+    """(field name, token ids) per prompt: a string, a list of strings, a list of token ids or
+    a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [("prompt", gateway.encode_text(prompt, "prompt"))]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    ints = [p for p in prompt if isinstance(p, int)]
+    if len(ints) == len(prompt):
+        return [("prompt", gateway.check_ids(ints, "prompt"))]
+    out = []
+    for i, p in enumerate(prompt):
+        name = f"prompt[{i}]"
+        if isinstance(p, str) and isinstance(prompt[0], str):
+            out.append((name, gateway.encode_text(p, name)))
+        elif isinstance(p, list) and isinstance(prompt[0], list):
+            out.append((name, gateway.check_ids(p, name)))
+        else:
+            raise bad_request(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists (not a mix)",
+                name,
+            )
+    return out
+
+
+def chat_logprobs_wanted(body: ChatCompletionRequest) -> tuple[bool, int]:
+    top = body.top_logprobs or 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs"
+        )
+    if top and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    return bool(body.logprobs), top
+
+
+def completion_logprobs_wanted(body: CompletionRequest) -> tuple[bool, int]:
+    if body.logprobs is None:
+        return False, 0
+    if not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs"
+        )
+    return True, body.logprobs
+
+
+def sampling_params(
+    gateway: Gateway,
+    body: SamplingFields,
+    max_new_tokens: int,
+    max_field: str,
+    logprobs: tuple[bool, int],
+) -> SamplingParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    sampling = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=_or(body.min_tokens, 0),
+        temperature=_or(body.temperature, 1.0),
+        top_p=_or(body.top_p, 1.0),
+        top_k=_or(body.top_k, -1),
+        min_p=_or(body.min_p, 0.0),
+        repetition_penalty=_or(body.repetition_penalty, 1.0),
+        frequency_penalty=_or(body.frequency_penalty, 0.0),
+        presence_penalty=_or(body.presence_penalty, 0.0),
+        seed=body.seed,
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=_or(body.ignore_eos, False),
+        skip_special_tokens=_or(body.skip_special_tokens, True),
+        logprobs=logprobs[0],
+        top_logprobs=logprobs[1],
+    )
+    names = {"max_new_tokens": max_field, "min_new_tokens": "min_tokens"}
+    return gateway.validate(sampling, names)
+
+
+def for_choice(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of n samples with seed + i, so n seeded choices differ yet are reproducible."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + index) % SEED_LIMIT)
+
+
+def usage(completions: Sequence[Completion], n: int) -> UsageInfo:
+    """Prompt tokens once per prompt (n choices share it), completion tokens for all."""
+    prompt = cached = generated = 0
+    for start in range(0, len(completions), n):
+        group = completions[start : start + n]
+        prompt += group[0].usage.prompt_tokens
+        cached += min(c.usage.cached_tokens for c in group)
+        generated += sum(c.usage.completion_tokens for c in group)
+    return UsageInfo(prompt, generated, prompt + generated, PromptTokensDetails(cached))
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value

@@ -1,0 +1,164 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each generation handler validates everything before the engine sees it (400 naming the
+field), submits n choices per prompt as separate engine requests through the gateway, and
+answers one JSON body or an SSE stream that always ends `data: [DONE]`. A choice that ends
+because the engine failed answers 500 (an error event when streaming); one cut short by the
+server shutting down answers 503; one aborted through /abort_request has finish_reason
+"abort".
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from shoal.api.http_body import decode_body, json_response
+from shoal.api.http_errors import ApiError
+from shoal.api.http_gateway import Choice, Gateway, Job
+from shoal.api.http_sse import open_sse, send_done, send_error, send_event
+from shoal.api.openai_formats import ChatFormat, Format, TextFormat
+from shoal.api.openai_logprobs import TokenBytes
+from shoal.api.openai_params import (
+    chat_logprobs_wanted,
+    chat_messages,
+    check_model,
+    check_n,
+    completion_logprobs_wanted,
+    encode_prompts,
+    for_choice,
+    refuse_unsupported,
+    sampling_params,
+    usage,
+)
+from shoal.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from shoal.api.stream import Completion, Delta
+
+
+class OpenAIRoutes:
+    def __init__(self, gateway: Gateway, model_names: Sequence[str], max_n: int) -> None:
+        assert model_names, "serve at least one model name"
+        self.gateway = gateway
+        self.model_names = list(model_names)
+        self.max_n = max_n
+        self.tokens = TokenBytes(gateway.engine.tokenizer)
+        self.created = int(time.time())
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models),
+        ]
+
+    async def models(self, request: web.Request) -> web.Response:
+        engine = self.gateway.engine
+        assert engine.loaded is not None
+        root = str(engine.loaded.path)
+        context = self.gateway.context_length
+        cards = [ModelCard(name, self.created, "shoal", root, context) for name in self.model_names]
+        return json_response(ModelList(cards))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        arrived_at = time.monotonic()
+        body = await decode_body(request, ChatCompletionRequest)
+        model = check_model(body.model, self.model_names)
+        refuse_unsupported(body)
+        gateway = self.gateway
+        ids = gateway.encode_messages(chat_messages(body.messages))
+        max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, field = body.max_tokens, "max_tokens"
+        max_new = gateway.budget(len(ids), max_tokens, field, "messages")
+        logprobs = chat_logprobs_wanted(body)
+        sampling = sampling_params(gateway, body, max_new, field, logprobs)
+        n = check_n(body.n, self.max_n)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = [(ids, for_choice(sampling, i), f"{rid}-{i}") for i in range(n)]
+        fmt = ChatFormat(rid, int(time.time()), model, logprobs, self.tokens)
+        return await self._answer(request, body, rid, choices, n, fmt, arrived_at, "messages")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrived_at = time.monotonic()
+        body = await decode_body(request, CompletionRequest)
+        model = check_model(body.model, self.model_names)
+        refuse_unsupported(body)
+        gateway = self.gateway
+        prompts = encode_prompts(gateway, body.prompt)
+        logprobs = completion_logprobs_wanted(body)
+        n = check_n(body.n, self.max_n)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        choices: list[Choice] = []
+        for name, ids in prompts:
+            max_new = gateway.budget(len(ids), body.max_tokens, "max_tokens", name)
+            sampling = sampling_params(gateway, body, max_new, "max_tokens", logprobs)
+            choices += [
+                (ids, for_choice(sampling, i), f"{rid}-{len(choices) + i}") for i in range(n)
+            ]
+        fmt = TextFormat(rid, int(time.time()), model, logprobs, self.tokens)
+        return await self._answer(request, body, rid, choices, n, fmt, arrived_at, "prompt")
+
+    # ---- answering ---------------------------------------------------------------------------
+
+    async def _answer(
+        self,
+        request: web.Request,
+        body: SamplingFields,
+        rid: str,
+        choices: list[Choice],
+        n: int,
+        fmt: Format,
+        arrived_at: float,
+        prompt_param: str,
+    ) -> web.StreamResponse:
+        async with self.gateway.submit(rid, choices, arrived_at, prompt_param) as job:
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return await self._stream(request, job, fmt, n, include_usage)
+            completions = await job.results()
+            for completion in completions:
+                self._check_finished(completion)
+            return json_response(fmt.whole(completions, usage(completions, n)))
+
+    async def _stream(
+        self, request: web.Request, job: Job, fmt: Format, n: int, include_usage: bool
+    ) -> web.StreamResponse:
+        response = await open_sse(request)
+        finished: dict[int, Completion] = {}
+        try:
+            for index in range(len(job.streams)):
+                first = fmt.first(index)
+                if first is not None:
+                    await send_event(response, first)
+            async for index, event in job.events():
+                if isinstance(event, Delta):
+                    chunk = fmt.delta(index, event)
+                    if chunk is not None:
+                        await send_event(response, chunk)
+                else:
+                    self._check_finished(event)
+                    finished[index] = event
+                    await send_event(response, fmt.finish(index, event))
+            if include_usage:
+                done = [finished[i] for i in range(len(job.streams))]
+                await send_event(response, fmt.usage_chunk(usage(done, n)))
+        except ApiError as exc:
+            job.abort()
+            await send_error(response, exc)
+        await send_done(response)
+        return response
+
+    def _check_finished(self, completion: Completion) -> None:
+        if completion.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {completion.message}")
+        if completion.finish_reason == "abort" and self.gateway.draining:
+            raise ApiError(503, "the server is shutting down")

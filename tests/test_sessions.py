@@ -1,0 +1,179 @@
+"""Streaming sessions on the Engine: KV kept across turns, prefill of only the new tokens,
+turn-by-turn equality with a stateless request on the full history, rollback, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from conftest import EngineFactory, Reference
+
+from shoal import Engine
+
+
+def greedy(n: int) -> dict[str, object]:
+    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+async def released(engine: Engine) -> dict[str, int]:
+    await engine.wait_idle()
+    return await engine.cache_stats()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+async def test_thirty_turns_equal_stateless_requests_on_the_full_history(
+    make_engine: EngineFactory, tiny_reference: Reference, page_size: int
+) -> None:
+    engine = await make_engine(page_size=page_size, kv_cache_tokens=4096)
+    rng = random.Random(page_size)
+    history: list[int] = []
+    cached = []
+    async with await engine.open_session() as session:
+        for turn in range(30):
+            out = 3
+            # Land the history after this turn's input on a page boundary, one before or after.
+            target = (len(history) // page_size + 1) * page_size + (turn % 3 - 1)
+            new_len = max(1, target - len(history))
+            new = [rng.randrange(3, 500) for _ in range(new_len)]
+            done = await session.turn(input_ids=new, **greedy(out)).result()
+            expected = tiny_reference.greedy(history + new, out, True)
+            assert list(done.token_ids) == expected, f"turn {turn}"
+            assert done.usage.prompt_tokens == len(history) + new_len
+            cached.append(done.usage.cached_tokens)
+            if history:
+                assert done.usage.cached_tokens >= len(history) - 1
+            history += new + list(done.token_ids)
+    assert cached == sorted(cached) and cached[-1] > 100
+    stats = await released(engine)
+    assert stats["session_pages"] == 0 and stats["locked_pages"] == 0
+
+
+async def test_an_aborted_turn_rolls_back_and_the_next_turn_is_correct(
+    make_engine: EngineFactory, tiny_reference: Reference
+) -> None:
+    engine = await make_engine(page_size=4)
+    session = await engine.open_session()
+    first = [5, 6, 7, 8, 9, 10, 11]
+    done = await session.turn(input_ids=first, **greedy(5)).result()
+    history = first + list(done.token_ids)
+    stream = session.turn(input_ids=[40, 41, 42], **greedy(300))
+    async for _ in stream:
+        stream.abort()
+    assert (await stream.result()).finish_reason == "abort"
+    after = await session.turn(input_ids=[50, 51], **greedy(6)).result()
+    assert list(after.token_ids) == tiny_reference.greedy([*history, 50, 51], 6, True)
+    assert after.usage.cached_tokens >= len(history) - 1
+    await session.close()
+
+
+async def test_one_turn_at_a_time(make_engine: EngineFactory, tiny_reference: Reference) -> None:
+    engine = await make_engine()
+    session = await engine.open_session()
+    first = session.turn(input_ids=[5, 6, 7], **greedy(40))
+    second = session.turn(input_ids=[8], **greedy(3))
+    with pytest.raises(ValueError, match="one turn at a time"):
+        await second.result()
+    assert list((await first.result()).token_ids) == tiny_reference.greedy([5, 6, 7], 40, True)
+    # Right after a turn ends (its KV may still be on its way back), the next one is fine.
+    third = await session.turn(input_ids=[8], **greedy(3)).result()
+    assert third.finish_reason == "length"
+    await session.close()
+
+
+async def test_close_during_a_turn_waits_for_it_then_releases_everything(
+    make_engine: EngineFactory,
+) -> None:
+    engine = await make_engine(page_size=4)
+    start = await released(engine)
+    session = await engine.open_session()
+    stream = session.turn(input_ids=list(range(5, 30)), **greedy(30))
+    await asyncio.sleep(0.01)
+    await session.close()
+    assert (await stream.result()).finish_reason == "length"
+    with pytest.raises(ValueError, match="not open"):
+        await session.turn(input_ids=[5], **greedy(2)).result()
+    end = await released(engine)
+    assert end["session_pages"] == end["locked_pages"] == end["request_pages"] == 0
+    assert end["free_pages"] + end["evictable_pages"] == start["free_pages"]
+
+
+async def test_an_idle_session_is_reaped_after_its_timeout(make_engine: EngineFactory) -> None:
+    engine = await make_engine(page_size=4)
+    session = await engine.open_session(timeout_s=0.2)
+    await session.turn(input_ids=list(range(5, 20)), **greedy(4)).result()
+    assert (await released(engine))["session_pages"] + (await engine.cache_stats())[
+        "locked_pages"
+    ] > 0
+    await asyncio.sleep(0.5)
+    stats = await engine.cache_stats()
+    assert stats["session_pages"] == stats["locked_pages"] == 0
+    with pytest.raises(ValueError, match="not open"):
+        await session.turn(input_ids=[5], **greedy(2)).result()
+
+
+async def test_session_limits(make_engine: EngineFactory) -> None:
+    engine = await make_engine(max_sessions=2)
+    a = await engine.open_session(session_id="a")
+    with pytest.raises(ValueError, match="already open"):
+        await engine.open_session(session_id="a")
+    await engine.open_session(session_id="b")
+    with pytest.raises(ValueError, match="too many"):
+        await engine.open_session()
+    capped = await engine.close_session("b") or await engine.open_session(max_tokens=20)
+    with pytest.raises(ValueError, match="max_tokens"):
+        await capped.turn(input_ids=list(range(5, 20)), **greedy(10)).result()
+    await a.close()
+    await capped.close()
+
+
+async def test_message_turns_apply_the_template_incrementally(
+    make_engine: EngineFactory,
+) -> None:
+    """The history's tokens decode to the template applied to the whole conversation."""
+    engine = await make_engine()
+    tok = engine.tokenizer
+    session = await engine.open_session()
+    history: list[dict[str, str]] = []
+    for turn, text in enumerate(("Hello there", "Tell me more", "Thanks", "Bye now")):
+        message = {"role": "user", "content": text}
+        done = await session.turn(
+            messages=[message], max_new_tokens=4 + turn, temperature=0.0
+        ).result()
+        history.append(message)
+        await engine.wait_idle()  # the history is committed when the turn's KV is released
+        tokens = engine.actors.tokenizer.sessions[session.id].tokens
+        prompt = tok.decode(tokens[: done.usage.prompt_tokens], skip_special_tokens=False)
+        expected = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        assert prompt == expected, f"turn {turn}"
+        # The reply as the model emitted it (special tokens included, its end-of-turn not).
+        raw = tok.decode(list(done.token_ids), skip_special_tokens=False)
+        history.append({"role": "assistant", "content": raw.removesuffix("<|im_end|>")})
+    await session.close()
+
+
+async def test_sessions_under_memory_pressure_with_other_traffic(
+    make_engine: EngineFactory, tiny_reference: Reference
+) -> None:
+    engine = await make_engine(page_size=4, kv_cache_tokens=700, chunk_size=32)
+    rng = random.Random(5)
+
+    async def converse(index: int) -> None:
+        history: list[int] = []
+        async with await engine.open_session() as session:
+            for turn in range(20):
+                new = [rng.randrange(3, 500) for _ in range(rng.randint(1, 6))]
+                done = await session.turn(input_ids=new, **greedy(2)).result()
+                expected = tiny_reference.greedy(history + new, 2, True)
+                assert list(done.token_ids) == expected, f"session {index} turn {turn}"
+                history += new + list(done.token_ids)
+
+    async def traffic() -> None:
+        for i in range(30):
+            ids = [rng.randrange(3, 500) for _ in range(rng.randint(5, 60))]
+            done = await engine.generate(input_ids=ids, **greedy(4)).result()
+            assert list(done.token_ids) == tiny_reference.greedy(ids, 4, True), f"request {i}"
+
+    await asyncio.gather(*(converse(i) for i in range(8)), traffic(), traffic())
+    stats = await released(engine)
+    assert stats["session_pages"] == stats["locked_pages"] == 0
