@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.actors.messages import EndSession, Generate
+from shoal.actors.mailbox import Mailbox
+from shoal.actors.messages import CacheMsg, CloseSession, EndSession, Generate, OpenSession
 
 
 @dataclass
@@ -80,3 +82,130 @@ def completed_messages(
     emitted_tail = emitted[len(reply) :] if emitted.startswith(reply) else ""
     closing = suffix[len(emitted_tail) :] if suffix.startswith(emitted_tail) else suffix
     return history, closing
+
+
+class SessionBook:
+    """Every open session of the tokenizer actor, and the rules of their turns."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_sessions: int,
+        validate: Callable[[list[int], int], None],
+        admit: Callable[[Generate, SessionState], None],
+        cache: Mailbox[CacheMsg],
+        expire: Callable[[EndSession], None],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_sessions = max_sessions
+        self.validate = validate
+        self.admit = admit
+        self.cache = cache
+        self.expire = expire
+        self.states: dict[str, SessionState] = {}
+        self.turn_of: dict[str, str] = {}  # a live turn's request id -> its session
+
+    def open(self, msg: OpenSession) -> str | None:
+        """None, or why the session cannot be opened."""
+        if msg.session_id in self.states:
+            return f"session {msg.session_id!r} is already open"
+        if len(self.states) >= self.max_sessions:
+            return f"too many open sessions (the cap is {self.max_sessions})"
+        state = SessionState(msg.session_id, msg.timeout_s, msg.max_tokens)
+        self.states[msg.session_id] = state
+        self.arm_timer(state)
+        return None
+
+    def turn(self, gen: Generate) -> None:
+        assert gen.session_id is not None
+        state = self.states.get(gen.session_id)
+        if state is None or state.closing is not None:
+            gen.stream.fail(ValueError(f"session {gen.session_id!r} is not open"))
+        elif state.turn is not None and state.stream_open:
+            gen.stream.fail(
+                ValueError(
+                    f"session {gen.session_id!r} already has a turn in progress: one turn at a time"
+                )
+            )
+        elif state.turn is not None:
+            state.queued.append(gen)  # the last turn ended; its KV is still being handed back
+        else:
+            self.admit(gen, state)
+
+    def prompt(self, state: SessionState, gen: Generate) -> list[int]:
+        """The whole history plus this turn's input, checked."""
+        new = turn_input_ids(self.tokenizer, state, gen)
+        if not new:
+            raise ValueError("the turn adds no tokens")
+        ids = state.tokens + new
+        self.validate(ids, gen.sampling.max_new_tokens)
+        cap = state.max_tokens
+        if cap is not None and len(ids) + gen.sampling.max_new_tokens > cap:
+            raise ValueError(
+                f"the session would reach {len(ids) + gen.sampling.max_new_tokens} tokens, "
+                f"over its max_tokens {cap}"
+            )
+        return ids
+
+    def started(self, state: SessionState, gen: Generate, ids: list[int]) -> None:
+        state.turn, state.stream_open = gen.rid, True
+        state.turn_prompt, state.turn_gen = ids, gen
+        self.turn_of[gen.rid] = state.session_id
+        if state.timer is not None:
+            state.timer.cancel()
+
+    def ended(self, state: SessionState, reply: str, output_ids: list[int], reason: str) -> None:
+        """The turn's stream ended: a completed turn becomes history once released."""
+        state.stream_open = False
+        if reason in ("stop", "length") and state.turn_gen is not None:
+            messages, closing = completed_messages(
+                self.tokenizer, state, state.turn_gen, reply, output_ids
+            )
+            state.pending = (state.turn_prompt + output_ids, messages, closing)
+
+    def released(self, rid: str) -> None:
+        sid = self.turn_of.pop(rid, None)
+        state = self.states.get(sid) if sid is not None else None
+        if state is None:
+            return
+        if state.pending is not None:
+            state.tokens, state.messages, state.closing_text = state.pending
+        state.turn, state.pending, state.turn_gen = None, None, None
+        if state.closing is not None:
+            self.close(state)
+        elif state.queued:
+            self.turn(state.queued.popleft())
+        else:
+            self.arm_timer(state)
+
+    def end(self, msg: EndSession) -> None:
+        state = self.states.get(msg.session_id)
+        if state is None:
+            if msg.reply is not None and not msg.reply.done():
+                msg.reply.set_result(f"session {msg.session_id!r} is not open")
+            return
+        if state.turn is None:
+            self.close(state, msg)
+        elif msg.reason != "timeout":  # a live turn is never reaped; close when it ends
+            state.closing = msg
+
+    def close(self, state: SessionState, msg: EndSession | None = None) -> None:
+        msg = msg or state.closing
+        del self.states[state.session_id]
+        if state.timer is not None:
+            state.timer.cancel()
+        for gen in state.queued:
+            gen.stream.fail(ValueError(f"session {state.session_id!r} was closed"))
+        self.cache.put(CloseSession(state.session_id))
+        if msg is not None and msg.reply is not None and not msg.reply.done():
+            msg.reply.set_result(None)
+
+    def arm_timer(self, state: SessionState) -> None:
+        loop = asyncio.get_running_loop()
+        timeout = EndSession(state.session_id, "timeout")
+        state.timer = loop.call_later(state.timeout_s, self.expire, timeout)
+
+    def shutdown(self) -> None:
+        for state in self.states.values():
+            if state.timer is not None:
+                state.timer.cancel()

@@ -13,25 +13,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.actors.detokenize import IncrementalDetokenizer
+from shoal.actors.encode import check_prompt, encode_prompt
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     Abort,
     Admit,
     Advance,
     CacheMsg,
-    CloseSession,
     Deliver,
     EndSession,
     ExecutorMsg,
-    FlushCache,
     FlushWhenIdle,
     Gate,
     Generate,
-    LoadWeights,
     OpenSession,
     Output,
     Outputs,
-    Park,
     Pause,
     Released,
     SchedulerMsg,
@@ -42,9 +39,9 @@ from shoal.actors.messages import (
     UpdateWeights,
     WriteDone,
 )
-from shoal.actors.sessions import SessionState, completed_messages, turn_input_ids
+from shoal.actors.sessions import SessionBook, SessionState
 from shoal.actors.stops import StopMatcher
-from shoal.actors.update_lock import UpdateLock
+from shoal.actors.update_lock import UpdateLock, write_weights
 from shoal.api.stream import Completion, Delta, RequestStream, TokenLogprob, Usage
 
 
@@ -86,9 +83,9 @@ class Tokenizer:
         self.live: dict[str, Live] = {}
         self.lock = UpdateLock()
         self.paused = False
-        self.max_sessions = max_sessions
-        self.sessions: dict[str, SessionState] = {}
-        self.turn_of: dict[str, str] = {}  # live turn's request id -> its session
+        self.sessions = SessionBook(
+            tokenizer, max_sessions, self.validate, self.admit, cache, mailbox.put
+        )
         self.writing: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
@@ -110,11 +107,11 @@ class Tokenizer:
                 case Released(rids=rids):
                     self.lock.readers.difference_update(rids)
                     for rid in rids:
-                        self.turn_released(rid)
+                        self.sessions.released(rid)
                 case OpenSession() as opening:
-                    _answer(opening.reply, self.open_session(opening))
+                    _answer(opening.reply, self.sessions.open(opening))
                 case EndSession() as ending:
-                    self.end_session(ending)
+                    self.sessions.end(ending)
                 case UpdateWeights() as update:
                     self.lock.writers.append(update)
                     if update.abort_all:
@@ -134,9 +131,7 @@ class Tokenizer:
                 case Shutdown():
                     if self.writing is not None:
                         self.writing.cancel()
-                    for state in self.sessions.values():
-                        if state.timer is not None:
-                            state.timer.cancel()
+                    self.sessions.shutdown()
                     return
             self.maybe_write()
 
@@ -145,122 +140,15 @@ class Tokenizer:
     def maybe_write(self) -> None:
         start = self.lock.next_writer(self.paused)
         if start is not None:
-            writer, park = start
-            self.writing = asyncio.create_task(self.write(writer, park))
+            self.writing = asyncio.create_task(self.write(*start))
 
     async def write(self, writer: UpdateWeights, park: bool) -> None:
-        """Park (if paused), load, flush; report back through the mailbox."""
-        loop = asyncio.get_running_loop()
-        error: str | None = None
+        """Run the writer's work; report back through the mailbox whatever happens."""
+        error: str | None = "the weight update was interrupted"
         try:
-            if park:
-                parked: asyncio.Future[Any] = loop.create_future()
-                self.scheduler.put(Park(parked))
-                await parked
-            loaded: asyncio.Future[Any] = loop.create_future()
-            self.executor.put(LoadWeights(writer.model_path, loaded))
-            error = await loaded
-            if error is None:
-                flushed: asyncio.Future[Any] = loop.create_future()
-                self.cache.put(FlushCache(flushed))
-                error = await flushed
+            error = await write_weights(writer, park, self.scheduler, self.executor, self.cache)
         finally:
             self.mailbox.put(WriteDone(error))
-
-    # ---- sessions -------------------------------------------------------------------------
-
-    def open_session(self, msg: OpenSession) -> str | None:
-        """None, or why the session cannot be opened."""
-        if msg.session_id in self.sessions:
-            return f"session {msg.session_id!r} is already open"
-        if len(self.sessions) >= self.max_sessions:
-            return f"too many open sessions (the cap is {self.max_sessions})"
-        state = SessionState(msg.session_id, msg.timeout_s, msg.max_tokens)
-        self.sessions[msg.session_id] = state
-        self.arm_timer(state)
-        return None
-
-    def session_turn(self, gen: Generate) -> None:
-        assert gen.session_id is not None
-        state = self.sessions.get(gen.session_id)
-        if state is None or state.closing is not None:
-            gen.stream.fail(ValueError(f"session {gen.session_id!r} is not open"))
-        elif state.turn is not None and state.stream_open:
-            gen.stream.fail(
-                ValueError(
-                    f"session {gen.session_id!r} already has a turn in progress: one turn at a time"
-                )
-            )
-        elif state.turn is not None:
-            state.queued.append(gen)  # the last turn ended; its KV is still being handed back
-        else:
-            self.admit(gen, state)
-
-    def session_prompt(self, state: SessionState, gen: Generate) -> list[int]:
-        new = turn_input_ids(self.tokenizer, state, gen)
-        if not new:
-            raise ValueError("the turn adds no tokens")
-        ids = state.tokens + new
-        self.validate(ids, gen.sampling.max_new_tokens)
-        cap = state.max_tokens
-        if cap is not None and len(ids) + gen.sampling.max_new_tokens > cap:
-            raise ValueError(
-                f"the session would reach {len(ids) + gen.sampling.max_new_tokens} tokens, "
-                f"over its max_tokens {cap}"
-            )
-        return ids
-
-    def turn_ended(self, state: SessionState, live: Live, reason: str) -> None:
-        """The turn's stream ended: a completed turn becomes history once released."""
-        state.stream_open = False
-        if reason in ("stop", "length") and state.turn_gen is not None:
-            reply = "".join(live.text)
-            messages, closing = completed_messages(
-                self.tokenizer, state, state.turn_gen, reply, live.output_ids
-            )
-            state.pending = (state.turn_prompt + live.output_ids, messages, closing)
-
-    def turn_released(self, rid: str) -> None:
-        sid = self.turn_of.pop(rid, None)
-        state = self.sessions.get(sid) if sid is not None else None
-        if state is None:
-            return
-        if state.pending is not None:
-            state.tokens, state.messages, state.closing_text = state.pending
-        state.turn, state.pending, state.turn_gen = None, None, None
-        if state.closing is not None:
-            self.close_session(state)
-        elif state.queued:
-            self.session_turn(state.queued.popleft())
-        else:
-            self.arm_timer(state)
-
-    def end_session(self, msg: EndSession) -> None:
-        state = self.sessions.get(msg.session_id)
-        if state is None:
-            if msg.reply is not None:
-                _answer(msg.reply, f"session {msg.session_id!r} is not open")
-            return
-        if state.turn is None:
-            self.close_session(state, msg)
-        elif msg.reason != "timeout":  # a live turn is never reaped; close when it ends
-            state.closing = msg
-
-    def close_session(self, state: SessionState, msg: EndSession | None = None) -> None:
-        msg = msg or state.closing
-        del self.sessions[state.session_id]
-        if state.timer is not None:
-            state.timer.cancel()
-        for gen in state.queued:
-            gen.stream.fail(ValueError(f"session {state.session_id!r} was closed"))
-        self.cache.put(CloseSession(state.session_id))
-        if msg is not None and msg.reply is not None:
-            _answer(msg.reply, None)
-
-    def arm_timer(self, state: SessionState) -> None:
-        loop = asyncio.get_running_loop()
-        timeout = EndSession(state.session_id, "timeout")
-        state.timer = loop.call_later(state.timeout_s, self.mailbox.put, timeout)
 
     def abort_queued(self, rid: str, message: str) -> None:
         for gen in self.lock.queued:
@@ -273,47 +161,25 @@ class Tokenizer:
     # ---- in --------------------------------------------------------------------------------
 
     def encode(self, gen: Generate) -> list[int]:
-        if gen.input_ids is not None:
-            ids = list(gen.input_ids)
-        elif gen.messages is not None:
-            if not gen.messages:
-                raise ValueError("messages must not be empty")
-            text = self.tokenizer.apply_chat_template(
-                list(gen.messages), add_generation_prompt=True, tokenize=False
-            )
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif gen.text is not None:
-            ids = self.tokenizer.encode(gen.text)
-        else:
-            raise ValueError("one of prompt, input_ids or messages is required")
+        ids = encode_prompt(self.tokenizer, gen.text, gen.input_ids, gen.messages)
         self.validate(ids, gen.sampling.max_new_tokens)
         return ids
 
     def validate(self, ids: list[int], max_new_tokens: int) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids contain ids outside the vocabulary: {bad[:5]}")
-        limit = self.context_length
-        if len(ids) + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens plus max_new_tokens "
-                f"{max_new_tokens} exceeds the context length {limit}"
-            )
+        check_prompt(ids, max_new_tokens, self.vocab_size, self.context_length)
 
     def dispatch(self, gen: Generate) -> None:
         if gen.session_id is None:
             self.admit(gen)
         else:
-            self.session_turn(gen)
+            self.sessions.turn(gen)
 
     def admit(self, gen: Generate, session: SessionState | None = None) -> None:
         if gen.rid in self.live or gen.rid in self.lock.readers:
             gen.stream.fail(ValueError(f"request id {gen.rid!r} is already in use"))
             return
         try:
-            ids = self.encode(gen) if session is None else self.session_prompt(session, gen)
+            ids = self.encode(gen) if session is None else self.sessions.prompt(session, gen)
         except ValueError as exc:
             gen.stream.fail(exc)
             return
@@ -328,11 +194,7 @@ class Tokenizer:
         prev_len = 0
         if session is not None:
             live.session, prev_len = session, len(session.tokens)
-            session.turn, session.stream_open = gen.rid, True
-            session.turn_prompt, session.turn_gen = ids, gen
-            self.turn_of[gen.rid] = session.session_id
-            if session.timer is not None:
-                session.timer.cancel()
+            self.sessions.started(session, gen, ids)
         sid = session.session_id if session is not None else None
         self.scheduler.put(Admit(gen.rid, tuple(ids), sampling, seed, sid, prev_len))
 
@@ -366,7 +228,7 @@ class Tokenizer:
     def end(self, rid: str, reason: str, matched: str | int | None, message: str = "") -> None:
         live = self.live.pop(rid)
         if live.session is not None:
-            self.turn_ended(live.session, live, reason)
+            self.sessions.ended(live.session, "".join(live.text), live.output_ids, reason)
         usage = Usage(live.num_prompt, len(live.output_ids), live.num_cached_tokens)
         logprobs = tuple(live.logprobs) if live.logprobs is not None else None
         completion = Completion(

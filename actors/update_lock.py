@@ -12,10 +12,22 @@ cannot fail.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
-from shoal.actors.messages import Generate, UpdateWeights
+from shoal.actors.mailbox import Mailbox
+from shoal.actors.messages import (
+    CacheMsg,
+    ExecutorMsg,
+    FlushCache,
+    Generate,
+    LoadWeights,
+    Park,
+    SchedulerMsg,
+    UpdateWeights,
+)
 
 
 @dataclass
@@ -57,3 +69,26 @@ class UpdateLock:
         out = list(self.queued)
         self.queued.clear()
         return out
+
+
+async def write_weights(
+    writer: UpdateWeights,
+    park: bool,
+    scheduler: Mailbox[SchedulerMsg],
+    executor: Mailbox[ExecutorMsg],
+    cache: Mailbox[CacheMsg],
+) -> str | None:
+    """The writer's work: park paused requests (if asked), load, flush. None, or why not."""
+    loop = asyncio.get_running_loop()
+    if park:
+        parked: asyncio.Future[Any] = loop.create_future()
+        scheduler.put(Park(parked))
+        await parked
+    loaded: asyncio.Future[Any] = loop.create_future()
+    executor.put(LoadWeights(writer.model_path, loaded))
+    error: str | None = await loaded
+    if error is None:
+        flushed: asyncio.Future[Any] = loop.create_future()
+        cache.put(FlushCache(flushed))
+        error = await flushed
+    return error

@@ -45,6 +45,16 @@ class Completion(msgspec.Struct, frozen=True):
     weight_version: int = 0  # the weights every token of this request came from
 
 
+class RequestError(ValueError):
+    """A request the engine refuses as given: `field` names the culprit, `code` is a stable
+    machine-readable kind (e.g. "context_length_exceeded")."""
+
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.field = field
+        self.code = code
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped (an actor died or it was shut down) before the request ended."""
 

@@ -142,7 +142,7 @@ async def test_message_turns_apply_the_template_incrementally(
         ).result()
         history.append(message)
         await engine.wait_idle()  # the history is committed when the turn's KV is released
-        tokens = engine.actors.tokenizer.sessions[session.id].tokens
+        tokens = engine.actors.tokenizer.sessions.states[session.id].tokens
         prompt = tok.decode(tokens[: done.usage.prompt_tokens], skip_special_tokens=False)
         expected = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
         assert prompt == expected, f"turn {turn}"
