@@ -31,7 +31,7 @@ class UpdateWeightsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     weight_version: int | None = None
 
 
-class Outcome(msgspec.Struct, frozen=True):
+class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
     success: bool
     message: str
     weight_version: int | None = None
