@@ -136,7 +136,7 @@ class Planner:
     def park_all(self) -> None:
         """Retract every request that holds KV, dropping it (weights are about to change)."""
         for req in self.holding():
-            req.drop_kv, req.finish = True, "error"
+            req.drop_kv = True
             if req.phase in (Phase.RUNNING, Phase.PREFILL):
                 req.phase = Phase.RETRACTING
         self.stalled = False
@@ -285,7 +285,7 @@ class Planner:
 
     def _requeue(self, req: Req) -> None:
         req.phase, req.row, req.release_sent = Phase.WAITING, None, False
-        req.num_launched, req.drop_kv = 0, False
+        req.num_launched, req.drop_kv, req.finish = 0, False, None
         position = sum(1 for rid in self.waiting if self.reqs[rid].order < req.order)
         self.waiting.insert(position, req.rid)
 
