@@ -51,6 +51,7 @@ class Planner:
     num_retractions: int = 0
     stalled: bool = False  # the last plan changed nothing: wait for a result or a request
     paused: bool = False  # schedule nothing new; only releases go on
+    admitting: set[str] = field(default_factory=set)  # in the outstanding plan's admits
 
     # ---- questions ------------------------------------------------------------------------
 
@@ -106,13 +107,19 @@ class Planner:
         )
         out = [] if reason == "stop" else [Output(rid, (), "abort", message or "aborted")]
         self.stalled = False
-        if req.phase is Phase.WAITING:
-            self.waiting.remove(rid)
-            del self.reqs[rid]
-            self.released.append(rid)
+        self._end(req)
+        return out
+
+    def _end(self, req: Req) -> None:
+        """Move a request to finishing; one that holds nothing is released at once. One whose
+        admission is in flight stays in `waiting` until the plan answers (law 5: it may be
+        holding a row there already)."""
+        if req.phase is Phase.WAITING and req.rid not in self.admitting:
+            self.waiting.remove(req.rid)
+            del self.reqs[req.rid]
+            self.released.append(req.rid)
         else:
             req.phase = Phase.FINISHING
-        return out
 
     def fail_all(self, message: str) -> list[Output]:
         """Executor failure: end every request with an error; their KV is not trusted."""
@@ -121,12 +128,7 @@ class Planner:
             if req.phase is not Phase.FINISHING:
                 out.append(Output(req.rid, (), "error", message))
             req.drop_kv, req.finish = True, "error"
-            if req.phase is Phase.WAITING:
-                self.waiting.remove(req.rid)
-                del self.reqs[req.rid]
-                self.released.append(req.rid)
-            else:
-                req.phase = Phase.FINISHING
+            self._end(req)
         return out
 
     def set_paused(self, paused: bool) -> None:
@@ -182,6 +184,7 @@ class Planner:
         if not (releases or extends or admits or has_prefill):
             return None
         self.plan_pending = True
+        self.admitting = {a.rid for a in admits}
         return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits))
 
     def _wants_decode(self, req: Req) -> bool:
@@ -204,16 +207,25 @@ class Planner:
         self.pressure = bool(plan.extend_failed)
         if plan.extend_failed:
             self._retract_youngest()
+        self.admitting = set()
         for adm in plan.admitted:
             req = self.reqs[adm.rid]
             self.waiting.remove(adm.rid)
-            req.phase, req.row, req.needs_init = Phase.PREFILL, adm.row, True
-            req.num_launched = adm.num_cached_tokens
+            ended = req.phase is Phase.FINISHING  # aborted while its admission was in flight
+            req.row, req.num_launched = adm.row, adm.num_cached_tokens
+            if not ended:
+                req.phase, req.needs_init = Phase.PREFILL, True
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = adm.num_cached_tokens
-        if plan.admit_failed and not self.holding():
+        for rid in plan.admit_failed:
+            if self.reqs[rid].phase is Phase.FINISHING:
+                self.waiting.remove(rid)
+                del self.reqs[rid]
+                self.released.append(rid)
+        plan_failed = [rid for rid in plan.admit_failed if rid in self.reqs]
+        if plan_failed and not self.holding():
             # Nothing else holds KV, so this request can never fit: fail it, don't hang.
-            for rid in plan.admit_failed:
+            for rid in plan_failed:
                 self.waiting.remove(rid)
                 del self.reqs[rid]
                 self.released.append(rid)

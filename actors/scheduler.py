@@ -180,10 +180,12 @@ class Scheduler:
     def _when_quiet(self) -> None:
         """Serve deferred operations; run the integrity self-check on becoming idle."""
         planner = self.planner
-        if self.parks and planner.parked:
-            for reply in self.parks:
-                _answer(reply, None)
-            self.parks.clear()
+        if self.parks:
+            planner.park_all()  # again: an admission in flight when parking began has landed
+            if planner.parked:
+                for reply in self.parks:
+                    _answer(reply, None)
+                self.parks.clear()
         idle = planner.idle
         if idle and self.flushes:
             for reply, timer in self.flushes.values():

@@ -291,3 +291,23 @@ def test_a_request_that_can_never_fit_ends_with_an_error_not_a_hang() -> None:
     sim.run()
     assert sim.finish("big") == "error"
     assert sim.released == ["big"]
+
+
+@pytest.mark.parametrize("admits", [True, False])
+def test_abort_while_the_admission_is_in_flight(admits: bool) -> None:
+    """Law 5 in the window "admission sent to the cache manager, its answer not back yet":
+    the request may already hold a row there, so it must be released, not forgotten."""
+    sim = Sim(num_rows=1, num_pages=64 if admits else 2, page_size=4)
+    sim.add("a", list(range(3, 20)), max_new_tokens=4)
+    request = sim.planner.propose(sim.step_no)
+    assert request is not None and [a.rid for a in request.admits] == ["a"]
+    sim.record(sim.planner.abort("a", "abort", "by test"))  # inside the window
+    plan = sim.cache.plan(request)
+    assert bool(plan.admitted) == admits  # the cache manager admitted it (or could not)
+    assert sim.planner.apply_plan(plan) is None  # nothing of it is launched
+    sim.record([])
+    sim.run()
+    assert [o.finish for o in sim.outputs["a"]] == ["abort"]
+    assert sim.released == ["a"]
+    stats = sim.kv.stats()
+    assert stats["free_rows"] == stats["total_rows"] and stats["request_pages"] == 0

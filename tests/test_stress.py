@@ -1,11 +1,14 @@
 """A seeded random stress against a running server: generate, stream, disconnect, abort,
 flush, update and pause/continue interleaved. It must end with no crash, nothing leaked, and
-every completed greedy request equal to its reference for the weights it ran on."""
+every completed greedy request equal to its reference for the weights it ran on.
+
+STRESS_SEED=N runs one more seed instead of the default two."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -137,7 +140,12 @@ class Stress:
                 await self.pause()
 
 
+SEEDS = [int(os.environ["STRESS_SEED"])] if "STRESS_SEED" in os.environ else [2026, 7]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 async def test_random_operations_against_a_running_server(
+    seed: int,
     serve: ServeFactory,
     tiny_folder: Path,
     other_folder: Path,
@@ -145,7 +153,7 @@ async def test_random_operations_against_a_running_server(
 ) -> None:
     served = await serve(page_size=4, chunk_size=16, kv_cache_tokens=1024)
     start = await served.engine.cache_stats()
-    stress = Stress(served.url, served.http, seed=2026)
+    stress = Stress(served.url, served.http, seed=seed)
     stress.folder_of_version[0] = tiny_folder
     folders = [tiny_folder, other_folder]
     running: set[asyncio.Task[None]] = set()
