@@ -4,7 +4,14 @@ from shoal import Engine, SamplingParams
 """
 
 from shoal.api.engine import Engine
-from shoal.api.stream import Completion, Delta, EngineDeadError, RequestStream, Usage
+from shoal.api.stream import (
+    Completion,
+    Delta,
+    EngineDeadError,
+    RequestError,
+    RequestStream,
+    Usage,
+)
 from shoal.params import SamplingParams
 
 __all__ = [
@@ -12,6 +19,7 @@ __all__ = [
     "Delta",
     "Engine",
     "EngineDeadError",
+    "RequestError",
     "RequestStream",
     "SamplingParams",
     "Usage",

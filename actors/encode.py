@@ -21,13 +21,30 @@ def encode_prompt(
     if messages is not None:
         if not messages:
             raise RequestError("messages must not be empty", "messages")
-        rendered = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
+        rendered = render_chat(tokenizer, messages, add_generation_prompt=True)
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     if text is not None:
         return list(tokenizer.encode(text))
     raise RequestError("one of prompt, input_ids or messages is required", "prompt")
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
+) -> str:
+    """The model's chat template applied to messages. A template that refuses them (its
+    `raise_exception`, a missing key) is the caller's error, never the actor's."""
+    try:
+        rendered = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # jinja2 TemplateError and whatever a template may raise
+        raise RequestError(
+            f"messages could not be formatted by the chat template: {exc}",
+            "messages",
+            "invalid_messages",
+        ) from None
+    assert isinstance(rendered, str)
+    return rendered
 
 
 def check_prompt(

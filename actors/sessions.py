@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.actors.encode import render_chat
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import CacheMsg, CloseSession, EndSession, Generate, OpenSession
+from shoal.api.stream import RequestError
 
 
 @dataclass
@@ -51,12 +53,10 @@ def turn_input_ids(tokenizer: Any, state: SessionState, gen: Generate) -> list[i
         raise ValueError("a turn needs text, input_ids or messages")
     new = list(gen.messages)
     if not state.tokens:
-        text = tokenizer.apply_chat_template(new, add_generation_prompt=True, tokenize=False)
+        text = render_chat(tokenizer, new, add_generation_prompt=True)
         return list(tokenizer.encode(text, add_special_tokens=False))
-    before = tokenizer.apply_chat_template(state.messages, tokenize=False)
-    after = tokenizer.apply_chat_template(
-        state.messages + new, add_generation_prompt=True, tokenize=False
-    )
+    before = render_chat(tokenizer, state.messages)
+    after = render_chat(tokenizer, state.messages + new, add_generation_prompt=True)
     if not state.messages or not after.startswith(before):
         raise ValueError(
             "this session's history cannot be extended with messages (its turns used text or "
@@ -74,14 +74,18 @@ def completed_messages(
     if gen.messages is None:
         return [], ""
     history = state.messages + list(gen.messages)
-    opened = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    opened = render_chat(tokenizer, history, add_generation_prompt=True)
     history = [*history, {"role": "assistant", "content": reply}]
-    closed = tokenizer.apply_chat_template(history, tokenize=False)
+    closed = render_chat(tokenizer, history)
     suffix = closed[len(opened) + len(reply) :] if closed.startswith(opened + reply) else ""
     emitted = tokenizer.decode(output_ids, skip_special_tokens=False)
     emitted_tail = emitted[len(reply) :] if emitted.startswith(reply) else ""
     closing = suffix[len(emitted_tail) :] if suffix.startswith(emitted_tail) else suffix
     return history, closing
+
+
+def not_open(session_id: str) -> RequestError:
+    return RequestError(f"session {session_id!r} is not open", "session_id", "session_not_found")
 
 
 class SessionBook:
@@ -120,13 +124,10 @@ class SessionBook:
         assert gen.session_id is not None
         state = self.states.get(gen.session_id)
         if state is None or state.closing is not None:
-            gen.stream.fail(ValueError(f"session {gen.session_id!r} is not open"))
+            gen.stream.fail(not_open(gen.session_id))
         elif state.turn is not None and state.stream_open:
-            gen.stream.fail(
-                ValueError(
-                    f"session {gen.session_id!r} already has a turn in progress: one turn at a time"
-                )
-            )
+            busy = f"session {gen.session_id!r} already has a turn in progress: one turn at a time"
+            gen.stream.fail(RequestError(busy, "session_id", "session_busy"))
         elif state.turn is not None:
             state.queued.append(gen)  # the last turn ended; its KV is still being handed back
         else:
@@ -158,9 +159,12 @@ class SessionBook:
         """The turn's stream ended: a completed turn becomes history once released."""
         state.stream_open = False
         if reason in ("stop", "length") and state.turn_gen is not None:
-            messages, closing = completed_messages(
-                self.tokenizer, state, state.turn_gen, reply, output_ids
-            )
+            try:
+                messages, closing = completed_messages(
+                    self.tokenizer, state, state.turn_gen, reply, output_ids
+                )
+            except RequestError:  # the template refuses the reply: later turns send tokens
+                messages, closing = [], ""
             state.pending = (state.turn_prompt + output_ids, messages, closing)
 
     def released(self, rid: str) -> None:
@@ -182,7 +186,7 @@ class SessionBook:
         state = self.states.get(msg.session_id)
         if state is None:
             if msg.reply is not None and not msg.reply.done():
-                msg.reply.set_result(f"session {msg.session_id!r} is not open")
+                msg.reply.set_result(str(not_open(msg.session_id)))
             return
         if state.turn is None:
             self.close(state, msg)
@@ -195,7 +199,7 @@ class SessionBook:
         if state.timer is not None:
             state.timer.cancel()
         for gen in state.queued:
-            gen.stream.fail(ValueError(f"session {state.session_id!r} was closed"))
+            gen.stream.fail(not_open(state.session_id))
         self.cache.put(CloseSession(state.session_id))
         if msg is not None and msg.reply is not None and not msg.reply.done():
             msg.reply.set_result(None)

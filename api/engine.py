@@ -36,7 +36,7 @@ from shoal.actors.messages import (
 )
 from shoal.actors.wiring import Actors, start_actors
 from shoal.api.session import Session
-from shoal.api.stream import EngineDeadError, RequestStream
+from shoal.api.stream import EngineDeadError, RequestError, RequestStream
 from shoal.config import DTYPES, EngineOptions, Resolved, resolve
 from shoal.kernels.loader import LoadedModel, load_model
 from shoal.params import SamplingParams
@@ -181,9 +181,12 @@ class Engine:
         return Session(self, session_id)
 
     async def close_session(self, session_id: str) -> None:
+        """Close a session (after its live turn ends). RequestError if it is not open."""
         reply = self._future()
         self.actors.tokenizer_box.put(EndSession(session_id, "close", reply))
-        await reply
+        error = await reply
+        if error is not None:
+            raise RequestError(error, "session_id", "session_not_found")
 
     # ---- lifecycle operations (DESIGN.md, "Model updates and cache flush") -----------------
 

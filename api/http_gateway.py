@@ -11,23 +11,40 @@ draining or when the engine is dead), keeps the table of open jobs (for /abort_r
 429 cap and shutdown), and times each request for the metrics. Leaving `async with job` in any
 way — finished, an exception, the handler cancelled because the client went away — aborts
 whatever is still running, so nothing a gone client asked for keeps holding rows or pages.
+
+A request with a `SessionTurn` runs as that session's next turn; the session's refusals arrive
+as its first event (unknown or closed session: 404, a turn in progress: 409), which a streaming
+handler awaits with `job.started()` before it begins its response.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any
+
+import msgspec
 
 from shoal.api.engine import Engine
 from shoal.api.http_errors import ApiError, bad_request, from_engine
 from shoal.api.metrics import Metrics, RequestTimer
-from shoal.api.stream import Completion, Delta, RequestStream
+from shoal.api.stream import Completion, Delta, RequestError, RequestStream
 from shoal.params import SamplingParams
 
 Event = tuple[int, Delta | Completion]
 Choice = tuple[list[int], SamplingParams, str]  # prompt ids, sampling, engine rid
+ErrorMap = Callable[[BaseException, str], ApiError]
+
+
+class SessionTurn(msgspec.Struct, frozen=True, kw_only=True):
+    """Run a request as a session's next turn: exactly one of text, input_ids or messages
+    (only the new ones), appended to the session's history."""
+
+    session_id: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
 
 
 class Gateway:
@@ -116,8 +133,14 @@ class Gateway:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(
-        self, public_id: str, choices: Sequence[Choice], arrived_at: float, prompt_param: str
+        self,
+        public_id: str,
+        choices: Sequence[Choice],
+        arrived_at: float,
+        prompt_param: str,
+        turn: SessionTurn | None = None,
     ) -> Job:
+        assert turn is None or len(choices) == 1, "a session turn is one request"
         if self.draining:
             raise ApiError(503, "the server is shutting down")
         if public_id in self.jobs:
@@ -137,12 +160,24 @@ class Gateway:
         streams: list[RequestStream] = []
         try:
             for ids, sampling, rid in choices:
-                streams.append(self.engine.generate(input_ids=ids, sampling=sampling, rid=rid))
+                if turn is None:
+                    stream = self.engine.generate(input_ids=ids, sampling=sampling, rid=rid)
+                else:  # the turn's own input: the engine appends it to the history
+                    stream = self.engine.generate(
+                        turn.text,
+                        input_ids=turn.input_ids,
+                        messages=turn.messages,
+                        sampling=sampling,
+                        rid=rid,
+                        session_id=turn.session_id,
+                    )
+                streams.append(stream)
         except Exception as exc:
             for stream in streams:
                 stream.abort()
             raise from_engine(exc, prompt_param) from None
-        job = Job(self, public_id, streams, arrived_at, prompt_param)
+        errors = from_engine if turn is None else turn_error
+        job = Job(self, public_id, streams, arrived_at, prompt_param, errors)
         self.jobs[public_id] = job
         return job
 
@@ -172,6 +207,7 @@ class Job:
         streams: list[RequestStream],
         arrived_at: float,
         prompt_param: str,
+        errors: ErrorMap = from_engine,
     ) -> None:
         self.gateway = gateway
         self.public_id = public_id
@@ -179,6 +215,15 @@ class Job:
         self.timers = [gateway.metrics.timer(arrived_at) for _ in streams]
         self.prompt_param = prompt_param
         self.tasks: list[asyncio.Task[None]] = []
+        self.errors = errors
+        self._first: tuple[AsyncIterator[Event], Event] | None = None  # see started()
+
+    async def started(self) -> None:
+        """Wait for a one-request job's first event, so a refusal raises its ApiError before
+        a streamed response begins; events() then yields that event first."""
+        assert len(self.streams) == 1 and self._first is None
+        pump = self._pump(0)
+        self._first = (pump, await anext(pump))
 
     async def events(self) -> AsyncIterator[Event]:
         """Every choice's Deltas then its Completion, interleaved as they come.
@@ -187,7 +232,12 @@ class Job:
         503); the others are aborted when the job is left.
         """
         if len(self.streams) == 1:
-            async for event in self._pump(0):
+            if self._first is None:
+                pump = self._pump(0)
+            else:
+                pump, first = self._first
+                yield first
+            async for event in pump:
                 yield event
             return
         queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
@@ -219,7 +269,7 @@ class Job:
                 yield index, delta
             completion = await stream.result()
         except Exception as exc:
-            error = from_engine(exc, self.prompt_param)
+            error = self.errors(exc, self.prompt_param)
             timer.failed(counted=error.status >= 500)  # input the engine refused: not counted
             raise error from None
         timer.finish(completion)
@@ -273,3 +323,13 @@ async def _record_late(stream: RequestStream, timer: RequestTimer, timeout_s: fl
         timer.gone()
         return
     timer.finish(completion)
+
+
+def turn_error(exc: BaseException, prompt_param: str) -> ApiError:
+    """A session's refusals of a turn: not open (never opened, closed or reaped) 404, a turn
+    already in progress 409; anything else as for any request."""
+    if isinstance(exc, RequestError) and exc.code == "session_busy":
+        return ApiError(409, str(exc), param="session_params.id", code=exc.code)
+    if isinstance(exc, RequestError) and exc.code == "session_not_found":
+        return ApiError(404, str(exc), param="session_params.id", code=exc.code)
+    return from_engine(exc, prompt_param)

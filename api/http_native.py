@@ -3,7 +3,8 @@
 One prompt answers one object (or, with "stream": true, SSE events carrying the text and
 output ids so far, the last with its finish_reason, then `data: [DONE]`); a batch of prompts
 answers a list, in order. The engine request id is the caller's `rid` when given, so
-`/abort_request {"rid": ...}` reaches it.
+`/abort_request {"rid": ...}` reaches it. With `session_params` the one prompt is the new
+input of an open session's next turn (see http_sessions).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from aiohttp import web
 
 from shoal.api.http_body import decode_body, json_response
 from shoal.api.http_errors import ApiError, bad_request
-from shoal.api.http_gateway import Choice, Gateway, Job
+from shoal.api.http_gateway import Choice, Gateway, Job, SessionTurn
 from shoal.api.http_native_protocol import (
     GenerateRequest,
     GenerateResponse,
     MetaInfo,
     NativeSampling,
 )
+from shoal.api.http_sessions import session_turn
 from shoal.api.http_sse import open_sse, send_done, send_error, send_event
 from shoal.api.stream import Completion, Delta, TokenLogprob, Usage
 from shoal.params import MAX_TOP_LOGPROBS, SamplingParams
@@ -44,6 +46,7 @@ class NativeRoutes:
         batch = len(prompts) > 1 or isinstance(body.text, list) or _nested(body.input_ids)
         rids = self._rids(body, len(prompts), batch)
         settings = self._settings(body, len(prompts))
+        turn = self._turn(body, prompts, batch)
         choices: list[Choice] = []
         for (name, ids), rid, native in zip(prompts, rids, settings, strict=True):
             choices.append((ids, self._sampling(body, native, len(ids), name), rid))
@@ -51,8 +54,10 @@ class NativeRoutes:
             raise bad_request("stream is supported for one prompt, not a batch", "stream")
         public_id = rids[0] if not batch else f"batch-{uuid.uuid4().hex}"
         prompt_param = prompts[0][0].split("[")[0]
-        async with self.gateway.submit(public_id, choices, arrived_at, prompt_param) as job:
+        async with self.gateway.submit(public_id, choices, arrived_at, prompt_param, turn) as job:
             if body.stream:
+                if turn is not None:
+                    await job.started()  # a refused turn answers 404 / 409, not a stream
                 return await self._stream(request, body, job, len(prompts[0][1]), arrived_at)
             completions = await job.results()
         for completion in completions:
@@ -120,6 +125,17 @@ class NativeRoutes:
             (f"input_ids[{i}]", gateway.check_ids(t, f"input_ids[{i}]"))
             for i, t in enumerate(nested)
         ]
+
+    def _turn(
+        self, body: GenerateRequest, prompts: list[tuple[str, list[int]]], batch: bool
+    ) -> SessionTurn | None:
+        if body.session_params is None:
+            return None
+        if batch:
+            raise bad_request("a session turn is one prompt, not a batch", "session_params")
+        if isinstance(body.text, str):
+            return session_turn(body.session_params, text=body.text)
+        return session_turn(body.session_params, input_ids=prompts[0][1])
 
     def _rids(self, body: GenerateRequest, count: int, batch: bool) -> list[str]:
         rid = body.rid

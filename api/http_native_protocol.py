@@ -2,7 +2,8 @@
 
     POST /generate {"text": "..." | ["...", ...], "input_ids": [..] | [[..], ..],
                     "sampling_params": {...} | [{...}, ...], "rid": "..." | [...],
-                    "stream": false, "return_logprob": false, "top_logprobs_num": 0}
+                    "stream": false, "return_logprob": false, "top_logprobs_num": 0,
+                    "session_params": {"id": "<an id from POST /open_session>"}}
       -> {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
           "completion_tokens", "cached_tokens", "weight_version", "e2e_latency", ...}}
          (a list of those for a batch)
@@ -39,6 +40,16 @@ class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling_seed: int | None = None
 
 
+class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Run the request as the next turn of an open session (POST /open_session): its prompt
+    is only what is new. SGLang's branching fields are accepted only when null."""
+
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool | None = None
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True):
     text: str | list[str] | None = None
     input_ids: list[int | list[int]] | None = None
@@ -48,6 +59,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
     logprob_start_len: int | None = None  # accepted; only output logprobs are reported
+    session_params: SessionParams | None = None
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from shoal.api.http_native_protocol import SessionParams
+
 # ---- requests ---------------------------------------------------------------------------------
 
 
@@ -58,6 +60,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
+    session_params: SessionParams | None = None  # chat: the messages are the turn's new ones
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -5,7 +5,8 @@ field), submits n choices per prompt as separate engine requests through the gat
 answers one JSON body or an SSE stream that always ends `data: [DONE]`. A choice that ends
 because the engine failed answers 500 (an error event when streaming); one cut short by the
 server shutting down answers 503; one aborted through /abort_request has finish_reason
-"abort".
+"abort". A chat request with `session_params` runs as an open session's next turn: its
+messages are only the new ones (see http_sessions).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from shoal.api.http_body import decode_body, json_response
-from shoal.api.http_errors import ApiError
-from shoal.api.http_gateway import Choice, Gateway, Job
+from shoal.api.http_errors import ApiError, bad_request
+from shoal.api.http_gateway import Choice, Gateway, Job, SessionTurn
+from shoal.api.http_sessions import TURN_MAX_TOKENS, session_turn
 from shoal.api.http_sse import open_sse, send_done, send_error, send_event
 from shoal.api.openai_formats import ChatFormat, Format, TextFormat
 from shoal.api.openai_logprobs import TokenBytes
@@ -74,10 +76,15 @@ class OpenAIRoutes:
         model = check_model(body.model, self.model_names)
         refuse_unsupported(body)
         gateway = self.gateway
-        ids = gateway.encode_messages(chat_messages(body.messages))
+        messages = chat_messages(body.messages)
+        ids = gateway.encode_messages(messages)
         max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, field = body.max_tokens, "max_tokens"
+        turn = None
+        if body.session_params is not None:
+            turn = session_turn(body.session_params, body.n or 1, messages=messages)
+            max_tokens = TURN_MAX_TOKENS if max_tokens is None else max_tokens
         max_new = gateway.budget(len(ids), max_tokens, field, "messages")
         logprobs = chat_logprobs_wanted(body)
         sampling = sampling_params(gateway, body, max_new, field, logprobs)
@@ -85,13 +92,16 @@ class OpenAIRoutes:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = [(ids, for_choice(sampling, i), f"{rid}-{i}") for i in range(n)]
         fmt = ChatFormat(rid, int(time.time()), model, logprobs, self.tokens)
-        return await self._answer(request, body, rid, choices, n, fmt, arrived_at, "messages")
+        return await self._answer(request, body, rid, choices, n, fmt, arrived_at, "messages", turn)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrived_at = time.monotonic()
         body = await decode_body(request, CompletionRequest)
         model = check_model(body.model, self.model_names)
         refuse_unsupported(body)
+        if body.session_params is not None:
+            message = "session_params is supported on /v1/chat/completions and /generate"
+            raise bad_request(message, "session_params")
         gateway = self.gateway
         prompts = encode_prompts(gateway, body.prompt)
         logprobs = completion_logprobs_wanted(body)
@@ -119,9 +129,12 @@ class OpenAIRoutes:
         fmt: Format,
         arrived_at: float,
         prompt_param: str,
+        turn: SessionTurn | None = None,
     ) -> web.StreamResponse:
-        async with self.gateway.submit(rid, choices, arrived_at, prompt_param) as job:
+        async with self.gateway.submit(rid, choices, arrived_at, prompt_param, turn) as job:
             if body.stream:
+                if turn is not None:
+                    await job.started()  # a refused turn answers 404 / 409, not a stream
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return await self._stream(request, job, fmt, n, include_usage)
             completions = await job.results()

@@ -30,8 +30,10 @@ from shoal.api.http_errors import ApiError, error_middleware
 from shoal.api.http_gateway import Gateway
 from shoal.api.http_lifecycle import LifecycleRoutes
 from shoal.api.http_native import NativeRoutes
+from shoal.api.http_sessions import SessionRoutes
 from shoal.api.metrics import Metrics
 from shoal.api.openai_routes import OpenAIRoutes
+from shoal.api.ws_sessions import SessionSockets
 
 OPEN_ROUTES = frozenset({"/health"})  # answered without the API key
 
@@ -73,6 +75,7 @@ class Server:
         self.metrics = Metrics()
         max_open = engine.options.max_running_requests + self.options.max_queued_requests
         self.gateway = Gateway(engine, self.metrics, max_open)
+        self.sockets = SessionSockets(self.gateway, self.options.max_body_bytes)
         path = engine.loaded.path
         self.model_names = [self.options.served_model_name or path.name, str(path)]
         self.app = self._build_app()
@@ -101,6 +104,8 @@ class Server:
         )
         app.add_routes(admin.routes())
         app.add_routes(LifecycleRoutes(self.engine).routes())
+        app.add_routes(SessionRoutes(self.gateway).routes())
+        app.add_routes(self.sockets.routes())
         return app
 
     # ---- life ------------------------------------------------------------------------------
@@ -126,9 +131,11 @@ class Server:
         return self.url
 
     async def stop(self) -> None:
-        """Abort what is open (streams end with an error event), then stop listening."""
+        """Abort what is open (streams end with an error event), close the session
+        websockets (and their sessions), then stop listening."""
         self.gateway.draining = True
         self.gateway.abort_all()
+        await self.sockets.shutdown(self.options.shutdown_timeout_s)
         if self.runner is not None:
             runner, self.runner = self.runner, None
             await runner.cleanup()

@@ -267,3 +267,24 @@ async def test_logprobs_are_the_models_raw_log_probabilities(
         assert lp.top[0][0] == lp.token_id  # greedy picks the most likely
     plain = await engine.generate(input_ids=prompt, max_new_tokens=2).result()
     assert plain.logprobs is None
+
+
+async def test_messages_the_chat_template_rejects_are_a_request_error(
+    make_engine: EngineFactory,
+) -> None:
+    """A template error is the caller's mistake: it must never take the tokenizer down."""
+    from shoal import RequestError
+
+    engine = await make_engine()
+    with pytest.raises(RequestError, match="chat template") as caught:
+        await engine.generate(messages=[{"role": "user"}], max_new_tokens=2).result()
+    assert caught.value.field == "messages"
+    session = await engine.open_session()
+    with pytest.raises(RequestError, match="chat template"):
+        await session.turn(messages=[{"role": "user"}], max_new_tokens=2).result()
+    ok = session.turn(messages=[{"role": "user", "content": "hi"}], max_new_tokens=2)
+    assert (await ok.result()).finish_reason in ("stop", "length")
+    await session.close()
+    with pytest.raises(RequestError, match="not open"):
+        await engine.close_session(session.id)
+    assert engine.dead_reason is None
