@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from shoal.actors.encode import encode_prompt
 from shoal.api.engine import Engine
 from shoal.api.http_errors import ApiError, bad_request, from_engine
 from shoal.api.metrics import Metrics, RequestTimer
@@ -66,24 +67,26 @@ class Gateway:
     # ---- prompts ---------------------------------------------------------------------------
 
     def encode_messages(self, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
-        """Exactly what the tokenizer actor does for `messages=`: template, then encode."""
-        if not messages:
-            raise bad_request(f"{param} must not be empty", param)
-        tokenizer = self.engine.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # jinja raises whatever the template author chose
-            message = f"{param} could not be formatted by the chat template: {exc}"
-            raise bad_request(message, param) from None
-        return self.check_ids(tokenizer.encode(text, add_special_tokens=False), param)
+        """The tokenizer actor's own encoding of `messages=` (actors/encode.py)."""
+        return self._encode(None, messages, param)
 
     def encode_text(self, text: str, param: str) -> list[int]:
-        """Exactly what the tokenizer actor does for `prompt=`."""
+        """The tokenizer actor's own encoding of `prompt=` (actors/encode.py)."""
         if not text:
             raise bad_request(f"{param} must not be empty", param)
-        return self.check_ids(self.engine.tokenizer.encode(text), param)
+        return self._encode(text, None, param)
+
+    def _encode(
+        self, text: str | None, messages: list[dict[str, Any]] | None, param: str
+    ) -> list[int]:
+        try:
+            ids = encode_prompt(self.engine.tokenizer, text, None, messages)
+        except RequestError as exc:  # its message names "messages"; say the API's name
+            message = str(exc)
+            if exc.field == "messages":
+                message = param + message.removeprefix("messages")
+            raise bad_request(message, param) from None
+        return self.check_ids(ids, param)
 
     def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
         if not ids:
