@@ -95,6 +95,7 @@ class KVCache:
         self._request_pages = 0
         self._sessions: dict[str, _Session] = {}
         self._clock = 0
+        self.num_sessions_reclaimed = 0  # idle sessions that gave their KV back under pressure
 
     # ---- accounting -----------------------------------------------------------
 
@@ -134,6 +135,7 @@ class KVCache:
             "request_pages": self._request_pages,
             "session_pages": self.num_session_pages,
             "sessions": len(self._sessions),
+            "sessions_reclaimed": self.num_sessions_reclaimed,
             "total_rows": self.rows.num_total,
             "free_rows": self.rows.num_free,
             "cached_tokens": self.tree.total_pages * self.page_size,
@@ -285,6 +287,7 @@ class KVCache:
                 return
             if name != spare:
                 self.close_session(name)
+                self.num_sessions_reclaimed += 1
 
     def evict(self, num_pages: int) -> int:
         """Evict at least ``num_pages`` unlocked tree pages if possible; return how many."""

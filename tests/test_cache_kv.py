@@ -266,6 +266,7 @@ def test_stats_and_can_admit_pages() -> None:
         "request_pages": 0,
         "session_pages": 0,
         "sessions": 0,
+        "sessions_reclaimed": 0,
         "total_rows": 3,
         "free_rows": 3,
         "cached_tokens": 0,

@@ -82,6 +82,7 @@ def test_pressure_reclaims_idle_sessions_least_recently_used_first() -> None:
     big = list(range(300, 330))  # needs 8 pages: only "old" must give its KV back
     assert kv.admit("big", big, 30) is not None
     assert kv.session_tokens("old") is None and kv.session_tokens("new") is not None
+    assert kv.stats()["sessions_reclaimed"] == 1
     kv.check_integrity()
     kv.release("big", None)
     kv.check_integrity()
