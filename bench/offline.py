@@ -1,11 +1,15 @@
 """Offline throughput: N seeded requests through shoal's Engine, and the same prompts through
 transformers `generate` (batched with left padding, and one at a time), in one process.
 
-    python bench/offline.py                       # bundled SmolLM2, 64 requests
+    python bench/offline.py                # bundled SmolLM2, 64 requests, generate at 8 16 32
     python bench/offline.py --requests 16 --hf-solo 4
+    python bench/offline.py --hf-batch 16 --hf-solo 0  # one batch size, no one-at-a-time
+    python bench/offline.py --model <folder> --smoke   # 4 tiny requests, 1 solo
 
 Prints one line per system:
     offline system=<name> requests=<n> output_tokens=<n> seconds=<s> tok_per_s=<x> machine=<desc>
+then the ratios (shoal's tok/s over the fastest batched generate's, and over one at a time):
+    offline summary shoal_over_hf_batch=<x> shoal_over_hf_solo=<x> machine=<desc>
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 
 def machine() -> str:
@@ -39,7 +44,7 @@ def workload(
     ]
 
 
-def report(system: str, n: int, tokens: int, seconds: float, out: Path | None) -> None:
+def report(system: str, n: int, tokens: int, seconds: float, out: Path | None) -> float:
     line = {
         "system": system,
         "requests": n,
@@ -52,6 +57,7 @@ def report(system: str, n: int, tokens: int, seconds: float, out: Path | None) -
     if out is not None:
         with out.open("a") as f:
             f.write(json.dumps(line) + "\n")
+    return tokens / seconds
 
 
 async def run_shoal(
@@ -66,15 +72,23 @@ async def run_shoal(
             engine.generate(input_ids=p, max_new_tokens=m, temperature=0.0, ignore_eos=True)
             for p, m in work
         ]
-        done = await asyncio.gather(*(s.result() for s in streams))
+        tokens = 0
+        for next_done in tqdm(
+            asyncio.as_completed([s.result() for s in streams]),
+            total=len(streams),
+            desc="shoal",
+            disable=len(work) < 8,
+        ):
+            tokens += len((await next_done).token_ids)
         seconds = time.perf_counter() - began
-    return sum(len(d.token_ids) for d in done), seconds
+    return tokens, seconds
 
 
 def run_hf(model: Any, work: list[tuple[list[int], int]], batch_size: int) -> tuple[int, float]:
     tokens = 0
     began = time.perf_counter()
-    for start in range(0, len(work), batch_size):
+    starts = range(0, len(work), batch_size)
+    for start in tqdm(starts, desc=f"generate x{batch_size}", disable=len(work) < 8):
         chunk = work[start : start + batch_size]
         width = max(len(p) for p, _ in chunk)
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
@@ -93,7 +107,7 @@ def run_hf(model: Any, work: list[tuple[list[int], int]], batch_size: int) -> tu
     return tokens, time.perf_counter() - began
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -102,7 +116,13 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-batch", type=int, default=16, help="0 skips batched generate")
+    parser.add_argument(
+        "--hf-batch",
+        type=int,
+        nargs="+",
+        default=[8, 16, 32],
+        help="batch sizes for batched generate, each measured (0 skips)",
+    )
     parser.add_argument(
         "--hf-solo",
         type=int,
@@ -111,7 +131,12 @@ def main() -> int:
     )
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="4 requests of 4-8 + 2-4 tokens")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests, args.prompt_len, args.output_len = 4, (4, 8), (2, 4)
+        args.hf_batch, args.hf_solo = [2], 1
+    batches = [b for b in args.hf_batch if b > 0]
 
     from shoal.kernels.loader import load_model
 
@@ -122,18 +147,26 @@ def main() -> int:
     tokens, seconds = asyncio.run(
         run_shoal(loaded, work, {"max_running_requests": args.max_running})
     )
-    report("shoal", len(work), tokens, seconds, args.out)
-    if args.hf_batch or args.hf_solo:
+    shoal = report("shoal", len(work), tokens, seconds, args.out)
+    ratios: dict[str, float] = {}
+    if batches or args.hf_solo:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
-        if args.hf_batch:
-            tokens, seconds = run_hf(model, work, args.hf_batch)
-            report(f"hf-generate-batch{args.hf_batch}", len(work), tokens, seconds, args.out)
+        batched = []
+        for size in batches:
+            tokens, seconds = run_hf(model, work, size)
+            batched.append(report(f"hf-generate-batch{size}", len(work), tokens, seconds, args.out))
+        if batched:
+            ratios["shoal_over_hf_batch"] = shoal / max(batched)
         if args.hf_solo:
             solo = work[: args.hf_solo]
             tokens, seconds = run_hf(model, solo, 1)
-            report("hf-generate-solo", len(solo), tokens, seconds, args.out)
+            ratios["shoal_over_hf_solo"] = shoal / report(
+                "hf-generate-solo", len(solo), tokens, seconds, args.out
+            )
+    fields = " ".join(f"{k}={v:.2f}" for k, v in ratios.items())
+    print(f"offline summary {fields} machine={machine()}", flush=True)
     return 0
 
 
