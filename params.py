@@ -37,10 +37,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     top_logprobs: int = 0
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
