@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +20,10 @@ class EngineOptions:
     max_batch_tokens: int = 2048
     max_inflight: int = 2
     context_length: int | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # CUDA when available
+    attention: str = "auto"  # triton on CUDA, torch on CPU
+    cuda_graph_max_batch: int = 128  # decode batches up to this replay CUDA graphs; 0 = off
     num_threads: int | None = None
     seed: int | None = None
     strict_integrity: bool = False
@@ -37,10 +41,15 @@ class EngineOptions:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            choices = ["auto", *sorted(DTYPES)]
+            raise ValueError(f"dtype must be one of {choices}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.attention not in ("torch", "triton", "auto"):
+            raise ValueError(f"attention must be torch, triton or auto, got {self.attention!r}")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +71,8 @@ class Resolved:
     context_length: int
     dtype: torch.dtype
     device: torch.device
+    attention: str  # "torch" | "triton"
+    cuda_graph_max_batch: int  # 0 = no graphs (always 0 off CUDA or without Triton)
 
 
 def resolve(options: EngineOptions, model_context: int) -> Resolved:
@@ -73,9 +84,40 @@ def resolve(options: EngineOptions, model_context: int) -> Resolved:
     context = min(context, (num_pages - 1) * page_size)
     if context < 2:
         raise ValueError("kv_cache_tokens is too small for even one request")
-    device = options.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device, dtype = resolve_device(options)
+    attention = resolve_attention(options, device)
+    graphs = 0
+    if device.type == "cuda" and attention == "triton":
+        graphs = min(options.cuda_graph_max_batch, options.max_running_requests)
     max_pages_per_row = -(-context // page_size) + 1
     layout = CacheLayout(page_size, num_pages, options.max_running_requests, max_pages_per_row)
-    return Resolved(layout, context, DTYPES[options.dtype], torch.device(device))
+    return Resolved(layout, context, dtype, device, attention, graphs)
+
+
+def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
+    """The device (auto: CUDA when available) and the weights' dtype (auto: bf16 on CUDA)."""
+    name = options.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for, but torch sees no CUDA device")
+    dtype_name = options.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if name == "cuda" else "float32"
+    return torch.device(name), DTYPES[dtype_name]
+
+
+def resolve_attention(options: EngineOptions, device: torch.device) -> str:
+    """auto: the Triton kernels on CUDA, the torch reference elsewhere. Triton on CPU runs
+    only under its interpreter (TRITON_INTERPRET=1: correct and slow, for tests)."""
+    choice = options.attention
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "torch"
+    if choice == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention triton needs the triton package: pip install triton")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention triton on CPU runs only under the interpreter: set TRITON_INTERPRET=1"
+            )
+    return choice

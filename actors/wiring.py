@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from shoal.actors.cache_manager import CacheManager
-from shoal.actors.executor import DeviceState, Executor
+from shoal.actors.device_state import DeviceState
+from shoal.actors.executor import Executor
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     CacheMsg,
@@ -30,6 +31,8 @@ from shoal.actors.tokenizer import Tokenizer
 from shoal.api.stream import EngineDeadError
 from shoal.cache.kv import KVCache
 from shoal.config import EngineOptions, Resolved
+from shoal.kernels.attention import TorchAttention
+from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.loader import LoadedModel
 from shoal.kernels.model import KVPool, LlamaModel
 
@@ -79,6 +82,14 @@ class Actors:
         on_death(reason)
 
 
+def attention_backend(name: str, page_size: int, num_kv_heads: int) -> AttentionBackend:
+    if name == "triton":
+        from shoal.kernels.triton_attention import TritonAttention  # needs the triton package
+
+        return TritonAttention(page_size, num_kv_heads)
+    return TorchAttention(page_size)
+
+
 def start_actors(
     loaded: LoadedModel,
     options: EngineOptions,
@@ -103,6 +114,7 @@ def start_actors(
     device_state = DeviceState(
         model,
         pool,
+        attention_backend(resolved.attention, layout.page_size, config.num_kv_heads),
         layout.num_rows,
         layout.max_pages_per_row,
         layout.page_size,
@@ -135,7 +147,13 @@ def start_actors(
             planner, options.max_inflight, scheduler_box, cache_box, executor_box, tokenizer_box
         ).run(),
         "cache": CacheManager(kv, cache_box, scheduler_box, options.strict_integrity).run(),
-        "executor": Executor(device_state, executor_box, scheduler_box).run(),
+        "executor": Executor(
+            device_state,
+            executor_box,
+            scheduler_box,
+            graph_max_batch=resolved.cuda_graph_max_batch,
+            context_length=resolved.context_length,
+        ).run(),
     }
     for name, coro in runs.items():
         task = asyncio.create_task(coro, name=f"shoal-{name}")

@@ -31,8 +31,30 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
     parser.add_argument("--max-inflight", type=int, default=defaults.max_inflight)
     parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument("--dtype", default=defaults.dtype)
-    parser.add_argument("--device", default=defaults.device, choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--dtype",
+        default=defaults.dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    parser.add_argument(
+        "--device",
+        default=defaults.device,
+        choices=["auto", "cpu", "cuda"],
+        help="auto: CUDA when torch sees a device",
+    )
+    parser.add_argument(
+        "--attention",
+        default=defaults.attention,
+        choices=["auto", "torch", "triton"],
+        help="auto: the Triton kernels on CUDA, the torch reference on CPU",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=defaults.cuda_graph_max_batch,
+        help="decode batches up to this size replay CUDA graphs (0: off)",
+    )
     parser.add_argument("--num-threads", type=int, default=None)
 
 
@@ -48,6 +70,8 @@ def engine_from_args(args: argparse.Namespace, **extra: Any) -> Engine:
         context_length=args.context_length,
         dtype=args.dtype,
         device=args.device,
+        attention=args.attention,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
         num_threads=args.num_threads,
         **extra,
     )

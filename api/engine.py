@@ -37,7 +37,7 @@ from shoal.actors.messages import (
 from shoal.actors.wiring import Actors, start_actors
 from shoal.api.session import Session
 from shoal.api.stream import EngineDeadError, RequestError, RequestStream
-from shoal.config import DTYPES, EngineOptions, Resolved, resolve
+from shoal.config import EngineOptions, Resolved, resolve, resolve_device
 from shoal.kernels.loader import LoadedModel, load_model
 from shoal.params import SamplingParams
 
@@ -76,11 +76,13 @@ class Engine:
         if isinstance(self._model, LoadedModel):
             loaded = self._model
         else:
-            dtype = DTYPES[self.options.dtype]
+            _, dtype = resolve_device(self.options)
             loaded = await asyncio.to_thread(load_model, self._model, dtype=dtype)
         self.loaded = loaded
         self.resolved = resolve(self.options, loaded.config.max_position_embeddings)
         self._actors = start_actors(loaded, self.options, self.resolved, self._on_death)
+        if loaded is not self._model:
+            loaded.weights.clear()  # the model holds its own copies; a caller's stay whole
         self.startup_s = time.perf_counter() - began
         return self
 

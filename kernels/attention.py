@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels.batch import BatchShape
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -36,6 +38,31 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.numel())
+
+    def store(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        store_kv(k_cache, v_cache, self.slot_mapping, k, v)
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, self, scale)
+
+
+class TorchAttention:
+    """The reference backend: gathers each sequence's slots and calls SDPA (any device)."""
+
+    name = "torch"
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+
+    def prepare(self, page_table: torch.Tensor, shape: BatchShape) -> AttentionMetadata:
+        rows = torch.tensor(shape.rows, dtype=torch.int64, device=page_table.device)
+        return build_metadata(
+            page_table[rows], list(shape.prefix_lens), list(shape.extend_lens), self.page_size
+        )
 
 
 def build_metadata(

@@ -9,7 +9,7 @@ Pipeline (a row pays only for the stages its SamplingParams turn on):
 Invariants:
 - The caller's logits are never written to.
 - Only the per-row noise loops over rows in Python; the filters run on the whole sub-batch.
-- A row's noise comes from its own generator seeded with mix_seed(seed, len(output_ids)), so a
+- A row's noise comes from its own generator seeded with mix_seed(seed, step), so a
   request draws the same tokens whatever its neighbours and its place in the batch (on a given
   device kind: CPU and CUDA generators give different streams).
 - Temperatures below MIN_TEMPERATURE count as greedy: dividing by them overflows float32.
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.kernels.streams import to_device
 from shoal.params import SamplingParams
 
 MIN_TEMPERATURE = 1e-5
@@ -36,14 +37,17 @@ _MASK64 = (1 << 64) - 1
 class SamplingRow:
     """One request's view for one decode step.
 
-    len(output_ids) is the step index of the seed stream. The engine sets seed for every request
-    (a random one when SamplingParams.seed is None).
+    `step` counts the tokens the request sampled before this one: the index into its seed
+    stream and what min_new_tokens compares with. output_ids are those tokens; only penalties
+    read them (the executor may still be fetching the last ones of a row without penalties).
+    The engine sets seed for every request (a random one when SamplingParams.seed is None).
     """
 
     params: SamplingParams
     seed: int
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    step: int
 
 
 def mix_seed(seed: int, step: int) -> int:
@@ -70,7 +74,7 @@ def sample(
     if all(_plain_greedy(row, eos_token_ids) for row in rows):
         return logits.argmax(dim=-1)
 
-    penalized = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+    penalized = [i for i, row in enumerate(rows) if has_penalty(row.params)]
     masked = [i for i, row in enumerate(rows) if _masks_stop_tokens(row, eos_token_ids)]
     if penalized or masked:
         logits = logits.to(torch.float32, copy=True)  # ours to edit in place from here
@@ -84,7 +88,7 @@ def sample(
         next_tokens = logits.argmax(dim=-1)
         if not sampled:
             return next_tokens
-        sampled_index = torch.tensor(sampled, device=logits.device)
+        sampled_index = to_device(sampled, torch.int64, logits.device)
         logits = logits.index_select(0, sampled_index)
     sampled_rows = [rows[i] for i in sampled]
     probs = _filtered_probs(logits, sampled_rows)
@@ -110,7 +114,7 @@ def compute_logprobs(
     return chosen, values, ids.long()
 
 
-def _has_penalty(params: SamplingParams) -> bool:
+def has_penalty(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
@@ -119,15 +123,13 @@ def _has_penalty(params: SamplingParams) -> bool:
 
 
 def _masks_stop_tokens(row: SamplingRow, eos_token_ids: Sequence[int]) -> bool:
-    return len(row.output_ids) < row.params.min_new_tokens and bool(
-        eos_token_ids or row.params.stop_token_ids
-    )
+    return row.step < row.params.min_new_tokens and bool(eos_token_ids or row.params.stop_token_ids)
 
 
 def _plain_greedy(row: SamplingRow, eos_token_ids: Sequence[int]) -> bool:
     return (
         row.params.temperature < MIN_TEMPERATURE
-        and not _has_penalty(row.params)
+        and not has_penalty(row.params)
         and not _masks_stop_tokens(row, eos_token_ids)
     )
 
@@ -152,10 +154,10 @@ def _apply_penalties_(
     counts = torch.zeros(len(keys), device=device).index_add_(0, inverse, is_output)
 
     local_row, token = keys // vocab_size, keys % vocab_size
-    global_row = torch.tensor(row_index, device=device)[local_row]
+    global_row = to_device(row_index, torch.int64, device)[local_row]
 
     def per_pair(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=device)[local_row]
+        return to_device(values, logits.dtype, device)[local_row]
 
     repetition = per_pair([row.params.repetition_penalty for row in rows])
     frequency = per_pair([row.params.frequency_penalty for row in rows])
@@ -190,7 +192,10 @@ def _mask_stop_tokens_(
         mask_token.extend(token_ids)
     if mask_row:
         device = logits.device
-        index = (torch.tensor(mask_row, device=device), torch.tensor(mask_token, device=device))
+        index = (
+            to_device(mask_row, torch.int64, device),
+            to_device(mask_token, torch.int64, device),
+        )
         logits[index] = float("-inf")
 
 
@@ -198,7 +203,7 @@ def _filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     """Temperature, softmax, then top-k, top-p and min-p as zeros; not renormalized."""
     device = logits.device
     vocab_size = logits.shape[1]
-    temperature = torch.tensor([row.params.temperature for row in rows], device=device)
+    temperature = to_device([row.params.temperature for row in rows], torch.float32, device)
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
 
     top_k = [row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size for row in rows]
@@ -210,7 +215,9 @@ def _filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
     min_p = [row.params.min_p for row in rows]
     if any(p > 0.0 for p in min_p):
-        threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device)[:, None]
+        threshold = (
+            probs.amax(dim=-1, keepdim=True) * to_device(min_p, torch.float32, device)[:, None]
+        )
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
 
@@ -222,7 +229,7 @@ def _top_k(probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     """
     device, vocab_size = probs.device, probs.shape[1]
     largest = probs.topk(max(k for k in top_k if k < vocab_size), dim=-1).values
-    k = torch.tensor(top_k, device=device).unsqueeze(1)
+    k = to_device(top_k, torch.int64, device).unsqueeze(1)
     kth = largest.gather(1, (k.clamp(max=largest.shape[1]) - 1))
     threshold = torch.where(k < vocab_size, kth, torch.zeros_like(kth))
     return probs.masked_fill(probs < threshold, 0.0)
@@ -237,11 +244,11 @@ def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     """
     device = probs.device
     sorted_probs, sorted_index = probs.sort(dim=-1, descending=True)
-    k = torch.tensor(top_k, device=device).unsqueeze(1)
+    k = to_device(top_k, torch.int64, device).unsqueeze(1)
     keep = sorted_probs >= sorted_probs.gather(1, k - 1)  # ties with the k-th stay, as in _top_k
     sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
 
-    p = torch.tensor(top_p, dtype=probs.dtype, device=device).unsqueeze(1)
+    p = to_device(top_p, probs.dtype, device).unsqueeze(1)
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
     kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
     keep &= (mass_above < p * kept_mass) | (p >= 1.0)
@@ -257,7 +264,7 @@ def _exponential_noise(
     noise = torch.empty((len(rows), vocab_size), device=device)
     generator = torch.Generator(device=device)
     for i, row in enumerate(rows):
-        generator.manual_seed(mix_seed(row.seed, len(row.output_ids)))
+        generator.manual_seed(mix_seed(row.seed, row.step))
         noise[i].exponential_(generator=generator)
     # A zero draw would turn p = 0 into nan (0 / 0), which argmax prefers.
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)

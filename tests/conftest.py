@@ -12,12 +12,26 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Triton kernels run on CPU only under the interpreter; it must be set before they are
+    # defined (imported).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(2)
 
 from tiny_model import make_tiny_model_folder  # noqa: E402
 
 from shoal.api.engine import Engine  # noqa: E402
 from shoal.kernels.loader import LoadedModel, load_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

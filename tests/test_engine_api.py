@@ -9,7 +9,7 @@ import pytest
 from conftest import EngineFactory, Reference
 
 from shoal import EngineDeadError, SamplingParams
-from shoal.actors.executor import DeviceState
+from shoal.actors.device_state import DeviceState, PendingStep
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -193,21 +193,25 @@ async def test_chat_messages_use_the_template(make_engine: EngineFactory) -> Non
     assert same.usage.cached_tokens > 0
 
 
+@pytest.mark.parametrize("where", ["launch", "result"])
 async def test_a_failing_forward_ends_requests_with_an_error_and_serving_goes_on(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
+    """A fault while queuing a step (launch thread) or while fetching its results
+    (completion thread) ends the step's requests with an error; the engine goes on."""
     engine = await make_engine()
-    real_step = DeviceState.step
+    owner = DeviceState if where == "launch" else PendingStep
+    real = getattr(owner, where)
     calls = 0
 
-    def flaky(self: DeviceState, launch):  # type: ignore[no-untyped-def]
+    def flaky(self, *args):  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
         if calls == 3:
             raise RuntimeError("injected device fault")
-        return real_step(self, launch)
+        return real(self, *args)
 
-    monkeypatch.setattr(DeviceState, "step", flaky)
+    monkeypatch.setattr(owner, where, flaky)
     streams = [
         engine.generate(input_ids=prompt_ids(10, i), max_new_tokens=30, ignore_eos=True)
         for i in range(3)

@@ -19,7 +19,7 @@ def row(
     output_ids: tuple[int, ...] = (),
     **params: object,
 ) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), seed, prompt_ids, output_ids)  # type: ignore[arg-type]
+    return SamplingRow(SamplingParams(**params), seed, prompt_ids, output_ids, len(output_ids))  # type: ignore[arg-type]
 
 
 def random_logits(batch: int, vocab: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:
@@ -76,7 +76,7 @@ def test_degenerate_filters_are_greedy(device: str, params: dict[str, float]) ->
     ).to(device)
     rows = [row(seed=1000 + i, **params) for i in range(32)]
     for step in range(3):
-        rows = [SamplingRow(r.params, r.seed, (), (0,) * step) for r in rows]
+        rows = [SamplingRow(r.params, r.seed, (), (0,) * step, step) for r in rows]
         assert torch.equal(sample(logits, rows), logits.argmax(dim=-1))
 
 
@@ -119,7 +119,7 @@ def test_different_seeds_differ(device: str) -> None:
     rows = [row(seed=seed, output_ids=(1, 2, 3)) for seed in range(64)]
     out = sample(logits, rows).tolist()
     assert len(set(out)) > 50
-    later = sample(logits, [SamplingRow(r.params, r.seed, (), (1, 2, 3, 4)) for r in rows])
+    later = sample(logits, [SamplingRow(r.params, r.seed, (), (1, 2, 3, 4), 4) for r in rows])
     assert later.tolist() != out
 
 

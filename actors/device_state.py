@@ -1,0 +1,239 @@
+"""What the executor keeps on the device, and a step from launch to host results.
+
+`DeviceState.launch` runs on the executor's launch thread, strictly in launch order: it applies
+the batch's table writes, then queues the forward and sampling (on CUDA, on the compute
+stream; on CPU they run there and then) and starts copying the sampled tokens to the host.
+`PendingStep.result` runs on the executor's completion thread, in the same order: it waits
+for the copy and returns plain ints.
+
+Row bookkeeping across the two threads:
+- `RowState.num_sampled` counts tokens launched for sampling; only the launch thread writes it.
+  It is the row's seed-stream step, known without waiting for the device.
+- `RowState.output_ids` are the sampled tokens that reached the host; only the completion
+  thread appends. Penalties need them all, so a launch that samples a row with penalties
+  first waits until that row's earlier tokens have arrived (such rows give up overlap).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from shoal.actors.messages import Launch
+from shoal.api.stream import TokenLogprob
+from shoal.kernels.batch import AttentionBackend, BatchShape
+from shoal.kernels.config import ModelConfig
+from shoal.kernels.loader import load_weights, read_model_config, resolve_model_folder
+from shoal.kernels.model import KVPool, LlamaModel
+from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
+from shoal.kernels.streams import HostResult, StepStreams, to_device
+from shoal.params import SamplingParams
+
+if TYPE_CHECKING:
+    from shoal.kernels.cuda_graphs import DecodeGraphs  # imports triton
+
+StepResult = tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]]
+
+
+@dataclass
+class RowState:
+    sampling: SamplingParams
+    seed: int
+    prompt_ids: tuple[int, ...]
+    output_ids: list[int]
+    num_sampled: int
+
+
+class PendingStep:
+    """A launched step whose sampled tokens (and logprobs) are on their way to the host."""
+
+    def __init__(
+        self,
+        states: list[RowState],
+        host: HostResult,
+        logprob_rows: list[int],
+        arrived: threading.Condition,
+    ) -> None:
+        self.states = states
+        self.host = host
+        self.logprob_rows = logprob_rows
+        self.arrived = arrived
+
+    def result(self) -> StepResult:
+        tensors = self.host.wait()
+        tokens = tuple(int(t) for t in tensors[0].tolist())
+        with self.arrived:
+            for state, token in zip(self.states, tokens, strict=True):
+                state.output_ids.append(token)
+            self.arrived.notify_all()
+        if not self.logprob_rows:
+            return tokens, ()
+        chosen, values, ids = (t.tolist() for t in tensors[1:])
+        out: list[TokenLogprob | None] = [None] * len(self.states)
+        for j, i in enumerate(self.logprob_rows):
+            k = self.states[i].sampling.top_logprobs
+            top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
+            out[i] = TokenLogprob(tokens[i], float(chosen[j]), top)
+        return tokens, tuple(out)
+
+
+class DeviceState:
+    """Weights, KV pool, the device request-slot table, each row's last sampled token and its
+    sampling state. Touched by the executor's launch thread (and row outputs by its
+    completion thread, as above)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVPool,
+        attention: AttentionBackend,
+        num_rows: int,
+        max_pages_per_row: int,
+        page_size: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        device = model.device
+        self.model = model
+        self.kv = kv
+        self.attention = attention
+        self.page_size = page_size
+        self.eos_token_ids = eos_token_ids
+        self.streams = StepStreams(device)
+        self.page_table = torch.zeros(num_rows, max_pages_per_row, dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.rows: dict[int, RowState] = {}
+        self.arrived = threading.Condition()
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, max_batch: int, context_length: int) -> None:
+        """CUDA graphs of the decode forward for batches up to max_batch (CUDA only)."""
+        from shoal.kernels.cuda_graphs import DecodeGraphs
+
+        with self.streams.computing():
+            self.graphs = DecodeGraphs.capture(
+                self.model, self.kv, self.page_table, self.page_size, max_batch, context_length
+            )
+
+    def load_weights(self, model_path: str) -> str | None:
+        """Copy a same-architecture checkpoint into the weights in place (captured graphs keep
+        reading the same tensors); None, or why it was refused (old weights stay)."""
+        config = self.model.config
+        try:
+            folder = resolve_model_folder(model_path, progress=False)
+            other = read_model_config(folder)
+            if _shape_of(other) != _shape_of(config):
+                return (
+                    f"checkpoint {model_path} has a different architecture: "
+                    f"{_shape_of(other)} instead of {_shape_of(config)}"
+                )
+            weights = load_weights(folder, config, dtype=self.model.dtype)
+            self.streams.synchronize()
+            with self.streams.computing():
+                self.model.load(weights)
+            self.streams.synchronize()
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            return f"could not load {model_path}: {exc}"
+        return None
+
+    def launch(self, launch: Launch) -> PendingStep:
+        with self.streams.computing():
+            return self._launch(launch)
+
+    def _launch(self, launch: Launch) -> PendingStep:
+        device = self.model.device
+        self._write_table(launch)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        decode_at: list[int] = []
+        decode_rows: list[int] = []
+        sample_index: list[int] = []
+        sample_rows: list[int] = []
+        for seq in launch.seqs:
+            if seq.init is not None:
+                init = seq.init
+                outputs = list(init.output_ids)
+                state = RowState(init.sampling, init.seed, init.prompt_ids, outputs, len(outputs))
+                self.rows[seq.row] = state
+            if seq.input_ids is None:
+                decode_at.append(len(input_ids))
+                decode_rows.append(seq.row)
+                input_ids.append(0)
+            else:
+                input_ids.extend(seq.input_ids)
+            positions.extend(range(seq.start, seq.start + seq.num_tokens))
+            if seq.sample:
+                sample_index.append(len(input_ids) - 1)
+                sample_rows.append(seq.row)
+        ids = to_device(input_ids, torch.int64, device)
+        if decode_at:
+            at = to_device(decode_at, torch.int64, device)
+            ids[at] = self.last_token[to_device(decode_rows, torch.int64, device)]
+        shape = BatchShape(
+            tuple(s.row for s in launch.seqs),
+            tuple(s.start for s in launch.seqs),
+            tuple(s.num_tokens for s in launch.seqs),
+        )
+        pos = to_device(positions, torch.int64, device)
+        if self.graphs is not None and self.graphs.fits(shape, len(sample_rows)):
+            logits = self.graphs.run(ids, pos, shape)
+        else:
+            where = to_device(sample_index, torch.int64, device)
+            attention = self.attention.prepare(self.page_table, shape)
+            logits = self.model.forward(ids, pos, attention, self.kv, where)
+
+        states = [self.rows[r] for r in sample_rows]
+        next_tokens = sample(logits, self._sampling_rows(states), self.eos_token_ids)
+        for state in states:
+            state.num_sampled += 1
+        if sample_rows:
+            self.last_token[to_device(sample_rows, torch.int64, device)] = next_tokens
+        want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
+        to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
+        if want:
+            index = to_device(want, torch.int64, device)
+            top_k = max(states[i].sampling.top_logprobs for i in want)
+            to_copy += compute_logprobs(logits[index], next_tokens[index], top_k)
+        return PendingStep(states, self.streams.to_host(to_copy), want, self.arrived)
+
+    def _write_table(self, launch: Launch) -> None:
+        """Apply the batch's row writes before its forward, in the same stream (law 3)."""
+        if not launch.writes:
+            return
+        pages = to_device(
+            [p for w in launch.writes for p in w.pages], torch.int64, self.model.device
+        )
+        offset = 0
+        for w in launch.writes:
+            n = len(w.pages)
+            self.page_table[w.row, w.start : w.start + n] = pages[offset : offset + n]
+            offset += n
+
+    def _sampling_rows(self, states: list[RowState]) -> list[SamplingRow]:
+        """Each row's sampling view; rows with penalties wait for their earlier tokens."""
+        rows = []
+        for s in states:
+            outputs: tuple[int, ...] | list[int] = s.output_ids
+            if has_penalty(s.sampling):
+                with self.arrived:
+                    self.arrived.wait_for(lambda s=s: len(s.output_ids) == s.num_sampled)  # type: ignore[misc]
+                    outputs = tuple(s.output_ids)
+            rows.append(SamplingRow(s.sampling, s.seed, s.prompt_ids, outputs, s.num_sampled))
+        return rows
+
+
+def _shape_of(config: ModelConfig) -> dict[str, int | bool]:
+    names = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "attention_bias",
+    )
+    return {name: getattr(config, name) for name in names}
