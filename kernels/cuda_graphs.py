@@ -9,6 +9,9 @@ logits are garbage and never read. Larger batches and any batch with a prefill r
 Sizes captured: 1, 2, 4, 8, then every 16 up to the limit. Each graph uses the Triton
 attention with a fixed number of decode splits, chosen for the full context length, so a
 graph stays valid whatever lengths it later sees.
+
+`DecodeGraphs.eager` sets up the same buffers and padding without capturing (each "replay"
+runs the forward): how CPU tests check the padding under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -38,15 +41,18 @@ class DecodeGraphs:
         kv: KVPool,
         page_table: torch.Tensor,
         page_size: int,
-        sizes: list[int],
+        max_batch: int,
+        context_length: int,
     ) -> None:
         device = model.device
-        largest = sizes[-1]
+        self.sizes = capture_sizes(max_batch)
+        largest = self.sizes[-1]
+        num_kv_heads = model.config.num_kv_heads
+        self.splits = {b: decode_splits(context_length, b, num_kv_heads) for b in self.sizes}
         self.model = model
         self.kv = kv
         self.page_table = page_table
         self.page_size = page_size
-        self.sizes = sizes
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.rows = torch.zeros(largest, dtype=torch.int32, device=device)
@@ -68,20 +74,33 @@ class DecodeGraphs:
     ) -> DecodeGraphs:
         """Capture on the current stream (not the default one). Largest first, so the smaller
         graphs reuse its memory pool."""
-        graphs = cls(model, kv, page_table, page_size, capture_sizes(max_batch))
-        num_kv_heads = model.config.num_kv_heads
+        graphs = cls(model, kv, page_table, page_size, max_batch, context_length)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.current_stream()
         for size in reversed(graphs.sizes):
-            splits = decode_splits(context_length, size, num_kv_heads)
-            graphs.forward(size, splits)  # compiles the kernels outside the capture
+            graphs.forward(size)  # compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = graphs.forward(size, splits)
+                logits = graphs.forward(size)
             graphs.graphs[size] = (graph, logits)
         return graphs
 
-    def forward(self, size: int, splits: int) -> torch.Tensor:
+    @classmethod
+    def eager(
+        cls,
+        model: LlamaModel,
+        kv: KVPool,
+        page_table: torch.Tensor,
+        page_size: int,
+        max_batch: int,
+        context_length: int,
+    ) -> DecodeGraphs:
+        """The same buffers and padding, no graphs: each run calls the forward."""
+        return cls(model, kv, page_table, page_size, max_batch, context_length)
+
+    def forward(self, size: int) -> torch.Tensor:
+        """The decode forward over the first `size` entries of the static buffers."""
+        splits = self.splits[size]
         decode = DecodePart(self.rows[:size], self.seq_lens[:size], self.token_index[:size], splits)
         batch = TritonBatch(self.page_table, self.page_size, self.slot_mapping[:size], decode, None)
         return self.model.forward(
@@ -96,12 +115,16 @@ class DecodeGraphs:
             and all(n == 1 for n in shape.extend_lens)
         )
 
+    def size_for(self, num_seqs: int) -> int:
+        """The smallest captured size that holds num_seqs."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, shape: BatchShape
     ) -> torch.Tensor:
         """Replay for a decode batch that `fits`; returns its logits [b, V]."""
         b = len(shape.rows)
-        size = self.sizes[bisect.bisect_left(self.sizes, b)]
+        size = self.size_for(b)
         device = self.input_ids.device
         seq_lens = [p + 1 for p in shape.prefix_lens]
         host = to_device([*shape.rows, *seq_lens], torch.int32, device)
@@ -114,6 +137,8 @@ class DecodeGraphs:
             self.page_table, host[:b], positions, self.page_size
         )
         self.slot_mapping[b:size] = -1
+        if size not in self.graphs:  # set up by `eager`
+            return self.forward(size)[:b]
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]
