@@ -29,7 +29,7 @@ from shoal.kernels.config import ModelConfig
 from shoal.kernels.loader import load_weights, read_model_config, resolve_model_folder
 from shoal.kernels.model import KVPool, LlamaModel
 from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
-from shoal.kernels.streams import HostResult, StepStreams, to_device
+from shoal.kernels.streams import HostResult, StepStreams, to_device, to_device_many
 from shoal.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +45,20 @@ class RowState:
     prompt_ids: tuple[int, ...]
     output_ids: list[int]
     num_sampled: int
+    lost: bool = False  # a step that sampled this row failed: its tokens never arrive
+
+    def caught_up(self) -> bool:
+        return self.lost or len(self.output_ids) == self.num_sampled
+
+
+@dataclass
+class StepInputs:
+    input_ids: list[int]  # [T]; a decode's slot is filled on the device
+    positions: list[int]  # [T]
+    decode_at: list[int]  # which of the T inputs are decodes
+    decode_rows: list[int]  # ... and whose row's last token each takes
+    sample_index: list[int]  # which of the T tokens sample
+    sample_rows: list[int]  # ... and for which row
 
 
 class PendingStep:
@@ -63,8 +77,15 @@ class PendingStep:
         self.arrived = arrived
 
     def result(self) -> StepResult:
-        tensors = self.host.wait()
-        tokens = tuple(int(t) for t in tensors[0].tolist())
+        try:
+            tensors = self.host.wait()
+            tokens = tuple(int(t) for t in tensors[0].tolist())
+        except BaseException:
+            with self.arrived:  # nobody may wait for these tokens any longer
+                for state in self.states:
+                    state.lost = True
+                self.arrived.notify_all()
+            raise
         with self.arrived:
             for state, token in zip(self.states, tokens, strict=True):
                 state.output_ids.append(token)
@@ -145,58 +166,69 @@ class DeviceState:
     def _launch(self, launch: Launch) -> PendingStep:
         device = self.model.device
         self._write_table(launch)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        decode_at: list[int] = []
-        decode_rows: list[int] = []
-        sample_index: list[int] = []
-        sample_rows: list[int] = []
-        for seq in launch.seqs:
-            if seq.init is not None:
-                init = seq.init
-                outputs = list(init.output_ids)
-                state = RowState(init.sampling, init.seed, init.prompt_ids, outputs, len(outputs))
-                self.rows[seq.row] = state
-            if seq.input_ids is None:
-                decode_at.append(len(input_ids))
-                decode_rows.append(seq.row)
-                input_ids.append(0)
-            else:
-                input_ids.extend(seq.input_ids)
-            positions.extend(range(seq.start, seq.start + seq.num_tokens))
-            if seq.sample:
-                sample_index.append(len(input_ids) - 1)
-                sample_rows.append(seq.row)
-        ids = to_device(input_ids, torch.int64, device)
-        if decode_at:
-            at = to_device(decode_at, torch.int64, device)
-            ids[at] = self.last_token[to_device(decode_rows, torch.int64, device)]
+        host = self._inputs(launch)
+        # One host-to-device copy for all of them.
+        ids, pos, decode_at, decode_rows, sample_index, rows_t = to_device_many(
+            (
+                host.input_ids,
+                host.positions,
+                host.decode_at,
+                host.decode_rows,
+                host.sample_index,
+                host.sample_rows,
+            ),
+            torch.int64,
+            device,
+        )
+        if host.decode_at:
+            ids[decode_at] = self.last_token[decode_rows]
         shape = BatchShape(
             tuple(s.row for s in launch.seqs),
             tuple(s.start for s in launch.seqs),
             tuple(s.num_tokens for s in launch.seqs),
         )
-        pos = to_device(positions, torch.int64, device)
+        sample_rows = host.sample_rows
         if self.graphs is not None and self.graphs.fits(shape, len(sample_rows)):
             logits = self.graphs.run(ids, pos, shape)
         else:
-            where = to_device(sample_index, torch.int64, device)
             attention = self.attention.prepare(self.page_table, shape)
-            logits = self.model.forward(ids, pos, attention, self.kv, where)
+            logits = self.model.forward(ids, pos, attention, self.kv, sample_index)
 
         states = [self.rows[r] for r in sample_rows]
         next_tokens = sample(logits, self._sampling_rows(states), self.eos_token_ids)
-        for state in states:
-            state.num_sampled += 1
         if sample_rows:
-            self.last_token[to_device(sample_rows, torch.int64, device)] = next_tokens
+            self.last_token[rows_t] = next_tokens
         want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
         if want:
             index = to_device(want, torch.int64, device)
             top_k = max(states[i].sampling.top_logprobs for i in want)
             to_copy += compute_logprobs(logits[index], next_tokens[index], top_k)
-        return PendingStep(states, self.streams.to_host(to_copy), want, self.arrived)
+        pending = PendingStep(states, self.streams.to_host(to_copy), want, self.arrived)
+        for state in states:  # last: a launch that raised above sampled nothing
+            state.num_sampled += 1
+        return pending
+
+    def _inputs(self, launch: Launch) -> StepInputs:
+        """The step's host-side inputs; a sequence's first chunk (re)initializes its row."""
+        host = StepInputs([], [], [], [], [], [])
+        for seq in launch.seqs:
+            if seq.init is not None:
+                init = seq.init
+                outputs = list(init.output_ids)
+                state = RowState(init.sampling, init.seed, init.prompt_ids, outputs, len(outputs))
+                self.rows[seq.row] = state
+            if seq.input_ids is None:  # decode: the input is the row's last sampled token
+                host.decode_at.append(len(host.input_ids))
+                host.decode_rows.append(seq.row)
+                host.input_ids.append(0)
+            else:
+                host.input_ids.extend(seq.input_ids)
+            host.positions.extend(range(seq.start, seq.start + seq.num_tokens))
+            if seq.sample:
+                host.sample_index.append(len(host.input_ids) - 1)
+                host.sample_rows.append(seq.row)
+        return host
 
     def _write_table(self, launch: Launch) -> None:
         """Apply the batch's row writes before its forward, in the same stream (law 3)."""
@@ -218,7 +250,9 @@ class DeviceState:
             outputs: tuple[int, ...] | list[int] = s.output_ids
             if has_penalty(s.sampling):
                 with self.arrived:
-                    self.arrived.wait_for(lambda s=s: len(s.output_ids) == s.num_sampled)  # type: ignore[misc]
+                    self.arrived.wait_for(s.caught_up)
+                    if s.lost:
+                        raise RuntimeError("an earlier step of this request failed")
                     outputs = tuple(s.output_ids)
             rows.append(SamplingRow(s.sampling, s.seed, s.prompt_ids, outputs, s.num_sampled))
         return rows

@@ -1,15 +1,29 @@
 """Offline throughput: N seeded requests through shoal's Engine, and the same prompts through
-transformers `generate` (batched with left padding, and one at a time), in one process.
+transformers `generate` (batched with left padding, and one at a time) on the same device and
+dtype, in one process; and, with --decode-batch, the decode step time at given batch sizes
+against its HBM-bandwidth roofline (bench/roofline.py).
 
-    python bench/offline.py                # bundled SmolLM2, 64 requests, generate at 8 16 32
+    python bench/offline.py                # CPU, bundled SmolLM2, 64 requests, generate at 8 16 32
     python bench/offline.py --requests 16 --hf-solo 4
     python bench/offline.py --hf-batch 16 --hf-solo 0  # one batch size, no one-at-a-time
     python bench/offline.py --model <folder> --smoke   # 4 tiny requests, 1 solo
+    python bench/offline.py --device cuda --requests 256 --max-running 256 \\
+        --kv-cache-tokens 131072 --hf-batch 64 256    # bf16 on the GPU, both systems
+    python bench/offline.py --device cuda --requests 0 --decode-batch 1 64 256 \\
+        --max-running 256 --cuda-graph-max-batch 256  # decode steps only
+    ... --no-cuda-graphs / --no-overlap              # the same with graphs / overlap off
 
 Prints one line per system:
-    offline system=<name> requests=<n> output_tokens=<n> seconds=<s> tok_per_s=<x> machine=<desc>
+    offline system=<name> requests=<n> output_tokens=<n> seconds=<s> tok_per_s=<x>
+            setup=<desc> machine=<desc>
 then the ratios (shoal's tok/s over the fastest batched generate's, and over one at a time):
     offline summary shoal_over_hf_batch=<x> shoal_over_hf_solo=<x> machine=<desc>
+and one line per decode batch size (roofline and fraction "unknown" without a bandwidth):
+    decode batch=<B> prompt_tokens=<n> output_tokens=<n> steps=<n> context_tokens=<x>
+           step_ms=<x> roofline_ms=<y> fraction_of_roofline=<y/x> hbm_gbps=<x>
+           weight_mb=<x> kv_mb=<x> setup=<desc> machine=<desc>
+setup: shoal's <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>, as the engine
+resolved them; generate's <device>-<dtype>-hf.
 """
 
 from __future__ import annotations
@@ -26,12 +40,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from roofline import DecodePlan, decode_line, hbm_gbps_for, measure_decode
 from tqdm import tqdm
+
+WARM_UP_PROMPT = list(range(100, 116))
 
 
 def machine() -> str:
     threads = torch.get_num_threads()
-    return f"{platform.machine()}-{os.cpu_count()}cpu-torch{torch.__version__}-threads{threads}"
+    desc = f"{platform.machine()}-{os.cpu_count()}cpu-torch{torch.__version__}-threads{threads}"
+    if torch.cuda.is_available():
+        desc = torch.cuda.get_device_name().replace(" ", "_") + "-" + desc
+    return desc
 
 
 def workload(
@@ -44,55 +64,114 @@ def workload(
     ]
 
 
-def report(system: str, n: int, tokens: int, seconds: float, out: Path | None) -> float:
+def emit(kind: str, line: dict[str, Any], out: Path | None) -> None:
+    print(f"{kind} " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def report(
+    system: str, n: int, tokens: int, seconds: float, setup: str, desc: str, out: Path | None
+) -> float:
     line = {
         "system": system,
         "requests": n,
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tok_per_s": round(tokens / seconds, 2),
-        "machine": machine(),
+        "setup": setup,
+        "machine": desc,
     }
-    print("offline " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
-    if out is not None:
-        with out.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+    emit("offline", line, out)
     return tokens / seconds
 
 
-async def run_shoal(
-    loaded: Any, work: list[tuple[list[int], int]], options: dict[str, Any]
-) -> tuple[int, float]:
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a clock read after it counts all of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- shoal ---------------------------------------------------------------------------------
+
+
+def engine_setup(engine: Any) -> str:
+    r = engine.resolved
+    return (
+        f"{r.device.type}-{dtype_name(r.dtype)}-{r.attention}"
+        f"-graphs{r.cuda_graph_max_batch}-inflight{engine.options.max_inflight}"
+    )
+
+
+async def run_shoal(engine: Any, work: list[tuple[list[int], int]]) -> tuple[int, float]:
+    began = time.perf_counter()
+    streams = [
+        engine.generate(input_ids=p, max_new_tokens=m, temperature=0.0, ignore_eos=True)
+        for p, m in work
+    ]
+    tokens = 0
+    for next_done in tqdm(
+        asyncio.as_completed([s.result() for s in streams]),
+        total=len(streams),
+        desc="shoal",
+        disable=len(work) < 8,
+    ):
+        tokens += len((await next_done).token_ids)
+    return tokens, time.perf_counter() - began
+
+
+async def run_decode(engine: Any, plan: DecodePlan, desc: str, out: Path | None) -> None:
+    rng = random.Random(plan.seed)
+    for batch in plan.batch_sizes:
+        window = await measure_decode(engine, plan, batch, rng)
+        dtype_bytes = engine.resolved.dtype.itemsize
+        line = decode_line(engine.loaded.config, plan, batch, window, dtype_bytes)
+        emit("decode", {**line, "setup": engine_setup(engine), "machine": desc}, out)
+
+
+async def run_engine(
+    loaded: Any,
+    options: dict[str, Any],
+    work: list[tuple[list[int], int]],
+    plan: DecodePlan,
+    desc: str,
+    out: Path | None,
+) -> float | None:
+    """shoal's throughput line (when there is work) and decode lines; its tok/s or None."""
     from shoal import Engine
 
     async with Engine(loaded, **options) as engine:
-        await engine.generate(input_ids=work[0][0], max_new_tokens=2).result()  # warm up
-        began = time.perf_counter()
-        streams = [
-            engine.generate(input_ids=p, max_new_tokens=m, temperature=0.0, ignore_eos=True)
-            for p, m in work
-        ]
-        tokens = 0
-        for next_done in tqdm(
-            asyncio.as_completed([s.result() for s in streams]),
-            total=len(streams),
-            desc="shoal",
-            disable=len(work) < 8,
-        ):
-            tokens += len((await next_done).token_ids)
-        seconds = time.perf_counter() - began
-    return tokens, seconds
+        await engine.generate(input_ids=WARM_UP_PROMPT, max_new_tokens=2).result()
+        tok_per_s = None
+        if work:
+            tokens, seconds = await run_shoal(engine, work)
+            tok_per_s = report("shoal", len(work), tokens, seconds, engine_setup(engine), desc, out)
+        await run_decode(engine, plan, desc, out)
+    return tok_per_s
 
 
-def run_hf(model: Any, work: list[tuple[list[int], int]], batch_size: int) -> tuple[int, float]:
+# ---- transformers generate -----------------------------------------------------------------
+
+
+def run_hf(
+    model: Any, work: list[tuple[list[int], int]], batch_size: int, device: torch.device
+) -> tuple[int, float]:
     tokens = 0
+    sync(device)
     began = time.perf_counter()
     starts = range(0, len(work), batch_size)
     for start in tqdm(starts, desc=f"generate x{batch_size}", disable=len(work) < 8):
         chunk = work[start : start + batch_size]
         width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=device)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device
+        )
         max_new = max(m for _, m in chunk)
         with torch.no_grad():
             model.generate(
@@ -104,15 +183,51 @@ def run_hf(model: Any, work: list[tuple[list[int], int]], batch_size: int) -> tu
                 pad_token_id=0,
             )
         tokens += sum(m for _, m in chunk)  # tokens each request asked for (the rest is waste)
+    sync(device)
     return tokens, time.perf_counter() - began
 
 
-def main(argv: list[str] | None = None) -> int:
+def compare_hf(
+    loaded: Any,
+    work: list[tuple[list[int], int]],
+    batches: list[int],
+    solo: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    desc: str,
+    out: Path | None,
+) -> tuple[list[float], float | None]:
+    """generate's tok/s at each batch size, and one at a time (None if not asked for)."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype)
+    model = model.to(device).eval()
+    run_hf(model, [(WARM_UP_PROMPT, 2)], 1, device)  # CUDA context, kernels, allocator
+    setup = f"{device.type}-{dtype_name(dtype)}-hf"
+    batched = []
+    for size in batches:
+        tokens, seconds = run_hf(model, work, size, device)
+        name = f"hf-generate-batch{size}"
+        batched.append(report(name, len(work), tokens, seconds, setup, desc, out))
+    one_at_a_time = None
+    if solo:
+        tokens, seconds = run_hf(model, work[:solo], 1, device)
+        one_at_a_time = report("hf-generate-solo", solo, tokens, seconds, setup, desc, out)
+    return batched, one_at_a_time
+
+
+# ---- command line --------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from shoal.config import EngineOptions
+
+    defaults = EngineOptions()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--model", default=None)
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=64, help="0: no throughput runs")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--seed", type=int, default=0)
@@ -129,44 +244,100 @@ def main(argv: list[str] | None = None) -> int:
         default=8,
         help="requests run one at a time through generate (0 skips)",
     )
-    parser.add_argument("--max-running", type=int, default=64)
+    parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="both systems (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    parser.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--max-running", type=int, default=defaults.max_running_requests)
+    parser.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens)
+    parser.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=defaults.cuda_graph_max_batch,
+        help="decode batches up to this size replay CUDA graphs (capped by --max-running)",
+    )
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="cuda_graph_max_batch=0")
+    parser.add_argument("--no-overlap", action="store_true", help="max_inflight=1")
+    parser.add_argument(
+        "--decode-batch",
+        type=int,
+        nargs="+",
+        default=[],
+        help="decode step time at these batch sizes (each <= --max-running)",
+    )
+    parser.add_argument("--decode-prompt-len", type=int, default=32)
+    parser.add_argument("--decode-output-len", type=int, default=64)
+    parser.add_argument(
+        "--hbm-gbps",
+        type=float,
+        default=None,
+        help="peak memory bandwidth for the roofline (default: by GPU name; CPU: none)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     parser.add_argument("--smoke", action="store_true", help="4 requests of 4-8 + 2-4 tokens")
     args = parser.parse_args(argv)
     if args.smoke:
         args.requests, args.prompt_len, args.output_len = 4, (4, 8), (2, 4)
         args.hf_batch, args.hf_solo = [2], 1
-    batches = [b for b in args.hf_batch if b > 0]
+    if args.decode_batch:
+        largest = max(args.decode_batch)
+        if min(args.decode_batch) < 1 or largest > args.max_running:
+            parser.error(f"--decode-batch sizes must be 1 .. --max-running ({args.max_running})")
+        if args.decode_output_len < 2:
+            parser.error("--decode-output-len must be >= 2 (a first token, then decode steps)")
+        page = defaults.page_size
+        pages = -(-(args.decode_prompt_len + args.decode_output_len) // page)
+        if largest * pages * page > args.kv_cache_tokens:
+            parser.error(
+                f"--decode-batch {largest} needs --kv-cache-tokens >= {largest * pages * page}"
+            )
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from shoal.config import EngineOptions, resolve_device
     from shoal.kernels.loader import load_model
 
-    loaded = load_model(args.model)
+    options: dict[str, Any] = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "attention": args.attention,
+        "max_running_requests": args.max_running,
+        "kv_cache_tokens": args.kv_cache_tokens,
+        "cuda_graph_max_batch": 0 if args.no_cuda_graphs else args.cuda_graph_max_batch,
+        "max_inflight": 1 if args.no_overlap else EngineOptions().max_inflight,
+    }
+    device, dtype = resolve_device(EngineOptions(**options))
+    hbm_gbps = args.hbm_gbps
+    if hbm_gbps is None and device.type == "cuda":
+        hbm_gbps = hbm_gbps_for(torch.cuda.get_device_name(device))
+    plan = DecodePlan(
+        args.decode_batch, args.decode_prompt_len, args.decode_output_len, hbm_gbps, args.seed
+    )
+    desc = machine()
+
+    loaded = load_model(args.model, dtype=dtype)
     work = workload(
         args.requests, loaded.config.vocab_size, args.seed, args.prompt_len, args.output_len
     )
-    tokens, seconds = asyncio.run(
-        run_shoal(loaded, work, {"max_running_requests": args.max_running})
-    )
-    shoal = report("shoal", len(work), tokens, seconds, args.out)
+    shoal = asyncio.run(run_engine(loaded, options, work, plan, desc, args.out))
+    batches = [b for b in args.hf_batch if b > 0]
+    if shoal is None or not (batches or args.hf_solo):
+        return 0
+    solo = min(args.hf_solo, len(work))
+    batched, one_at_a_time = compare_hf(loaded, work, batches, solo, device, dtype, desc, args.out)
     ratios: dict[str, float] = {}
-    if batches or args.hf_solo:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
-        batched = []
-        for size in batches:
-            tokens, seconds = run_hf(model, work, size)
-            batched.append(report(f"hf-generate-batch{size}", len(work), tokens, seconds, args.out))
-        if batched:
-            ratios["shoal_over_hf_batch"] = shoal / max(batched)
-        if args.hf_solo:
-            solo = work[: args.hf_solo]
-            tokens, seconds = run_hf(model, solo, 1)
-            ratios["shoal_over_hf_solo"] = shoal / report(
-                "hf-generate-solo", len(solo), tokens, seconds, args.out
-            )
+    if batched:
+        ratios["shoal_over_hf_batch"] = shoal / max(batched)
+    if one_at_a_time is not None:
+        ratios["shoal_over_hf_solo"] = shoal / one_at_a_time
     fields = " ".join(f"{k}={v:.2f}" for k, v in ratios.items())
-    print(f"offline summary {fields} machine={machine()}", flush=True)
+    print(f"offline summary {fields} machine={desc}", flush=True)
     return 0
 
 

@@ -28,6 +28,14 @@ def to_device(
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def to_device_many(
+    fields: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Several int lists in one host-to-device copy, split back into views."""
+    packed = to_device([x for field in fields for x in field], dtype, device)
+    return list(packed.split([len(field) for field in fields]))
+
+
 class HostResult:
     """Tensors on their way to pinned host memory; `wait()` returns them once they are there."""
 

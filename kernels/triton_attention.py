@@ -1,7 +1,7 @@
 """The Triton attention backend: a step's batch as device tensors, and the kernels run on it.
 
-`TritonAttention.prepare` packs the host's batch description into one int32 tensor, sends it
-to the device in one copy (from pinned memory on CUDA, so it does not block) and splits it
+`TritonAttention.prepare` sends the host's batch description to the device in one int32
+copy (from pinned memory on CUDA, so it does not block) and splits it
 into the decode part (one new token: split-K decode kernel) and the extend part (prefill and
 chunked prefill: extend kernel). Slots are computed on the device from the page table, so
 preparing a step never waits for the device.
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.kernels.batch import BatchShape
+from shoal.kernels.streams import to_device_many
 from shoal.kernels.triton_decode import decode_attention_triton
 from shoal.kernels.triton_extend import extend_attention_triton
 from shoal.kernels.triton_store import store_kv_triton
@@ -118,7 +119,7 @@ class TritonAttention:
             token_rows,
             positions,
         )
-        parts = to_device_int32(fields, page_table.device)
+        parts = to_device_many(fields, torch.int32, page_table.device)
         decode_part = extend_part = None
         if decode:
             max_len = max(seq_lens[i] for i in decode)
@@ -129,11 +130,3 @@ class TritonAttention:
             extend_part = ExtendPart(parts[3], parts[4], parts[5], parts[6], max_extend)
         slots = slot_mapping_of(page_table, parts[7], parts[8], self.page_size)
         return TritonBatch(page_table, self.page_size, slots, decode_part, extend_part)
-
-
-def to_device_int32(fields: tuple[list[int], ...], device: torch.device) -> list[torch.Tensor]:
-    """Several int lists in one host-to-device copy (pinned, asynchronous on CUDA)."""
-    packed = torch.tensor([x for field in fields for x in field], dtype=torch.int32)
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    return list(packed.split([len(field) for field in fields]))

@@ -1,4 +1,5 @@
-"""bench/offline.py and bench/prefix.py run (a few tiny requests) and print their fixed format."""
+"""bench/offline.py and bench/prefix.py run (a few tiny requests) and print their fixed format;
+bench/roofline.py's arithmetic matches hand-computed examples."""
 
 from __future__ import annotations
 
@@ -44,6 +45,134 @@ def test_offline_benchmark_smoke(
     summary = fields(next(line for line in lines if line.startswith("offline summary")))
     assert float(summary["shoal_over_hf_batch"]) > 0 and float(summary["shoal_over_hf_solo"]) > 0
     assert len(out.read_text().splitlines()) == 3
+    assert shoal["setup"] == "cpu-float32-torch-graphs0-inflight2"
+    assert batch["setup"] == solo["setup"] == "cpu-float32-hf"
+
+
+DECODE_KEYS = [
+    "batch",
+    "prompt_tokens",
+    "output_tokens",
+    "steps",
+    "context_tokens",
+    "step_ms",
+    "roofline_ms",
+    "fraction_of_roofline",
+    "hbm_gbps",
+    "weight_mb",
+    "kv_mb",
+    "setup",
+    "machine",
+]
+
+
+def test_offline_decode_steps_smoke(
+    tiny_folder: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bench = load_bench("offline", monkeypatch)
+    out = tmp_path / "decode.jsonl"
+    small = ["--model", str(tiny_folder), "--requests", "0", "--decode-batch", "1", "2"]
+    small += ["--decode-prompt-len", "8", "--decode-output-len", "6", "--out", str(out)]
+    assert bench.main([*small, "--hbm-gbps", "100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["decode", "decode"]  # --requests 0: no others
+    runs = [fields(line) for line in lines]
+    assert all(list(r) == DECODE_KEYS for r in runs)
+    assert [r["batch"] for r in runs] == ["1", "2"]
+    for r in runs:
+        assert 1 <= int(r["steps"]) <= 5 and float(r["step_ms"]) > 0
+        assert r["hbm_gbps"] == "100.0" and r["setup"] == "cpu-float32-torch-graphs0-inflight2"
+        mb = float(r["weight_mb"]) + float(r["kv_mb"])
+        assert float(r["roofline_ms"]) == pytest.approx(mb * 1e6 / 100e9 * 1e3, abs=1e-4)
+        fraction = float(r["roofline_ms"]) / float(r["step_ms"])
+        assert float(r["fraction_of_roofline"]) == pytest.approx(fraction, abs=2e-3)
+    assert len(out.read_text().splitlines()) == 2
+
+    assert bench.main([*small[:6], "--no-overlap"]) == 0  # CPU, no --hbm-gbps: unknown
+    r = fields(capsys.readouterr().out.splitlines()[0])
+    assert r["roofline_ms"] == r["fraction_of_roofline"] == r["hbm_gbps"] == "unknown"
+    assert r["setup"] == "cpu-float32-torch-graphs0-inflight1" and float(r["step_ms"]) > 0
+
+
+def test_offline_decode_flags_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = load_bench("offline", monkeypatch)
+    with pytest.raises(SystemExit):  # more sequences than the engine runs at once
+        bench.parse_args(["--decode-batch", "256"])
+    with pytest.raises(SystemExit):  # 256 x (32 + 64) tokens do not fit 16384
+        bench.parse_args(
+            ["--decode-batch", "256", "--max-running", "256", "--kv-cache-tokens", "16384"]
+        )
+    args = bench.parse_args(["--decode-batch", "1", "64", "256", "--max-running", "256"])
+    assert args.decode_batch == [1, 64, 256] and args.device == "cpu"
+
+
+SMOLLM2_135M = {  # its config.json, the fields the roofline reads
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "tie_word_embeddings": True,
+}
+
+
+def test_roofline_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.kernels.config import ModelConfig
+
+    roofline = load_bench("roofline", monkeypatch)
+    config = ModelConfig.from_hf_config(SMOLLM2_135M)
+    # Per layer: q 576*576 + k,v 2*576*192 + o 576*576 + mlp 3*576*1536 + norms 2*576
+    #   = 331776 + 221184 + 331776 + 2654208 + 1152 = 3540096; x 30 layers = 106202880;
+    # + final norm 576 + lm_head 49152*576 = 28311552 -> 134515008 (SmolLM2-135M's parameter
+    # count: lm_head is the tied embedding) + 1 embedding row 576 = 134515584 elements, bf16.
+    # KV: 1 sequence x 96 tokens x 30 layers x 2 (K, V) x 3 heads x 64 = 1105920 elements.
+    need = roofline.decode_step_bytes(config, 1, 96, 2)
+    assert need.weights == 134515584 * 2 == 269031168
+    assert need.kv_cache == 1105920 * 2 == 2211840
+    # At an H100 SXM's 3350 GB/s: 271243008 bytes / 3.35e12 B/s = 80.968 us.
+    assert roofline.roofline_s(need.total, 3350.0) == pytest.approx(80.968e-6, rel=1e-5)
+
+    # 256 sequences: 255 more embedding rows, 256x the KV (96 tokens each).
+    wide = roofline.decode_step_bytes(config, 256, 96, 2)
+    assert wide.weights == need.weights + 255 * 576 * 2
+    assert wide.kv_cache == 256 * need.kv_cache
+
+    # Tiny, with q/k/v biases, float32: hidden 4, intermediate 6, 1 layer, 2 heads of 2, one
+    # KV head, vocab 10. Per layer 16 + 16 + 16 + biases (4 + 2 + 2) + 72 + 8 = 136; + norm 4,
+    # 3 embedding rows 12, lm_head 40 = 192 elements; KV 3 x 5 tokens x 1 x 2 x 1 x 2 = 60.
+    tiny = {**SMOLLM2_135M, "model_type": "qwen2", "vocab_size": 10, "hidden_size": 4}
+    tiny |= {"intermediate_size": 6, "num_hidden_layers": 1, "num_attention_heads": 2}
+    tiny |= {"num_key_value_heads": 1, "tie_word_embeddings": False}
+    small = roofline.decode_step_bytes(ModelConfig.from_hf_config(tiny), 3, 5, 4)
+    assert (small.weights, small.kv_cache) == (192 * 4, 60 * 4)
+    assert roofline.roofline_s(small.total, 100.0) == pytest.approx(1008 / 100e9)
+
+
+def test_hbm_bandwidth_by_gpu_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    roofline = load_bench("roofline", monkeypatch)
+    assert roofline.hbm_gbps_for("NVIDIA H100 80GB HBM3") == 3350.0  # SXM
+    assert roofline.hbm_gbps_for("NVIDIA H100 PCIe") == 2000.0
+    assert roofline.hbm_gbps_for("NVIDIA H200") == 4800.0
+    assert roofline.hbm_gbps_for("NVIDIA H100 NVL") is None  # not in the table: --hbm-gbps
+    assert roofline.hbm_gbps_for("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_decode_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    roofline = load_bench("roofline", monkeypatch)
+    # One step a second; request r gets its first token at second r, 6 tokens each.
+    arrivals = [[float(r + i) for i in range(6)] for r in range(3)]
+    window = roofline.decode_window(arrivals, prompt_tokens=10)
+    # Request 2 starts last (t=2); request 0 finishes first (t=5): request 2's tokens 1..3
+    # came from steps of all three, which read 10 + 1 .. 10 + 3 tokens of context.
+    assert (window.steps, window.seconds, window.context_tokens) == (3, 3.0, 12.0)
+    assert window.step_s == 1.0
+    with pytest.raises(ValueError, match="whole batch"):  # request 0 ends before 2 starts
+        roofline.decode_window([[0.0, 1.0], [5.0, 6.0]], prompt_tokens=10)
 
 
 def test_prefix_benchmark_smoke(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from conftest import EngineFactory, Reference
@@ -292,3 +293,41 @@ async def test_messages_the_chat_template_rejects_are_a_request_error(
     with pytest.raises(RequestError, match="not open"):
         await engine.close_session(session.id)
     assert engine.dead_reason is None
+
+
+async def test_penalties_see_every_earlier_token_under_overlap(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With two steps in flight, a row with penalties waits for its last token to reach the
+    host before it samples again: the same tokens as with no overlap at all. Results are
+    slowed down so that the next step is always launched before the last one's tokens are
+    back (as on a GPU)."""
+    real_result = PendingStep.result
+
+    def slow_result(self: PendingStep):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return real_result(self)
+
+    monkeypatch.setattr(PendingStep, "result", slow_result)
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3)
+    results = []
+    for inflight in (1, 2):
+        engine = await make_engine(max_inflight=inflight)
+        streams = [
+            engine.generate(
+                input_ids=prompt_ids(6, i),
+                max_new_tokens=24,
+                ignore_eos=True,
+                temperature=0.0,
+                **penalties,
+            )
+            for i in range(4)
+        ]
+        done = await asyncio.gather(*(s.result() for s in streams))
+        results.append([list(d.token_ids) for d in done])
+    plain = await make_engine(max_inflight=2)
+    unpenalized = await plain.generate(
+        input_ids=prompt_ids(6, 0), max_new_tokens=24, ignore_eos=True, temperature=0.0
+    ).result()
+    assert results[0] == results[1]
+    assert results[0][0] != list(unpenalized.token_ids)  # the penalties did something
