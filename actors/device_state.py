@@ -16,7 +16,9 @@ Row bookkeeping across the two threads:
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +36,8 @@ from shoal.params import SamplingParams
 
 if TYPE_CHECKING:
     from shoal.kernels.cuda_graphs import DecodeGraphs  # imports triton
+
+log = logging.getLogger("shoal.executor")
 
 StepResult = tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]]
 
@@ -128,15 +132,33 @@ class DeviceState:
         self.rows: dict[int, RowState] = {}
         self.arrived = threading.Condition()
         self.graphs: DecodeGraphs | None = None
+        self.streams.synchronize()  # weights, pool and tables were filled on the default stream
 
     def capture_graphs(self, max_batch: int, context_length: int) -> None:
-        """CUDA graphs of the decode forward for batches up to max_batch (CUDA only)."""
+        """CUDA graphs of the decode forward for batches up to max_batch (CUDA only). If the
+        capture fails, decode runs eagerly and the log says why."""
         from shoal.kernels.cuda_graphs import DecodeGraphs
 
-        with self.streams.computing():
-            self.graphs = DecodeGraphs.capture(
-                self.model, self.kv, self.page_table, self.page_size, max_batch, context_length
-            )
+        began = time.perf_counter()
+        try:
+            with self.streams.computing():
+                self.graphs = DecodeGraphs.capture(
+                    self.model, self.kv, self.page_table, self.page_size, max_batch, context_length
+                )
+        except RuntimeError:
+            log.exception("capturing CUDA graphs failed; decode runs without them")
+            self.graphs = None
+            return
+        self.streams.synchronize()
+        sizes = self.graphs.sizes
+        took = time.perf_counter() - began
+        log.info(
+            "captured %d decode CUDA graphs (batch %d..%d) in %.1fs",
+            len(sizes),
+            sizes[0],
+            sizes[-1],
+            took,
+        )
 
     def load_weights(self, model_path: str) -> str | None:
         """Copy a same-architecture checkpoint into the weights in place (captured graphs keep

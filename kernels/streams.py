@@ -86,7 +86,8 @@ class StepStreams:
         return HostResult(tuple(hosts), done)
 
     def synchronize(self) -> None:
-        """Wait until everything queued so far has run (before replacing weights in place)."""
-        if self.compute is not None and self.copy is not None:
-            self.compute.synchronize()
-            self.copy.synchronize()
+        """Wait until everything queued so far, on any stream, has run. Our streams do not
+        wait for the default one by themselves, so this comes after uploading weights and
+        allocating the KV pool there, and before replacing weights in place."""
+        if self.compute is not None:
+            torch.cuda.synchronize(self.device)

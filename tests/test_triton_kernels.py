@@ -8,7 +8,12 @@ page-aligned and not, ragged batches mixing decode and extend sequences.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,3 +184,29 @@ def test_decode_at_batch_256_on_cuda() -> None:
     case = make_case(prefix_lens, (1,) * 256, 16, 3, 3, 64, dtype=torch.bfloat16, seed=2)
     got, expected = run_both(case, page_size=16)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+# ---- compiled for a Hopper GPU, here without one --------------------------------------------
+
+H100_SHARED_BYTES = 227 * 1024  # the most shared memory one block may use
+
+
+def test_every_kernel_compiles_for_hopper() -> None:
+    """Triton's NVIDIA back end and its ptxas need no GPU: each kernel compiles to an sm_90
+    cubin, fits in a block's shared memory, and the bf16 extend kernel uses wgmma (Hopper's
+    tensor-core instruction; without it a matrix kernel is on a slower path)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_kernels.py")
+    run = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = [json.loads(line) for line in run.stdout.splitlines()]
+    kernels = {r["kernel"] for r in results}
+    assert kernels == {
+        "_decode_partial_kernel", "_decode_merge_kernel", "_extend_kernel", "_store_kv_kernel"
+    }  # fmt: skip
+    for r in results:
+        assert r["cubin_bytes"] > 0 and r["shared_bytes"] <= H100_SHARED_BYTES, r
+    bf16_extend = [r for r in results if r["kernel"] == "_extend_kernel" and r["dtype"] == "*bf16"]
+    assert bf16_extend and all(r["wgmma"] for r in bf16_extend)
