@@ -1,8 +1,8 @@
 """The cache manager actor: owns the request-slot table, page allocator and radix tree.
 
-It answers one PlanRequest per step (releases first, then extensions, then admissions in
-queue order, stopping at the first admission that does not fit) and never one message
-per request.
+It answers one PlanRequest per step (releases first, then publishes, extensions, then
+admissions in queue order, stopping at the first admission that does not fit) and never one
+message per request.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class CacheManager:
         for rel in req.releases:
             kv.release(rel.rid, rel.computed_tokens, rel.session_id)
             released.append(rel.rid)
+        for pub in req.publishes:
+            kv.publish(pub.rid, pub.computed_tokens)
         extended: list[str] = []
         extend_failed: list[str] = []
         for ext in req.extends:

@@ -221,6 +221,14 @@ class ReleaseReq(msgspec.Struct, frozen=True):
     session_id: str | None = None  # the session keeps that KV for its next turn
 
 
+class PublishReq(msgspec.Struct, frozen=True):
+    """A running request's computed prompt prefix: cache its full pages now (KVCache.publish),
+    so requests admitted later share them."""
+
+    rid: str
+    computed_tokens: tuple[int, ...]
+
+
 class ExtendReq(msgspec.Struct, frozen=True):
     rid: str
     total_tokens: int
@@ -238,6 +246,7 @@ class PlanRequest(msgspec.Struct, frozen=True, tag=True):
     releases: tuple[ReleaseReq, ...]
     extends: tuple[ExtendReq, ...]
     admits: tuple[AdmitReq, ...]
+    publishes: tuple[PublishReq, ...] = ()  # applied after releases, before extends
 
 
 class CheckIntegrity(msgspec.Struct, frozen=True, tag=True):

@@ -26,12 +26,14 @@ from shoal.actors.messages import (
     Output,
     Plan,
     PlanRequest,
+    PublishReq,
     ReleaseReq,
     RowInit,
     RowWriteMsg,
     SeqChunk,
     StepDone,
 )
+from shoal.actors.prefix_sharing import PrefixesInProgress
 from shoal.actors.request import Phase, PlannerConfig, Req, finish_reason
 
 
@@ -40,7 +42,9 @@ class Planner:
     config: PlannerConfig
     reqs: dict[str, Req] = field(default_factory=dict)
     waiting: deque[str] = field(default_factory=deque)
-    batches: dict[int, list[tuple[str, bool]]] = field(default_factory=dict)
+    batches: dict[int, list[tuple[str, bool, int]]] = field(
+        default_factory=dict
+    )  # rid, samples, end
     plan_pending: bool = False
     pressure: bool = False
     next_order: int = 0
@@ -74,7 +78,7 @@ class Planner:
             phases[r.phase.value].append(r.rid)
         return {
             **phases,
-            "launched_batches": {b: [rid for rid, _ in seqs] for b, seqs in self.batches.items()},
+            "launched_batches": {b: [m[0] for m in seqs] for b, seqs in self.batches.items()},
             "rows": {r.rid: r.row for r in self.reqs.values() if r.row is not None},
             "progress": {r.rid: r.num_launched for r in self.reqs.values()},
             "plan_pending": self.plan_pending,
@@ -167,25 +171,58 @@ class Planner:
         extends = [
             ExtendReq(r.rid, r.num_launched + 1) for r in self.holding() if self._wants_decode(r)
         ]
+        publishes = self._publishes()
         budget = self.config.max_batch_tokens - len(extends)
         has_prefill = any(r.phase is Phase.PREFILL for r in self.reqs.values())
         admits: list[AdmitReq] = []
         if not self.pressure:
+            computing = self._prefixes_in_progress()
             num_holding = len(self.holding()) - len(releases)
             for rid in self.waiting:
                 if num_holding + len(admits) >= self.config.max_running:
                     break
-                tokens = self.reqs[rid].tokens
+                req = self.reqs[rid]
                 if budget <= 0 and (admits or has_prefill or extends):
                     break
-                session = self.reqs[rid].session_id
-                admits.append(AdmitReq(rid, tuple(tokens), len(tokens), session))
-                budget -= min(len(tokens), self.config.chunk_size)
-        if not (releases or extends or admits or has_prefill):
+                if computing is not None and req.session_id is None:
+                    if computing.should_wait(req.tokens):
+                        continue  # admitted once the shared prefix is in the tree
+                    computing.add(req.tokens, 0)
+                admits.append(AdmitReq(rid, tuple(req.tokens), len(req.tokens), req.session_id))
+                budget -= min(len(req.tokens), self.config.chunk_size)
+        if not (releases or extends or admits or has_prefill or publishes):
             return None
         self.plan_pending = True
         self.admitting = {a.rid for a in admits}
-        return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits))
+        return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits), publishes)
+
+    def _sharing(self, req: Req) -> bool:
+        """Whether req's prompt KV may be shared with others while it runs."""
+        return (
+            self.config.prefix_cache
+            and req.session_id is None
+            and req.phase in (Phase.PREFILL, Phase.RUNNING)
+        )
+
+    def _publishes(self) -> tuple[PublishReq, ...]:
+        """Computed full pages of prompts, for the tree while their requests run on."""
+        ps = self.config.page_size
+        out = []
+        for req in self.holding():
+            upto = min(req.num_computed, req.num_prompt)
+            if self._sharing(req) and upto // ps > req.num_published // ps:
+                out.append(PublishReq(req.rid, tuple(req.tokens[:upto])))
+                req.num_published = upto
+        return tuple(out)
+
+    def _prefixes_in_progress(self) -> PrefixesInProgress | None:
+        if not self.config.prefix_cache:
+            return None
+        computing = PrefixesInProgress(self.config.page_size)
+        for req in self.holding():
+            if self._sharing(req):
+                computing.add(req.tokens[: req.num_prompt], req.num_published)
+        return computing
 
     def _wants_decode(self, req: Req) -> bool:
         if req.phase is not Phase.RUNNING:
@@ -213,6 +250,7 @@ class Planner:
             self.waiting.remove(adm.rid)
             ended = req.phase is Phase.FINISHING  # aborted while its admission was in flight
             req.row, req.num_launched = adm.row, adm.num_cached_tokens
+            req.num_computed = req.num_published = adm.num_cached_tokens
             if not ended:
                 req.phase, req.needs_init = Phase.PREFILL, True
             if req.num_cached_tokens is None:
@@ -241,15 +279,15 @@ class Planner:
 
     def _build_batch(self, extended: set[str]) -> Launch | None:
         seqs: list[SeqChunk] = []
-        members: list[tuple[str, bool]] = []
+        members: list[tuple[str, bool, int]] = []
         by_order = sorted(self.holding(), key=lambda r: r.order)
         for req in by_order:
             if req.rid in extended and self._wants_decode(req):
                 assert req.row is not None
                 assert req.num_launched == len(req.tokens) + req.pending - 1
                 seqs.append(SeqChunk(req.row, req.num_launched, 1, None, True))
-                members.append((req.rid, True))
                 req.num_launched += 1
+                members.append((req.rid, True, req.num_launched))
                 req.pending += 1
                 req.inflight += 1
         budget = self.config.max_batch_tokens - len(seqs)
@@ -268,7 +306,7 @@ class Planner:
             seqs.append(
                 SeqChunk(req.row, start, n, tuple(req.tokens[start : start + n]), sample, init)
             )
-            members.append((req.rid, sample))
+            members.append((req.rid, sample, start + n))
             budget -= n
             req.num_launched += n
             req.inflight += 1
@@ -298,6 +336,7 @@ class Planner:
     def _requeue(self, req: Req) -> None:
         req.phase, req.row, req.release_sent = Phase.WAITING, None, False
         req.num_launched, req.drop_kv, req.finish = 0, False, None
+        req.num_computed = req.num_published = 0
         position = sum(1 for rid in self.waiting if self.reqs[rid].order < req.order)
         self.waiting.insert(position, req.rid)
 
@@ -307,15 +346,16 @@ class Planner:
         members = self.batches.pop(done.batch_id)
         self.stalled = False
         if done.error is not None:
-            for rid, _ in members:
+            for rid, _, _ in members:
                 self.reqs[rid].inflight -= 1
             return self.fail_all(f"forward failed: {done.error}")
         outputs = []
         tokens = iter(done.next_tokens)
         logprobs = iter(done.logprobs or (None,) * len(done.next_tokens))
-        for rid, samples in members:
+        for rid, samples, end in members:
             req = self.reqs[rid]
             req.inflight -= 1
+            req.num_computed = max(req.num_computed, end)
             if not samples:
                 continue
             token, logprob = next(tokens), next(logprobs)

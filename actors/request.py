@@ -23,6 +23,7 @@ class PlannerConfig:
     max_batch_tokens: int
     eos_token_ids: tuple[int, ...]
     prefix_cache: bool = True  # False: no KV is ever kept in the tree for reuse
+    page_size: int = 16
 
 
 @dataclass
@@ -38,6 +39,8 @@ class Req:
     row: int | None = None
     num_cached_tokens: int | None = None
     num_launched: int = 0
+    num_computed: int = 0  # positions whose KV a finished batch wrote into the row
+    num_published: int = 0  # of those, the prefix offered to the tree (KVCache.publish)
     pending: int = 0
     inflight: int = 0
     needs_init: bool = False

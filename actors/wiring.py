@@ -127,6 +127,7 @@ def start_actors(
             max_batch_tokens=max(options.max_batch_tokens, layout.num_rows),
             eos_token_ids=config.eos_token_ids,
             prefix_cache=options.prefix_cache,
+            page_size=layout.page_size,
         )
     )
     tokenizer = Tokenizer(

@@ -5,6 +5,7 @@ Interface (what the engine's cache manager calls)::
     cache = KVCache(num_pages=..., page_size=..., num_rows=..., max_pages_per_row=...)
     cache.admit(rid, tokens, reserve_tokens) -> Admission(row, num_cached_tokens, writes) | None
     cache.extend(rid, total_tokens)          -> list[RowWrite] | None
+    cache.publish(rid, computed_tokens)      # still running: cache its computed full pages
     cache.release(rid, computed_tokens)      # finished/aborted/retracted; caches computed KV
     cache.evict(num_pages)                   -> int   # pages evicted from the tree
     cache.flush()                            # only when no request is live
@@ -207,6 +208,42 @@ class KVCache:
         live.own_pages.extend(pages)
         self._request_pages += len(pages)
         return [self.rows.append(live.row, pages)]
+
+    def publish(self, rid: str, computed_tokens: Sequence[int]) -> int:
+        """While ``rid`` runs on, hand the full pages of its computed prefix to the tree, so
+        requests admitted from now on reuse them; ``rid`` locks them as its matched prefix.
+        Returns how many leading tokens ``rid`` now has from the tree.
+
+        Only pages the tree lacks are handed over. If the tree already holds more of these
+        tokens than ``rid`` matched (another request cached them first), nothing changes:
+        ``rid``'s row keeps its own copies (a launched batch may still read them) and
+        ``release`` frees the duplicates later.
+        """
+        assert rid in self._live, f"publish of unknown request {rid!r}"
+        live = self._live[rid]
+        ps = self.page_size
+        num_matched = len(live.matched_pages)
+        num_pages = min(len(computed_tokens) // ps, num_matched + len(live.own_pages))
+        tokens = tuple(computed_tokens[: num_pages * ps])
+        common = min(len(tokens), len(live.cached_tokens))
+        assert tokens[:common] == live.cached_tokens[:common], (
+            f"request {rid!r}: computed tokens differ from its cached prefix"
+        )
+        if num_pages <= num_matched:
+            return num_matched * ps
+        present, _ = self.tree.match(tokens)
+        if len(present) != num_matched:
+            return num_matched * ps
+        handed = live.own_pages[: num_pages - num_matched]
+        self.tree.insert(tokens, live.matched_pages + handed)
+        pages, node = self.tree.match(tokens)
+        assert pages == live.matched_pages + handed, "the tree took other pages than handed"
+        self.tree.lock(node)
+        self.tree.unlock(live.node)
+        live.node, live.matched_pages, live.cached_tokens = node, pages, tokens
+        live.own_pages = live.own_pages[len(handed) :]
+        self._request_pages -= len(handed)
+        return num_pages * ps
 
     def release(
         self, rid: str, computed_tokens: Sequence[int] | None, session: str | None = None

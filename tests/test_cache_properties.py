@@ -158,7 +158,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     # switches rules off per example (swarm testing), and an example without admit or
     # release tests nothing here. Operations are weighted by repetition.
 
-    OPS = ("admit", "release", "extend", "admit", "release", "abort", "evict", "flush")
+    OPS = ("admit", "release", "extend", "admit", "release", "abort", "evict", "flush", "publish")
 
     @rule(data=st.data(), op=st.sampled_from(OPS))
     def step(self, data: st.DataObject, op: str) -> None:
@@ -174,6 +174,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self.extend(rid, data)
             elif op == "release":
                 self.release(rid, data)
+            elif op == "publish":
+                self.publish(rid, data)
             else:
                 self.abort(rid)
 
@@ -218,6 +220,25 @@ class KVCacheMachine(RuleBasedStateMachine):
             adm = self.do_admit(req.seq[:n], 0, data)
             if adm is not None:
                 assert adm.num_cached_tokens == max(n - 1, 0) // ps * ps
+
+    def publish(self, rid: str, data: st.DataObject) -> None:
+        """Mid-flight: hand the computed full pages to the tree, unless another request
+        already cached more of these tokens than this one matched."""
+        ps, cache = self.ps, self.cache
+        req = self.live[rid]
+        n = data.draw(st.integers(0, len(req.row_pages) * ps), label="computed tokens")
+        aligned = n // ps * ps
+        present = max((aligned_lcp(req.seq[:aligned], s, ps) for s in self.known), default=0)
+        takes = aligned > req.num_cached_tokens and present <= req.num_cached_tokens
+        got = cache.publish(rid, req.seq[:n])
+        assert got == (aligned if takes else req.num_cached_tokens), (got, aligned, takes)
+        assert cache.rows.pages(req.row) == req.row_pages  # the row is never rewritten
+        if takes:
+            event("published")
+            self.known.append(req.seq[:aligned])
+            req.num_cached_tokens = aligned
+            in_tree = set(cache.tree.all_pages())
+            assert all(page in in_tree for page in req.row_pages[: aligned // ps])
 
     def abort(self, rid: str) -> None:
         req = self.live.pop(rid)

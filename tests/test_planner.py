@@ -56,7 +56,7 @@ class Sim:
             num_pages=num_pages, page_size=page_size, num_rows=num_rows, max_pages_per_row=64
         )
         self.cache = CacheManager(self.kv, Mailbox("c"), Mailbox("s"), strict=True)
-        self.planner = Planner(PlannerConfig(num_rows, chunk_size, 256, eos))
+        self.planner = Planner(PlannerConfig(num_rows, chunk_size, 256, eos, page_size=page_size))
         self.device = FakeDevice()
         self.max_inflight = max_inflight
         self.launched: deque[Launch] = deque()
@@ -258,7 +258,7 @@ def test_rows_are_reused_only_after_every_reader_completed() -> None:
         if len(sim.launched) < 3 and sim.plan_and_launch():
             owners_per_launch = []
             for launch in sim.launched:
-                rids = [rid for rid, _ in sim.planner.batches[launch.batch_id]]
+                rids = [m[0] for m in sim.planner.batches[launch.batch_id]]
                 owners_per_launch.append(
                     {s.row: rid for s, rid in zip(launch.seqs, rids, strict=False)}
                 )
@@ -283,6 +283,42 @@ def test_prefix_hit_on_a_repeated_prompt() -> None:
     again = [o.num_cached_tokens for o in sim.outputs["again"] if o.num_cached_tokens is not None]
     assert first == [0] and again == [16]
     assert sim.tokens("again") == sim.tokens("first")
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_requests_arriving_together_compute_a_shared_prefix_once(max_inflight: int) -> None:
+    """One computes the 64-token prefix (publishing its pages as its chunks finish) while the
+    others wait; they are then admitted with the prefix cached and prefill only their own
+    suffix. Their tokens are what each would get alone."""
+    shared = list(range(3, 67))
+    prompts = {f"r{i}": [*shared, 70 + i, 80 + i, 90 + i] for i in range(4)}
+    sim = Sim(page_size=4, chunk_size=16, max_inflight=max_inflight)
+    for rid, prompt in prompts.items():
+        sim.add(rid, prompt, max_new_tokens=4)
+    prefill_tokens = 0
+    overlapped = False  # were the others admitted while r0 still ran (not after its release)?
+    while not sim.planner.idle:
+        if len(sim.launched) < sim.max_inflight and sim.plan_and_launch():
+            launch = sim.last_launch
+            if launch is not None:
+                prefill_tokens += sum(s.num_tokens for s in launch.seqs if s.input_ids)
+            r1 = sim.planner.reqs.get("r1")
+            overlapped |= r1 is not None and r1.row is not None and "r0" not in sim.released
+            continue
+        sim.complete_one()
+    assert overlapped
+    assert sim.cache.check(loud=True) is None
+    cached = {
+        rid: next(o.num_cached_tokens for o in sim.outputs[rid] if o.num_cached_tokens is not None)
+        for rid in prompts
+    }
+    assert cached == {"r0": 0, "r1": 64, "r2": 64, "r3": 64}
+    assert prefill_tokens == 67 + 3 * 3
+    for rid, prompt in prompts.items():
+        alone = Sim(page_size=4, chunk_size=16)
+        alone.add(rid, prompt, max_new_tokens=4)
+        alone.run()
+        assert sim.tokens(rid) == alone.tokens(rid)
 
 
 def test_a_request_that_can_never_fit_ends_with_an_error_not_a_hang() -> None:
