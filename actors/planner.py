@@ -26,14 +26,13 @@ from shoal.actors.messages import (
     Output,
     Plan,
     PlanRequest,
-    PublishReq,
     ReleaseReq,
     RowInit,
     RowWriteMsg,
     SeqChunk,
     StepDone,
 )
-from shoal.actors.prefix_sharing import PrefixesInProgress
+from shoal.actors.prefix_sharing import prefixes_in_progress, publishes_due
 from shoal.actors.request import Phase, PlannerConfig, Req, finish_reason
 
 
@@ -171,12 +170,12 @@ class Planner:
         extends = [
             ExtendReq(r.rid, r.num_launched + 1) for r in self.holding() if self._wants_decode(r)
         ]
-        publishes = self._publishes()
+        publishes = publishes_due(self.holding(), self.config)
         budget = self.config.max_batch_tokens - len(extends)
         has_prefill = any(r.phase is Phase.PREFILL for r in self.reqs.values())
         admits: list[AdmitReq] = []
         if not self.pressure:
-            computing = self._prefixes_in_progress()
+            computing = prefixes_in_progress(self.holding(), self.config)
             num_holding = len(self.holding()) - len(releases)
             for rid in self.waiting:
                 if num_holding + len(admits) >= self.config.max_running:
@@ -195,34 +194,6 @@ class Planner:
         self.plan_pending = True
         self.admitting = {a.rid for a in admits}
         return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits), publishes)
-
-    def _sharing(self, req: Req) -> bool:
-        """Whether req's prompt KV may be shared with others while it runs."""
-        return (
-            self.config.prefix_cache
-            and req.session_id is None
-            and req.phase in (Phase.PREFILL, Phase.RUNNING)
-        )
-
-    def _publishes(self) -> tuple[PublishReq, ...]:
-        """Computed full pages of prompts, for the tree while their requests run on."""
-        ps = self.config.page_size
-        out = []
-        for req in self.holding():
-            upto = min(req.num_computed, req.num_prompt)
-            if self._sharing(req) and upto // ps > req.num_published // ps:
-                out.append(PublishReq(req.rid, tuple(req.tokens[:upto])))
-                req.num_published = upto
-        return tuple(out)
-
-    def _prefixes_in_progress(self) -> PrefixesInProgress | None:
-        if not self.config.prefix_cache:
-            return None
-        computing = PrefixesInProgress(self.config.page_size)
-        for req in self.holding():
-            if self._sharing(req):
-                computing.add(req.tokens[: req.num_prompt], req.num_published)
-        return computing
 
     def _wants_decode(self, req: Req) -> bool:
         if req.phase is not Phase.RUNNING:

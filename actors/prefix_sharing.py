@@ -6,10 +6,10 @@ others wait in the queue; admitted afterwards, they match it in the tree and com
 their own suffix. A waiting request holds back only for a prefix of at least
 MIN_SHARED_TOKENS that another request has not yet published.
 
-    computing = PrefixesInProgress(page_size)
-    computing.add(running.prompt, running.num_published)   # each request computing a prompt
-    if computing.should_wait(candidate.prompt): ...         # skip this round
-    computing.add(candidate.prompt, 0)                      # admitted now: others wait for it
+    publishes = publishes_due(holding, config)         # pages finished since the last plan
+    computing = prefixes_in_progress(holding, config)  # prompts being computed now
+    if computing.should_wait(candidate.tokens): ...     # skip this round
+    computing.add(candidate.tokens, 0)                  # admitted now: others wait for it
 
 Pure Python over token lists; entries are bucketed by their first page, so a candidate is
 compared only with prompts that start the same way.
@@ -19,7 +19,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shoal.actors.messages import PublishReq
+from shoal.actors.request import Phase, PlannerConfig, Req
+
 MIN_SHARED_TOKENS = 32
+
+
+def shares_prompt(req: Req, config: PlannerConfig) -> bool:
+    """Whether req's prompt KV may be offered to others while it runs (sessions keep theirs)."""
+    return (
+        config.prefix_cache
+        and req.session_id is None
+        and req.phase in (Phase.PREFILL, Phase.RUNNING)
+    )
+
+
+def publishes_due(holding: list[Req], config: PlannerConfig) -> tuple[PublishReq, ...]:
+    """Prompt pages that finished batches computed since the last publish, for the tree
+    while their requests run on. Marks them published."""
+    ps = config.page_size
+    out = []
+    for req in holding:
+        upto = min(req.num_computed, req.num_prompt)
+        if shares_prompt(req, config) and upto // ps > req.num_published // ps:
+            out.append(PublishReq(req.rid, tuple(req.tokens[:upto])))
+            req.num_published = upto
+    return tuple(out)
+
+
+def prefixes_in_progress(holding: list[Req], config: PlannerConfig) -> PrefixesInProgress | None:
+    """The prompts being computed now, or None when nothing is ever shared."""
+    if not config.prefix_cache:
+        return None
+    computing = PrefixesInProgress(config.page_size)
+    for req in holding:
+        if shares_prompt(req, config):
+            computing.add(req.tokens[: req.num_prompt], req.num_published)
+    return computing
 
 
 class PrefixesInProgress:

@@ -80,7 +80,11 @@ class DecodeGraphs:
         for size in reversed(graphs.sizes):
             graphs.forward(size)  # compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            # thread_local: only this thread's calls may break the capture (the completion
+            # thread and the event loop keep running)
+            with torch.cuda.graph(
+                graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+            ):
                 logits = graphs.forward(size)
             graphs.graphs[size] = (graph, logits)
         return graphs
