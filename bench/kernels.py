@@ -1,0 +1,137 @@
+"""The attention kernels alone: Triton against the torch reference, at SmolLM2's head shapes
+(9 query heads over 3 KV heads of 64), on one device, in one process.
+
+    python bench/kernels.py --device cuda                    # decode and extend, bf16
+    python bench/kernels.py --device cuda --batch 1 64 256 --extend-batch 1 8 --context 1024 4096
+    TRITON_INTERPRET=1 python bench/kernels.py --smoke       # tiny shapes on CPU: runs, no figures
+
+Prints one line per kernel, implementation and shape:
+    kernel op=<decode|extend> impl=<triton|torch> batch=<B> context=<L> ms=<x> gbps=<y>
+           tflops=<z> dtype=<d> machine=<desc>
+decode: one new token per sequence over a context of L; gbps counts the K and V bytes it must
+read (B x L x 2 x Hkv x D x dtype bytes), the figure to hold against the HBM bandwidth.
+extend: a prefill of L new tokens per sequence, no cached prefix; tflops counts the causal
+attention's multiply-adds (2 x 2 x B x H x D x L^2 / 2). Pages are shuffled over the pool.
+Times: the median of --iters runs after a warm-up, CUDA events on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from offline import machine
+
+from shoal.kernels.attention import TorchAttention
+from shoal.kernels.batch import Attention, BatchShape
+from shoal.kernels.triton_attention import TritonAttention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def make_batch(
+    batch: int, context: int, decode: bool, page_size: int, dtype: torch.dtype, device: str
+) -> tuple[BatchShape, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shape, page table, K/V caches and queries of one step; pages shuffled."""
+    pages_per_seq = -(-context // page_size)
+    num_pages = batch * pages_per_seq + 1
+    order = torch.randperm(num_pages)[: batch * pages_per_seq].view(batch, pages_per_seq)
+    table = order.to(device=device, dtype=torch.int64)
+    slots = num_pages * page_size
+    k_cache = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    new = 1 if decode else context
+    shape = BatchShape(tuple(range(batch)), (context - new,) * batch, (new,) * batch)
+    q = torch.randn(batch * new, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    return shape, table, k_cache, v_cache, q
+
+
+def timed(fn: Callable[[], Any], iters: int, device: str) -> float:
+    """Median milliseconds of fn() after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    dtype = getattr(torch, args.dtype)
+    scale = HEAD_DIM**-0.5
+    lines = []
+    for op, batches in (("decode", args.batch), ("extend", args.extend_batch)):
+        for batch in batches:
+            for context in args.context:
+                shape, table, k_cache, v_cache, q = make_batch(
+                    batch, context, op == "decode", args.page_size, dtype, args.device
+                )
+                impls: dict[str, Attention] = {
+                    "triton": TritonAttention(args.page_size, NUM_KV_HEADS).prepare(table, shape),
+                    "torch": TorchAttention(args.page_size).prepare(table, shape),
+                }
+                for impl, attention in impls.items():
+                    step = partial(attention.attend, q, k_cache, v_cache, scale)
+                    ms = timed(step, args.iters, args.device)
+                    kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+                    flops = 2 * batch * NUM_HEADS * HEAD_DIM * context * context
+                    line = {
+                        "op": op,
+                        "impl": impl,
+                        "batch": batch,
+                        "context": context,
+                        "ms": round(ms, 4),
+                        "gbps": round(kv_bytes / ms / 1e6, 1) if op == "decode" else "-",
+                        "tflops": round(flops / ms / 1e9, 2) if op == "extend" else "-",
+                        "dtype": args.dtype,
+                        "machine": machine(),
+                    }
+                    print("kernel " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
+                    lines.append(line)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256], help="decode")
+    parser.add_argument("--extend-batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
+    parser.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny shapes, 1 iter")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.device, args.dtype, args.iters, args.page_size = "cpu", "float32", 1, 4
+        args.batch, args.extend_batch, args.context = [2], [2], [40]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device (use --smoke on CPU)")
+    lines = run(args)
+    if args.out is not None:
+        with args.out.open("a") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
