@@ -10,8 +10,8 @@ Sizes captured: 1, 2, 4, 8, then every 16 up to the limit. Each graph uses the T
 attention with a fixed number of decode splits, chosen for the full context length, so a
 graph stays valid whatever lengths it later sees.
 
-`DecodeGraphs.eager` sets up the same buffers and padding without capturing (each "replay"
-runs the forward): how CPU tests check the padding under the Triton interpreter.
+`DecodeGraphs(...)` alone sets up the same buffers and padding without capturing (each
+"replay" then runs the forward): how CPU tests check the padding under the interpreter.
 """
 
 from __future__ import annotations
@@ -89,19 +89,6 @@ class DecodeGraphs:
             graphs.graphs[size] = (graph, logits)
         return graphs
 
-    @classmethod
-    def eager(
-        cls,
-        model: LlamaModel,
-        kv: KVPool,
-        page_table: torch.Tensor,
-        page_size: int,
-        max_batch: int,
-        context_length: int,
-    ) -> DecodeGraphs:
-        """The same buffers and padding, no graphs: each run calls the forward."""
-        return cls(model, kv, page_table, page_size, max_batch, context_length)
-
     def forward(self, size: int) -> torch.Tensor:
         """The decode forward over the first `size` entries of the static buffers."""
         splits = self.splits[size]
@@ -141,7 +128,7 @@ class DecodeGraphs:
             self.page_table, host[:b], positions, self.page_size
         )
         self.slot_mapping[b:size] = -1
-        if size not in self.graphs:  # set up by `eager`
+        if size not in self.graphs:  # not captured: run it
             return self.forward(size)[:b]
         graph, logits = self.graphs[size]
         graph.replay()

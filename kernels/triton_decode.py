@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.kernels.triton_paged import load_kv_block, online_softmax_step
+
 
 @triton.jit
 def _decode_partial_kernel(
@@ -73,23 +75,15 @@ def _decode_partial_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table_row = page_table + row * stride_table_row
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        page = tl.load(page_table + row * stride_table_row + pos // PAGE_SIZE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kv_offs = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + offs_d[None, :]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(K_cache + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(V_cache + kv_offs, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        k, v = load_kv_block(
+            K_cache, V_cache, table_row, pos, valid, kv_head, stride_cache_slot,
+            stride_cache_head, offs_d, d_mask, PAGE_SIZE,
+        )  # fmt: skip
+        acc, m, denom = online_softmax_step(q, k, v, valid[None, :], acc, m, denom, scale)
 
     has_keys = denom > 0.0
     out = acc / tl.where(has_keys, denom, 1.0)[:, None]

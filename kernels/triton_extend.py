@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.kernels.triton_paged import load_kv_block, online_softmax_step
+
 
 @triton.jit
 def _extend_kernel(
@@ -68,26 +70,17 @@ def _extend_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = page_table + row * stride_table_row
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        page = tl.load(page_table + row * stride_table_row + pos // PAGE_SIZE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kv_offs = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + offs_d[None, :]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(K_cache + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(V_cache + kv_offs, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        k, v = load_kv_block(
+            K_cache, V_cache, table_row, pos, valid, kv_head, stride_cache_slot,
+            stride_cache_head, offs_d, d_mask, PAGE_SIZE,
+        )  # fmt: skip
+        # Key 0 is in the first block and visible to every query row (as the step needs).
         causal = valid[None, :] & (pos[None, :] <= query_pos[:, None])
-        scores = tl.where(causal, scores, float("-inf"))
-        # Key 0 is in the first block and visible to every query row, so m is finite from
-        # then on and no row ever computes exp(-inf - -inf).
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        acc, m, denom = online_softmax_step(q, k, v, causal, acc, m, denom, scale)
 
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     tl.store(

@@ -1,7 +1,8 @@
 """The decode-graph path's static buffers and padding, checked on CPU.
 
-`DecodeGraphs.eager` has the same buffers and padding as captured CUDA graphs but runs the
-forward instead of replaying (no CUDA here); the Triton kernels run under the interpreter.
+`DecodeGraphs` without `capture` has the same buffers and padding as captured CUDA graphs
+but runs the forward instead of replaying (no CUDA here); the Triton kernels run under the
+interpreter.
 Four sequences decode together, then one stops and three replay the size-4 graph: the
 padding entry, stale from the stopped sequence, must neither write KV nor disturb the others.
 Tokens must equal the eager Triton path's, and the whole KV pool too, up to rounding.
@@ -36,7 +37,7 @@ def device_state(tiny_model: LoadedModel, graphs: bool) -> DeviceState:
     attention = TritonAttention(PAGE_SIZE, config.num_kv_heads)
     state = DeviceState(model, pool, attention, 8, 16, PAGE_SIZE, config.eos_token_ids)
     if graphs:
-        state.graphs = DecodeGraphs.eager(model, pool, state.page_table, PAGE_SIZE, 4, 64)
+        state.graphs = DecodeGraphs(model, pool, state.page_table, PAGE_SIZE, 4, 64)  # no capture
     return state
 
 

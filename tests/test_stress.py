@@ -24,7 +24,7 @@ __all__ = ["serve"]  # the fixture, used by name
 OPERATIONS = 500
 PROMPTS = [[random.Random(i).randrange(3, 500) for _ in range(4 + 5 * i)] for i in range(8)]
 # Three more share a 40-token prefix, so requests wait for each other's published pages.
-PROMPTS += [PROMPTS[7][:40] + [100 + i, 200 + i, 300 + i] for i in range(3)]
+PROMPTS += [[*PROMPTS[7][:40], 100 + i, 200 + i, 300 + i] for i in range(3)]
 
 
 @pytest.fixture(scope="module")
