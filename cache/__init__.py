@@ -8,6 +8,7 @@ Files::
     node.py    Node            the tree's node, IntegrityError, walks
     lru.py     LazyHeap        eviction queue keyed by a logical clock
     kv.py      KVCache         the composition, one owner per page, Admission
+    session_kv.py SessionKV    KV kept by sessions between turns (a part of KVCache)
 """
 
 from .kv import Admission, KVCache

@@ -43,6 +43,7 @@ from .node import IntegrityError, Node, path_pages
 from .pages import PageAllocator
 from .radix import RadixTree
 from .rows import RowTable, RowWrite
+from .session_kv import SessionKV
 
 __all__ = ["Admission", "KVCache"]
 
@@ -66,17 +67,6 @@ class _Live:
     own_pages: list[int]  # request-owned
 
 
-@dataclass(slots=True)
-class _Session:
-    """KV a session keeps between turns: a lock on the tree node covering its full pages,
-    and its partial last page, which belongs to the session alone (law 4)."""
-
-    node: Node
-    tokens: tuple[int, ...]  # whose KV it keeps: full pages in the tree, then the tail
-    tail_page: int | None  # positions len(full) .. len(tokens), or None when aligned
-    last_used: int
-
-
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -94,9 +84,7 @@ class KVCache:
         self.tree = RadixTree(page_size)
         self._live: dict[str, _Live] = {}
         self._request_pages = 0
-        self._sessions: dict[str, _Session] = {}
-        self._clock = 0
-        self.num_sessions_reclaimed = 0  # idle sessions that gave their KV back under pressure
+        self.sessions = SessionKV(self.tree, self.allocator, page_size)
 
     # ---- accounting -----------------------------------------------------------
 
@@ -118,7 +106,7 @@ class KVCache:
 
     @property
     def num_session_pages(self) -> int:
-        return sum(s.tail_page is not None for s in self._sessions.values())
+        return self.sessions.num_pages
 
     def holds(self, rid: str) -> bool:
         return rid in self._live
@@ -135,8 +123,8 @@ class KVCache:
             "locked_pages": self.tree.locked_pages,
             "request_pages": self._request_pages,
             "session_pages": self.num_session_pages,
-            "sessions": len(self._sessions),
-            "sessions_reclaimed": self.num_sessions_reclaimed,
+            "sessions": len(self.sessions),
+            "sessions_reclaimed": self.sessions.num_reclaimed,
             "total_rows": self.rows.num_total,
             "free_rows": self.rows.num_free,
             "cached_tokens": self.tree.total_pages * self.page_size,
@@ -157,7 +145,7 @@ class KVCache:
         ps = self.page_size
         matched_pages, node = self.tree.match(tokens[: max(len(tokens) - 1, 0)])
         num_cached_tokens = len(matched_pages) * ps
-        kept = self._sessions.get(session) if session is not None else None
+        kept = self.sessions.get(session) if session is not None else None
         tail: list[int] = []
         if kept is not None and kept.tail_page is not None:
             n = len(kept.tokens)
@@ -176,10 +164,7 @@ class KVCache:
             self.tree.unlock(node)
             return None
         if kept is not None and session is not None:  # the turn now holds the session's KV
-            del self._sessions[session]
-            self.tree.unlock(kept.node)
-            if kept.tail_page is not None and not tail:
-                self.allocator.free([kept.tail_page])  # not reusable for these tokens
+            self.sessions.take(session, tail_continues=bool(tail))
         own_pages = tail + new_pages
         row = self.rows.acquire()
         assert row is not None  # checked above; nothing in between releases rows
@@ -282,49 +267,18 @@ class KVCache:
                 keep_hi = max(num_pages - num_matched, keep_lo)
         tail = None
         if session is not None and computed_tokens is not None:
-            tail = self._keep_for_session(session, computed_tokens, live.matched_pages + own)
+            tail = self.sessions.keep(session, computed_tokens, live.matched_pages + own)
         self.tree.unlock(live.node)
         self.allocator.free([p for p in own[:keep_lo] + own[keep_hi:] if p != tail])
         self._request_pages -= len(own)
         self.rows.release(live.row)
 
-    def _keep_for_session(
-        self, session: str, tokens: Sequence[int], row_pages: list[int]
-    ) -> int | None:
-        """Lock the (just inserted) full pages of ``tokens`` for ``session``; return its
-        tail page, which the caller must not free."""
-        assert session not in self._sessions, f"session {session!r} already keeps KV"
-        ps = self.page_size
-        full = len(tokens) - len(tokens) % ps
-        pages, node = self.tree.match(tokens[:full])
-        assert len(pages) * ps == full, f"session {session!r}: its pages left the tree"
-        self.tree.lock(node)
-        tail = row_pages[full // ps] if full < len(tokens) else None
-        self._clock += 1
-        self._sessions[session] = _Session(node, tuple(tokens), tail, self._clock)
-        return tail
-
     def close_session(self, session: str) -> None:
         """Give back whatever KV ``session`` keeps (nothing if it keeps none)."""
-        kept = self._sessions.pop(session, None)
-        if kept is not None:
-            self.tree.unlock(kept.node)
-            if kept.tail_page is not None:
-                self.allocator.free([kept.tail_page])
+        self.sessions.close(session)
 
     def session_tokens(self, session: str) -> tuple[int, ...] | None:
-        kept = self._sessions.get(session)
-        return kept.tokens if kept is not None else None
-
-    def _reclaim_sessions(self, num_pages: int, spare: str | None) -> None:
-        """Under pressure, idle sessions give their KV back, least recently used first,
-        until ``num_pages`` could be had (their next turn re-prefills from the tree)."""
-        for name in sorted(self._sessions, key=lambda n: self._sessions[n].last_used):
-            if self.can_admit_pages(num_pages):
-                return
-            if name != spare:
-                self.close_session(name)
-                self.num_sessions_reclaimed += 1
+        return self.sessions.tokens(session)
 
     def evict(self, num_pages: int) -> int:
         """Evict at least ``num_pages`` unlocked tree pages if possible; return how many."""
@@ -336,8 +290,7 @@ class KVCache:
         """Empty the prefix cache (sessions keep their tokens but lose their KV, so their
         next turn re-prefills). Only when idle: asserts no request holds anything."""
         assert not self._live, f"flush with live requests: {sorted(self._live)[:8]}"
-        for name in list(self._sessions):
-            self.close_session(name)
+        self.sessions.close_all()
         assert self.rows.num_free == self.rows.num_total, "flush with held rows"
         self.allocator.free(self.tree.reset())
         assert self.allocator.num_free == self.allocator.num_total, "flush leaked pages"
@@ -349,7 +302,7 @@ class KVCache:
         if num_pages <= 0:
             return []
         if not self.can_admit_pages(num_pages):
-            self._reclaim_sessions(num_pages, spare)
+            self.sessions.reclaim(lambda: self.can_admit_pages(num_pages), spare)
         if not self.can_admit_pages(num_pages):
             return None
         short = num_pages - self.allocator.num_free
@@ -380,18 +333,7 @@ class KVCache:
                     raise IntegrityError(f"kv cache: page {page} owned by {name} and {owner[page]}")
                 owner[page] = name
             num_request_pages += len(live.own_pages)
-        for name, kept in self._sessions.items():
-            full = len(kept.tokens) - len(kept.tokens) % self.page_size
-            if kept.node.evicted or len(path_pages(kept.node)) * self.page_size != full:
-                raise IntegrityError(f"kv cache: session {name!r} lost its tree pages")
-            num_locks += kept.node is not self.tree.root
-            if kept.tail_page is not None:
-                if kept.tail_page in owner:
-                    raise IntegrityError(
-                        f"kv cache: page {kept.tail_page} owned by session {name!r} "
-                        f"and {owner[kept.tail_page]}"
-                    )
-                owner[kept.tail_page] = f"session {name!r}"
+        num_locks += self.sessions.check_integrity(owner)
         for page in owner:
             if self.allocator.is_free(page):
                 raise IntegrityError(f"kv cache: page {page} is free but owned by {owner[page]}")
