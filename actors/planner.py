@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shoal.actors.messages import (
     Admit,
@@ -36,14 +37,20 @@ from shoal.actors.prefix_sharing import prefixes_in_progress, publishes_due
 from shoal.actors.request import Phase, PlannerConfig, Req, finish_reason
 
 
+class Member(NamedTuple):
+    """One sequence of a launched batch."""
+
+    rid: str
+    samples: bool
+    end: int  # its KV is written up to this position once the batch completes
+
+
 @dataclass
 class Planner:
     config: PlannerConfig
     reqs: dict[str, Req] = field(default_factory=dict)
     waiting: deque[str] = field(default_factory=deque)
-    batches: dict[int, list[tuple[str, bool, int]]] = field(
-        default_factory=dict
-    )  # rid, samples, end
+    batches: dict[int, list[Member]] = field(default_factory=dict)
     plan_pending: bool = False
     pressure: bool = False
     next_order: int = 0
@@ -77,7 +84,7 @@ class Planner:
             phases[r.phase.value].append(r.rid)
         return {
             **phases,
-            "launched_batches": {b: [m[0] for m in seqs] for b, seqs in self.batches.items()},
+            "launched_batches": {b: [m.rid for m in seqs] for b, seqs in self.batches.items()},
             "rows": {r.rid: r.row for r in self.reqs.values() if r.row is not None},
             "progress": {r.rid: r.num_launched for r in self.reqs.values()},
             "plan_pending": self.plan_pending,
@@ -250,7 +257,7 @@ class Planner:
 
     def _build_batch(self, extended: set[str]) -> Launch | None:
         seqs: list[SeqChunk] = []
-        members: list[tuple[str, bool, int]] = []
+        members: list[Member] = []
         by_order = sorted(self.holding(), key=lambda r: r.order)
         for req in by_order:
             if req.rid in extended and self._wants_decode(req):
@@ -258,7 +265,7 @@ class Planner:
                 assert req.num_launched == len(req.tokens) + req.pending - 1
                 seqs.append(SeqChunk(req.row, req.num_launched, 1, None, True))
                 req.num_launched += 1
-                members.append((req.rid, True, req.num_launched))
+                members.append(Member(req.rid, True, req.num_launched))
                 req.pending += 1
                 req.inflight += 1
         budget = self.config.max_batch_tokens - len(seqs)
@@ -277,7 +284,7 @@ class Planner:
             seqs.append(
                 SeqChunk(req.row, start, n, tuple(req.tokens[start : start + n]), sample, init)
             )
-            members.append((req.rid, sample, start + n))
+            members.append(Member(req.rid, sample, start + n))
             budget -= n
             req.num_launched += n
             req.inflight += 1

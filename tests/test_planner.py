@@ -258,7 +258,7 @@ def test_rows_are_reused_only_after_every_reader_completed() -> None:
         if len(sim.launched) < 3 and sim.plan_and_launch():
             owners_per_launch = []
             for launch in sim.launched:
-                rids = [m[0] for m in sim.planner.batches[launch.batch_id]]
+                rids = [m.rid for m in sim.planner.batches[launch.batch_id]]
                 owners_per_launch.append(
                     {s.row: rid for s, rid in zip(launch.seqs, rids, strict=False)}
                 )
