@@ -108,13 +108,15 @@ def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
 
 
 def resolve_attention(options: EngineOptions, device: torch.device) -> str:
-    """auto: the Triton kernels on CUDA, the torch reference elsewhere. Triton on CPU runs
-    only under its interpreter (TRITON_INTERPRET=1: correct and slow, for tests)."""
+    """auto: the Triton kernels on CUDA (when triton is installed; torch's CUDA wheels bring
+    it), the torch reference elsewhere. Triton on CPU runs only under its interpreter
+    (TRITON_INTERPRET=1: correct and slow, for tests)."""
+    has_triton = importlib.util.find_spec("triton") is not None
     choice = options.attention
     if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "torch"
+        choice = "triton" if device.type == "cuda" and has_triton else "torch"
     if choice == "triton":
-        if importlib.util.find_spec("triton") is None:
+        if not has_triton:
             raise ValueError("attention triton needs the triton package: pip install triton")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
