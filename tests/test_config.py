@@ -1,0 +1,41 @@
+"""Engine options resolve once at start: device, dtype, attention backend and CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.config import EngineOptions, resolve
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"cuda_graph_max_batch": -1}, "cuda_graph_max_batch"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"attention": "flash"}, "attention"),
+    ],
+)
+def test_bad_options_name_the_field(options: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineOptions(**options).validate()  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the resolution without CUDA")
+def test_auto_on_a_machine_without_cuda() -> None:
+    resolved = resolve(EngineOptions(), model_context=8192)
+    assert resolved.device == torch.device("cpu") and resolved.dtype == torch.float32
+    assert resolved.attention == "torch" and resolved.cuda_graph_max_batch == 0
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve(EngineOptions(device="cuda"), model_context=8192)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton", reason="the triton package is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    resolved = resolve(EngineOptions(device="cpu", attention="triton"), model_context=8192)
+    assert resolved.attention == "triton" and resolved.cuda_graph_max_batch == 0  # no graphs
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve(EngineOptions(device="cpu", attention="triton"), model_context=8192)
