@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.limits import InputLimits
+
+DEFAULT_LIMITS = InputLimits()
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
@@ -29,8 +33,18 @@ class EngineOptions:
     strict_integrity: bool = False
     prefix_cache: bool = True
     max_sessions: int = 256
+    # input limits every door shares, the Python API included (limits.py, docs/limits.md)
+    max_stop_strings: int = DEFAULT_LIMITS.max_stop_strings
+    max_stop_chars: int = DEFAULT_LIMITS.max_stop_chars
+    max_stop_token_ids: int = DEFAULT_LIMITS.max_stop_token_ids
+    max_prompt_chars: int = DEFAULT_LIMITS.max_prompt_chars
+    max_messages: int = DEFAULT_LIMITS.max_messages
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(**{name: getattr(self, name) for name in InputLimits.__struct_fields__})
 
     def validate(self) -> None:
+        self.input_limits().validate()
         for name in (
             "page_size",
             "kv_cache_tokens",

@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from shoal.limits import InputLimits, check_stops
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -40,8 +42,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first bad field."""
+    def validate(self, vocab_size: int | None = None, limits: InputLimits | None = None) -> None:
+        """Raise ValueError naming the first bad field. Counts and lengths are checked first,
+        against `limits` (default: InputLimits())."""
+        check_stops(limits or InputLimits(), self.stop, self.stop_token_ids)
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
         _check(
             0 <= self.min_new_tokens <= self.max_new_tokens,

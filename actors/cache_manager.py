@@ -23,6 +23,8 @@ from shoal.actors.messages import (
     SchedulerMsg,
     Shutdown,
 )
+from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
+from shoal.api.stream import InternalError
 from shoal.cache.kv import KVCache
 
 log = logging.getLogger("shoal.cache")
@@ -35,35 +37,53 @@ class CacheManager:
         mailbox: Mailbox[CacheMsg],
         scheduler: Mailbox[SchedulerMsg],
         strict: bool,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.kv = kv
         self.mailbox = mailbox
         self.scheduler = scheduler
         self.strict = strict
+        self.faults = faults
 
     async def run(self) -> None:
-        while True:
-            match await self.mailbox.get():
-                case PlanRequest() as req:
-                    self.scheduler.put(self.plan(req))
-                case CheckIntegrity(reply=reply):
-                    error = self.check(loud=reply is None and self.strict)
-                    if reply is not None and not reply.done():
-                        reply.set_result(error)
-                case CacheStats(reply=reply):
-                    if not reply.done():
-                        reply.set_result(self.kv.stats())
-                case FlushCache(reply=reply):
-                    # Only ever sent while no request holds anything (the scheduler's idle
-                    # predicate, law 1), so this cannot fail on a live request.
-                    self.kv.flush()
-                    error = self.check(loud=False)
-                    if not reply.done():
-                        reply.set_result(error)
-                case CloseSession(session_id=session_id):
-                    self.kv.close_session(session_id)
-                case Shutdown():
-                    return
+        await serve("cache manager", self.mailbox, self.faults, self.handle, self.recover)
+
+    async def handle(self, msg: CacheMsg) -> None:
+        match msg:
+            case PlanRequest() as req:
+                self.scheduler.put(self.plan(req))
+            case CheckIntegrity(reply=reply):
+                error = self.check(loud=reply is None and self.strict)
+                if reply is not None and not reply.done():
+                    reply.set_result(error)
+            case CacheStats(reply=reply):
+                if not reply.done():
+                    reply.set_result(self.kv.stats())
+            case FlushCache(reply=reply):
+                # Only ever sent while no request holds anything (the scheduler's idle
+                # predicate, law 1), so this cannot fail on a live request.
+                self.kv.flush()
+                error = self.check(loud=False)
+                if not reply.done():
+                    reply.set_result(error)
+            case CloseSession(session_id=session_id):
+                self.kv.close_session(session_id)
+            case Shutdown():
+                pass
+
+    def recover(self, msg: CacheMsg, error: InternalError) -> None:
+        """One message failed (actors/supervise.py). A plan half made, an integrity violation
+        (with strict_integrity), or a flush that left the books inconsistent stop the
+        engine; anything else fails its reply. A session whose KV could not be given back
+        keeps it, still accounted for, until memory pressure reclaims it."""
+        fail_replies(msg, error)
+        match msg:
+            case PlanRequest():
+                raise Fatal("the cache manager could not make a plan") from error
+            case CheckIntegrity(reply=None) if self.strict and self.check(loud=False):
+                raise Fatal("the idle integrity check found a violation") from error
+            case FlushCache() if self.check(loud=False) is not None:
+                raise Fatal("a cache flush left the page accounting inconsistent") from error
 
     def plan(self, req: PlanRequest) -> Plan:
         kv = self.kv

@@ -27,8 +27,9 @@ import torch
 from shoal.actors.messages import Launch
 from shoal.api.stream import TokenLogprob
 from shoal.kernels.batch import AttentionBackend, BatchShape
+from shoal.kernels.checkpoint import CheckpointError
 from shoal.kernels.config import ModelConfig
-from shoal.kernels.loader import load_weights, read_model_config, resolve_model_folder
+from shoal.kernels.loader import checkpoint_folder, load_weights, read_model_config
 from shoal.kernels.model import KVPool, LlamaModel
 from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
 from shoal.kernels.streams import HostResult, StepStreams, to_device, to_device_many
@@ -162,14 +163,19 @@ class DeviceState:
 
     def load_weights(self, model_path: str) -> str | None:
         """Copy a same-architecture checkpoint into the weights in place (captured graphs keep
-        reading the same tensors); None, or why it was refused (old weights stay)."""
+        reading the same tensors); None, or why it was refused (old weights stay).
+
+        The whole checkpoint is validated before anything is copied in, and no exception
+        escapes: whatever a checkpoint holds, the executor lives. The reason is for the client
+        (what is wrong with which file of the checkpoint, no paths of ours); the log has the
+        detail."""
         config = self.model.config
         try:
-            folder = resolve_model_folder(model_path, progress=False)
+            folder = checkpoint_folder(model_path)
             other = read_model_config(folder)
             if _shape_of(other) != _shape_of(config):
                 return (
-                    f"checkpoint {model_path} has a different architecture: "
+                    "the checkpoint has a different architecture: "
                     f"{_shape_of(other)} instead of {_shape_of(config)}"
                 )
             weights = load_weights(folder, config, dtype=self.model.dtype)
@@ -177,8 +183,12 @@ class DeviceState:
             with self.streams.computing():
                 self.model.load(weights)
             self.streams.synchronize()
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            return f"could not load {model_path}: {exc}"
+        except CheckpointError as exc:
+            log.warning("refused checkpoint %r: %s", model_path, exc, exc_info=True)
+            return f"could not load the checkpoint: {exc}"
+        except Exception:
+            log.exception("loading checkpoint %r failed", model_path)
+            return "could not load the checkpoint: it could not be read as a model checkpoint"
         return None
 
     def launch(self, launch: Launch) -> PendingStep:

@@ -32,6 +32,8 @@ from shoal.actors.messages import (
     Shutdown,
     StepDone,
 )
+from shoal.actors.supervise import FaultInjector, fail_replies, serve
+from shoal.api.stream import InternalError
 
 log = logging.getLogger("shoal.executor")
 
@@ -44,50 +46,60 @@ class Executor:
         scheduler: Mailbox[SchedulerMsg],
         graph_max_batch: int = 0,
         context_length: int = 0,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.state = device_state
         self.mailbox = mailbox
         self.scheduler = scheduler
         self.graph_max_batch = graph_max_batch  # 0: no CUDA graphs
         self.context_length = context_length
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        launcher = ThreadPoolExecutor(
+        self.faults = faults
+        self.launcher = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="shoal-launch",
             initializer=torch.set_flush_denormal,  # denormals slow x86 math ~2x
             initargs=(True,),
         )
-        completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-results")
-        running: set[Future[StepResult]] = set()
+        self.completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-results")
+        self.running: set[Future[StepResult]] = set()
+
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
         try:
             if self.graph_max_batch > 0:
                 capture = partial(
                     self.state.capture_graphs, self.graph_max_batch, self.context_length
                 )
-                await asyncio.wrap_future(launcher.submit(capture))
-            while True:
-                match await self.mailbox.get():
-                    case Launch() as launch:
-                        step: Future[StepResult] = Future()
-                        running.add(step)
-                        step.add_done_callback(running.discard)
-                        step.add_done_callback(partial(self._post, loop, launch.batch_id))
-                        launcher.submit(self._launch, completer, launch, step)
-                    case LoadWeights(model_path=model_path, reply=reply):
-                        loading = launcher.submit(self.state.load_weights, model_path)
-                        error = await asyncio.wrap_future(loading)
-                        if not reply.done():
-                            reply.set_result(error)
-                    case Shutdown():
-                        # Let launched steps finish: they write into the KV pool.
-                        pending = [asyncio.wrap_future(f) for f in running]
-                        await asyncio.gather(*pending, return_exceptions=True)
-                        return
+                await asyncio.wrap_future(self.launcher.submit(capture))
+            await serve("executor", self.mailbox, self.faults, self.handle, self.recover)
         finally:
-            launcher.shutdown(wait=False, cancel_futures=True)
-            completer.shutdown(wait=False, cancel_futures=True)
+            self.launcher.shutdown(wait=False, cancel_futures=True)
+            self.completer.shutdown(wait=False, cancel_futures=True)
+
+    async def handle(self, msg: ExecutorMsg) -> None:
+        match msg:
+            case Launch() as launch:
+                step: Future[StepResult] = Future()
+                self.running.add(step)
+                step.add_done_callback(self.running.discard)
+                step.add_done_callback(partial(self._post, self.loop, launch.batch_id))
+                self.launcher.submit(self._launch, self.completer, launch, step)
+            case LoadWeights(model_path=model_path, reply=reply):
+                loading = self.launcher.submit(self.state.load_weights, model_path)
+                error = await asyncio.wrap_future(loading)
+                if not reply.done():
+                    reply.set_result(error)
+            case Shutdown():
+                # Let launched steps finish: they write into the KV pool.
+                pending = [asyncio.wrap_future(f) for f in self.running]
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    def recover(self, msg: ExecutorMsg, error: InternalError) -> None:
+        """One message failed (actors/supervise.py): a launch that did not start fails as its
+        step would (the scheduler ends the batch's requests); a load reports failure."""
+        fail_replies(msg, error)
+        if isinstance(msg, Launch):
+            self.scheduler.put(StepDone(msg.batch_id, (), error=str(error)))
 
     def _launch(
         self, completer: ThreadPoolExecutor, launch: Launch, step: Future[StepResult]
@@ -114,7 +126,8 @@ class Executor:
         error = done.exception()
         if error is not None:
             log.exception("forward of batch %d failed", batch_id, exc_info=error)
-            self.scheduler.put(StepDone(batch_id, (), error=repr(error)))
+            # The log has the detail; requests are told only that the step failed.
+            self.scheduler.put(StepDone(batch_id, (), error="internal error in the executor"))
         else:
             tokens, logprobs = done.result()
             self.scheduler.put(StepDone(batch_id, tokens, logprobs=logprobs))

@@ -131,6 +131,16 @@ class Planner:
         else:
             req.phase = Phase.FINISHING
 
+    def fail(self, rid: str, message: str) -> list[Output]:
+        """End one request with an error wherever it is; its KV is not cached."""
+        req = self.reqs.get(rid)
+        if req is None or req.phase is Phase.FINISHING:
+            return []
+        req.drop_kv, req.finish = True, "error"
+        self.stalled = False
+        self._end(req)
+        return [Output(rid, (), "error", message)]
+
     def fail_all(self, message: str) -> list[Output]:
         """Executor failure: end every request with an error; their KV is not trusted."""
         out = []
@@ -160,8 +170,6 @@ class Planner:
     # ---- planning -------------------------------------------------------------------------
 
     def propose(self, step: int) -> PlanRequest | None:
-        if self.stalled:
-            return None
         releases = []
         for req in self.holding():
             done = req.phase in (Phase.FINISHING, Phase.RETRACTING)
@@ -169,6 +177,10 @@ class Planner:
                 req.release_sent = True
                 computed, session = req.kept_tokens(self.config.prefix_cache)
                 releases.append(ReleaseReq(req.rid, computed, session))
+        # A stall waits for a result or a request, but never holds back a release: a request
+        # failed while its plan was out (a failed step) has nothing left to wait for.
+        if self.stalled and not releases:
+            return None
         if self.paused:
             if not releases:
                 return None

@@ -30,6 +30,7 @@ from shoal.actors.messages import (
     FlushDeadline,
     FlushWhenIdle,
     Gate,
+    Output,
     Outputs,
     Park,
     Plan,
@@ -42,6 +43,8 @@ from shoal.actors.messages import (
     TokenizerMsg,
 )
 from shoal.actors.planner import Planner
+from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
+from shoal.api.stream import InternalError
 
 log = logging.getLogger("shoal.scheduler")
 
@@ -67,6 +70,7 @@ class Scheduler:
         cache: Mailbox[CacheMsg],
         executor: Mailbox[ExecutorMsg],
         tokenizer: Mailbox[TokenizerMsg],
+        faults: FaultInjector | None = None,
     ) -> None:
         assert max_inflight >= 1
         self.planner = planner
@@ -80,18 +84,41 @@ class Scheduler:
         self.gate = StepGate()
         self.flushes: dict[int, tuple[asyncio.Future[Any], asyncio.TimerHandle]] = {}
         self.parks: list[asyncio.Future[Any]] = []
+        self.faults = faults
 
     async def run(self) -> None:
-        while True:
-            msg = await self.mailbox.get()
-            if isinstance(msg, Shutdown):
-                return
-            self.handle(msg)
-            self._pump_gate()
-            self._maybe_plan()
-            self._when_quiet()
+        await serve("scheduler", self.mailbox, self.faults, self.handle, self.recover)
 
-    def handle(self, msg: SchedulerMsg) -> None:
+    async def handle(self, msg: SchedulerMsg) -> None:
+        if isinstance(msg, Shutdown):
+            return
+        self.apply(msg)
+        self._pump_gate()
+        self._maybe_plan()
+        self._when_quiet()
+
+    def recover(self, msg: SchedulerMsg, error: InternalError) -> None:
+        """One message failed (actors/supervise.py): end the request or operation it stood
+        for. A plan that could not be applied leaves unknown which rows and pages are held:
+        that stops the engine."""
+        fail_replies(msg, error)
+        planner = self.planner
+        match msg:
+            case Admit(rid=rid) if rid not in planner.reqs:
+                self.tokenizer.put(Outputs((Output(rid, (), "error", str(error)),)))
+                self.tokenizer.put(Released((rid,)))
+            case Admit(rid=rid) | Abort(rid=rid):
+                self._send(planner.fail(rid, str(error)))
+            case StepDone(batch_id=batch_id) if batch_id in planner.batches:
+                self._send(planner.process(StepDone(batch_id, (), error=str(error))))
+            case FlushDeadline(flush_id=flush_id) if flush_id in self.flushes:
+                reply, _ = self.flushes.pop(flush_id)
+                _answer(reply, f"not flushed: {error}")
+            case Plan():
+                raise Fatal("the scheduler could not apply a plan") from error
+        self._maybe_plan()
+
+    def apply(self, msg: SchedulerMsg) -> None:
         planner = self.planner
         match msg:
             case Admit() as admit:
@@ -138,6 +165,9 @@ class Scheduler:
                     for done in self.gate.results:
                         self._send(planner.process(done))
                     self.gate.results.clear()
+            case Advance(reply=reply) | Deliver(reply=reply) if not self.gate.held:
+                # The engine runs freely: there is no step to wait for.
+                reply.set_exception(RuntimeError("the step gate is not held: call hold() first"))
             case Advance(reply=reply):
                 self.gate.advances.append(reply)
             case Deliver(reply=reply):

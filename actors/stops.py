@@ -10,6 +10,12 @@ pushes:
 
 Invariant between pushes: the held-back text is the longest suffix of everything pushed that is
 a proper prefix of some stop string, so no occurrence can straddle emitted and unseen text.
+
+How: one Knuth-Morris-Pratt automaton per stop string. Its state is the length of the longest
+prefix of the stop that is a suffix of everything pushed; it reaches len(stop) exactly where an
+occurrence ends, and the held-back length is the largest state. The failure function is built
+once per stop (O(len(stop)) time and memory) and each pushed character advances each automaton
+in amortized O(1), so matching is linear in the text and the stops; nothing is ever rescanned.
 """
 
 from __future__ import annotations
@@ -22,11 +28,7 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str]) -> None:
         assert all(stops), "stop strings must be non-empty"
-        self._stops = tuple(stops)
-        self._max_held = max((len(stop) for stop in self._stops), default=1) - 1
-        self._proper_prefixes = frozenset(
-            stop[:length] for stop in self._stops for length in range(1, len(stop))
-        )
+        self._automata = [StopAutomaton(stop) for stop in stops]
         self._held = ""
         self._finished = False
         self.matched: str | None = None
@@ -38,15 +40,22 @@ class StopMatcher:
         follows it are dropped, and the stream is over.
         """
         assert not self._finished and self.matched is None, "push after the stream ended"
-        if not self._stops:
+        if not self._automata:
             return text, None
         pending = self._held + text
-        match = self._first_match(pending)
-        if match is not None:
-            start, self.matched = match
+        best: tuple[int, int, str] | None = None  # (end in pending, -len, stop)
+        for automaton in self._automata:
+            end_in_text = automaton.advance(text)
+            if end_in_text is not None:
+                stop = automaton.stop
+                candidate = (len(self._held) + end_in_text, -len(stop), stop)
+                if best is None or candidate < best:
+                    best = candidate
+        if best is not None:
+            end, _, self.matched = best
             self._held, self._finished = "", True
-            return pending[:start], self.matched
-        num_held = self._held_length(pending)
+            return pending[: end - len(self.matched)], self.matched
+        num_held = max(automaton.state for automaton in self._automata)
         cut = len(pending) - num_held
         self._held = pending[cut:]
         return pending[:cut], None
@@ -56,22 +65,53 @@ class StopMatcher:
         released, self._held, self._finished = self._held, "", True
         return released
 
-    def _first_match(self, pending: str) -> tuple[int, str] | None:
-        """(start, stop) of the occurrence ending earliest, longest first on ties."""
-        best: tuple[int, int, str] | None = None  # (end, -len, stop)
-        for stop in self._stops:
-            start = pending.find(stop)
-            if start >= 0:
-                candidate = (start + len(stop), -len(stop), stop)
-                if best is None or candidate < best:
-                    best = candidate
-        if best is None:
-            return None
-        end, _, stop = best
-        return end - len(stop), stop
 
-    def _held_length(self, pending: str) -> int:
-        for length in range(min(len(pending), self._max_held), 0, -1):
-            if pending[-length:] in self._proper_prefixes:
-                return length
-        return 0
+class StopAutomaton:
+    """KMP over one stop string: `state` is the length of the longest prefix of the stop that
+    is a suffix of all the text advanced over (always < len(stop) between matches)."""
+
+    def __init__(self, stop: str) -> None:
+        assert stop, "a stop string must be non-empty"
+        self.stop = stop
+        self.failure = failure_function(stop)
+        self.state = 0
+
+    def advance(self, text: str) -> int | None:
+        """Run over text; the index in text just past the first complete occurrence (the
+        state is then len(stop)), or None with the state updated to the end of text."""
+        stop, failure, state = self.stop, self.failure, self.state
+        first, length = stop[0], len(stop)
+        i, size = 0, len(text)
+        while i < size:
+            if state == 0:  # skip to the next possible start at C speed
+                i = text.find(first, i)
+                if i < 0:
+                    break
+                state, i = 1, i + 1
+            else:
+                char = text[i]
+                while state and stop[state] != char:
+                    state = failure[state - 1]
+                if stop[state] == char:
+                    state += 1
+                i += 1
+            if state == length:
+                self.state = state
+                return i
+        self.state = state
+        return None
+
+
+def failure_function(pattern: str) -> list[int]:
+    """failure[i]: the length of the longest proper prefix of pattern[: i + 1] that is also
+    its suffix (the classic KMP prefix function)."""
+    failure = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        char = pattern[i]
+        while k and pattern[k] != char:
+            k = failure[k - 1]
+        if pattern[k] == char:
+            k += 1
+        failure[i] = k
+    return failure

@@ -41,8 +41,16 @@ from shoal.actors.messages import (
 )
 from shoal.actors.sessions import SessionBook, SessionState
 from shoal.actors.stops import StopMatcher
+from shoal.actors.supervise import FaultInjector, fail_replies, serve
 from shoal.actors.update_lock import UpdateLock, write_weights
-from shoal.api.stream import Completion, Delta, RequestStream, TokenLogprob, Usage
+from shoal.api.stream import (
+    Completion,
+    Delta,
+    InternalError,
+    RequestStream,
+    TokenLogprob,
+    Usage,
+)
 
 
 @dataclass
@@ -71,6 +79,7 @@ class Tokenizer:
         executor: Mailbox[ExecutorMsg],
         seed: int | None,
         max_sessions: int = 256,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -87,53 +96,101 @@ class Tokenizer:
             tokenizer, max_sessions, self.validate, self.admit, cache, mailbox.put
         )
         self.writing: asyncio.Task[None] | None = None
+        self.faults = faults
 
     async def run(self) -> None:
-        while True:
-            match await self.mailbox.get():
-                case Generate() as gen:
-                    if self.lock.writing:
-                        self.lock.queued.append(gen)
-                    else:
-                        self.dispatch(gen)
-                case Abort(rid=rid) as abort:
-                    if rid in self.live:
-                        self.scheduler.put(abort)
-                    else:
-                        self.abort_queued(rid, abort.message)
-                case Outputs(items=items):
-                    for item in items:
-                        self.deliver(item)
-                case Released(rids=rids):
-                    self.lock.readers.difference_update(rids)
-                    for rid in rids:
-                        self.sessions.released(rid)
-                case OpenSession() as opening:
-                    _answer(opening.reply, self.sessions.open(opening))
-                case EndSession() as ending:
-                    self.sessions.end(ending)
-                case UpdateWeights() as update:
-                    self.lock.writers.append(update)
-                    if update.abort_all:
-                        for rid in self.live:
-                            self.scheduler.put(Abort(rid, "abort", "aborted for a weight update"))
-                case Pause(paused=paused):
-                    self.paused = paused
-                    self.scheduler.put(SetPaused(paused))
-                case WriteDone(error=error):
-                    writer = self.lock.finish(error is None)
-                    message = error or f"weights loaded from {writer.model_path}"
-                    _answer(writer.reply, (error is None, message, self.lock.version))
-                    for gen in self.lock.release_queue():
-                        self.dispatch(gen)
-                case Snapshot() | FlushWhenIdle() | Gate() | Advance() | Deliver() as control:
-                    self.scheduler.put(control)
-                case Shutdown():
-                    if self.writing is not None:
-                        self.writing.cancel()
-                    self.sessions.shutdown()
-                    return
-            self.maybe_write()
+        await serve("tokenizer", self.mailbox, self.faults, self.handle, self.recover)
+
+    async def handle(self, msg: TokenizerMsg) -> None:
+        match msg:
+            case Generate() as gen:
+                if self.lock.writing:
+                    self.lock.queued.append(gen)
+                else:
+                    self.dispatch(gen)
+            case Abort(rid=rid) as abort:
+                if rid in self.live:
+                    self.scheduler.put(abort)
+                else:
+                    self.abort_queued(rid, abort.message)
+            case Outputs(items=items):
+                for item in items:
+                    self.deliver(item)
+            case Released(rids=rids):
+                self.lock.readers.difference_update(rids)
+                for rid in rids:
+                    self.sessions.released(rid)
+            case OpenSession() as opening:
+                _answer(opening.reply, self.sessions.open(opening))
+            case EndSession() as ending:
+                self.sessions.end(ending)
+            case UpdateWeights() as update:
+                self.lock.writers.append(update)
+                if update.abort_all:
+                    for rid in self.live:
+                        self.scheduler.put(Abort(rid, "abort", "aborted for a weight update"))
+            case Pause(paused=paused):
+                self.paused = paused
+                self.scheduler.put(SetPaused(paused))
+            case WriteDone(error=error):
+                writer = self.lock.finish(error is None)
+                message = error or f"weights loaded from {writer.model_path}"
+                _answer(writer.reply, (error is None, message, self.lock.version))
+                for gen in self.lock.release_queue():
+                    self.dispatch(gen)
+            case Snapshot() | FlushWhenIdle() | Gate() | Advance() | Deliver() as control:
+                self.scheduler.put(control)
+            case Shutdown():
+                if self.writing is not None:
+                    self.writing.cancel()
+                self.sessions.shutdown()
+                return
+        self.maybe_write()
+
+    def recover(self, msg: TokenizerMsg, error: InternalError) -> None:
+        """One message failed (actors/supervise.py): end what it stood for, keep the lock's
+        books whole so no writer or queued request waits forever."""
+        fail_replies(msg, error)
+        match msg:
+            case Generate() as gen:  # its stream has failed; undo its admission if made
+                live = self.live.get(gen.rid)
+                if live is not None and live.stream is gen.stream:
+                    self.fail_request(gen.rid, error)
+            case Abort(rid=rid):
+                self.fail_request(rid, error)
+            case Outputs(items=items):
+                for item in items:
+                    self.fail_request(item.rid, error)
+            case Released(rids=rids):
+                self.lock.readers.difference_update(rids)
+                for rid in rids:
+                    self.sessions.released(rid)
+            case UpdateWeights() as update:
+                if update in self.lock.writers:
+                    self.lock.writers.remove(update)
+            case WriteDone():
+                if self.lock.active is not None:
+                    writer = self.lock.finish(False)
+                    _answer(writer.reply, (False, str(error), self.lock.version))
+                for gen in self.lock.release_queue():
+                    self.dispatch(gen)
+        self.maybe_write()
+
+    def fail_request(self, rid: str, error: InternalError) -> None:
+        """End one request with an error wherever it is: queued behind a writer, live here
+        (its session turn too), and in the scheduler if it was admitted."""
+        for gen in self.lock.queued:
+            if gen.rid == rid:
+                self.lock.queued.remove(gen)
+                gen.stream.fail(error)
+                break
+        live = self.live.pop(rid, None)
+        if live is not None:
+            if live.session is not None:
+                self.sessions.ended(live.session, "", [], "error")
+            live.stream.fail(error)
+        if rid in self.lock.readers:  # admitted: the scheduler ends it and reports Released
+            self.scheduler.put(Abort(rid, "abort", str(error)))
 
     # ---- weight updates (the writer side of the lock) -------------------------------------
 
@@ -147,6 +204,8 @@ class Tokenizer:
         error: str | None = "the weight update was interrupted"
         try:
             error = await write_weights(writer, park, self.scheduler, self.executor, self.cache)
+        except InternalError as exc:  # a step of it failed (see actors/supervise.py)
+            error = str(exc)
         finally:
             self.mailbox.put(WriteDone(error))
 
@@ -189,14 +248,16 @@ class Tokenizer:
         live = Live(gen.stream, detok, StopMatcher(sampling.stop), len(ids))
         live.logprobs = [] if sampling.wants_logprobs else None
         live.weight_version = self.lock.version
+        sid = session.session_id if session is not None else None
+        prev_len = len(session.tokens) if session is not None else 0
+        # Admitted first, then booked: a failure after this line finds the request a reader,
+        # so its recovery aborts it in the scheduler (which then releases the reader).
+        self.scheduler.put(Admit(gen.rid, tuple(ids), sampling, seed, sid, prev_len))
         self.live[gen.rid] = live
         self.lock.readers.add(gen.rid)
-        prev_len = 0
         if session is not None:
-            live.session, prev_len = session, len(session.tokens)
+            live.session = session
             self.sessions.started(session, gen, ids)
-        sid = session.session_id if session is not None else None
-        self.scheduler.put(Admit(gen.rid, tuple(ids), sampling, seed, sid, prev_len))
 
     # ---- out -------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """Builds the four actors, connects their mailboxes, starts them, and supervises them.
 
-If any actor ends while the engine is running, the engine is dead: every open request
-ends with EngineDeadError and the remaining actors are stopped. Nothing hangs.
+An actor survives the failure of one message (actors/supervise.py). If an actor ends anyway
+while the engine is running (a failure that leaves shared state unknown), the engine is dead:
+every open request ends with EngineDeadError, the remaining actors are stopped, and the
+reason callers see names the actor, not the exception. Nothing hangs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from shoal.actors.messages import (
 from shoal.actors.planner import Planner
 from shoal.actors.request import PlannerConfig
 from shoal.actors.scheduler import Scheduler
+from shoal.actors.supervise import FaultInjector
 from shoal.actors.tokenizer import Tokenizer
 from shoal.api.stream import EngineDeadError
 from shoal.cache.kv import KVCache
@@ -71,9 +74,13 @@ class Actors:
         if self.stopping:
             return
         error = None if task.cancelled() else task.exception()
-        reason = f"actor {name} died: {error!r}" if error else f"actor {name} stopped"
-        if error is not None:
-            log.error("%s", reason, exc_info=error)
+        # What callers and /health are told; the log keeps the exception.
+        reason = (
+            f"the engine stopped after an internal failure in the {name}"
+            if error is not None
+            else f"the engine stopped: the {name} ended unexpectedly"
+        )
+        log.error("%s", reason, exc_info=error)
         self.dead_reason = reason
         self.stopping = True
         for other in self.tasks.values():
@@ -95,6 +102,7 @@ def start_actors(
     options: EngineOptions,
     resolved: Resolved,
     on_death: Callable[[str], None],
+    faults: FaultInjector | None = None,
 ) -> Actors:
     layout = resolved.cache
     config = loaded.config
@@ -140,20 +148,30 @@ def start_actors(
         executor_box,
         options.seed,
         options.max_sessions,
+        faults,
     )
     actors = Actors(tokenizer_box, scheduler_box, cache_box, executor_box, tokenizer)
     runs = {
         "tokenizer": tokenizer.run(),
         "scheduler": Scheduler(
-            planner, options.max_inflight, scheduler_box, cache_box, executor_box, tokenizer_box
+            planner,
+            options.max_inflight,
+            scheduler_box,
+            cache_box,
+            executor_box,
+            tokenizer_box,
+            faults,
         ).run(),
-        "cache": CacheManager(kv, cache_box, scheduler_box, options.strict_integrity).run(),
+        "cache manager": CacheManager(
+            kv, cache_box, scheduler_box, options.strict_integrity, faults
+        ).run(),
         "executor": Executor(
             device_state,
             executor_box,
             scheduler_box,
             graph_max_batch=resolved.cuda_graph_max_batch,
             context_length=resolved.context_length,
+            faults=faults,
         ).run(),
     }
     for name, coro in runs.items():

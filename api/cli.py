@@ -13,8 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from shoal.api.engine import Engine
+from shoal.api.http_limits import HttpLimits
 from shoal.api.server import Server, ServerOptions
 from shoal.config import EngineOptions
+from shoal.limits import InputLimits
+
+INPUT_LIMITS = InputLimits.__struct_fields__  # --max-stop-strings ... on every command
+HTTP_LIMITS = HttpLimits.__struct_fields__  # --max-json-depth ... on serve
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +61,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="decode batches up to this size replay CUDA graphs (0: off)",
     )
     parser.add_argument("--num-threads", type=int, default=None)
+    limits = parser.add_argument_group("input limits, every door (docs/limits.md)")
+    for name in INPUT_LIMITS:
+        flag = "--" + name.replace("_", "-")
+        limits.add_argument(flag, type=int, default=getattr(defaults, name))
 
 
 def engine_from_args(args: argparse.Namespace, **extra: Any) -> Engine:
@@ -73,6 +82,7 @@ def engine_from_args(args: argparse.Namespace, **extra: Any) -> Engine:
         attention=args.attention,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         num_threads=args.num_threads,
+        **{name: getattr(args, name) for name in INPUT_LIMITS},
         **extra,
     )
 
@@ -97,6 +107,39 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=server_defaults.host)
     serve.add_argument("--port", type=int, default=server_defaults.port, help="0: pick a free one")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    serve.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the lifecycle routes (update_weights_from_disk, flush_cache, pause / continue "
+        "generation, abort_request) then need Authorization: Bearer ADMIN_KEY",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=server_defaults.allowed_origins,
+        help="comma-separated browser origins (scheme://host:port) allowed besides the "
+        "server's own; '*': any. Other Origin headers answer 403",
+    )
+    serve.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=server_defaults.body_timeout_s,
+        help="a request body not fully read by then answers 408",
+    )
+    serve.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=server_defaults.header_timeout_s,
+        help="close a connection whose request head is not complete by then (also the idle "
+        "keep-alive limit)",
+    )
+    serve.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=server_defaults.max_header_bytes,
+        help="the request line and each header line: longer answers 400",
+    )
+    serve.add_argument("--max-headers", type=int, default=server_defaults.max_headers)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=server_defaults.max_body_bytes)
     serve.add_argument(
@@ -104,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-n", type=int, default=server_defaults.max_n)
     serve.add_argument("--seed", type=int, default=None)
+    http_limits = serve.add_argument_group("input limits, HTTP (docs/limits.md)")
+    for name in HTTP_LIMITS:
+        flag = "--" + name.replace("_", "-")
+        http_limits.add_argument(flag, type=int, default=getattr(server_defaults, name))
     add_engine_options(serve)
     return parser
 
@@ -147,10 +194,17 @@ async def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        allowed_origins=args.allowed_origins,
+        body_timeout_s=args.body_timeout_s,
+        header_timeout_s=args.header_timeout_s,
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
         served_model_name=args.served_model_name or _model_name(args.model),
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
         max_n=args.max_n,
+        **{name: getattr(args, name) for name in HTTP_LIMITS},
     )
     options.validate()
     engine = engine_from_args(args, seed=args.seed)
@@ -167,6 +221,11 @@ async def serve(args: argparse.Namespace) -> int:
         await stop.wait()
         print("shoal: shutting down", file=sys.stderr, flush=True)
     return 0
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins "http://a:8080, https://b" -> ("http://a:8080", "https://b")."""
+    return tuple(entry.strip() for entry in text.split(",") if entry.strip())
 
 
 def _model_name(model: str | None) -> str:

@@ -34,11 +34,13 @@ from shoal.actors.messages import (
     Snapshot,
     UpdateWeights,
 )
+from shoal.actors.supervise import FaultInjector
 from shoal.actors.wiring import Actors, start_actors
 from shoal.api.session import Session
-from shoal.api.stream import EngineDeadError, RequestError, RequestStream
+from shoal.api.stream import EngineDeadError, InternalError, RequestError, RequestStream
 from shoal.config import EngineOptions, Resolved, resolve, resolve_device
 from shoal.kernels.loader import LoadedModel, load_model
+from shoal.limits import check_prompt_size
 from shoal.params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -59,6 +61,7 @@ class Engine:
     def __init__(self, model: str | Path | LoadedModel | None = None, **options: Any) -> None:
         self.options = EngineOptions(**options)
         self.options.validate()
+        self.limits = self.options.input_limits()
         self._model = model
         self._actors: Actors | None = None
         self._ids = itertools.count()
@@ -66,6 +69,7 @@ class Engine:
         self.resolved: Resolved | None = None
         self.dead_reason: str | None = None
         self.startup_s = 0.0
+        self.faults = FaultInjector()  # tests arm it to fail one message (actors/supervise.py)
 
     # ---- life ------------------------------------------------------------------------------
 
@@ -80,7 +84,9 @@ class Engine:
             loaded = await asyncio.to_thread(load_model, self._model, dtype=dtype)
         self.loaded = loaded
         self.resolved = resolve(self.options, loaded.config.max_position_embeddings)
-        self._actors = start_actors(loaded, self.options, self.resolved, self._on_death)
+        self._actors = start_actors(
+            loaded, self.options, self.resolved, self._on_death, self.faults
+        )
         if loaded is not self._model:
             loaded.weights.clear()  # the model holds its own copies; a caller's stay whole
         self.startup_s = time.perf_counter() - began
@@ -142,11 +148,12 @@ class Engine:
             raise TypeError(f"unknown sampling option(s): {sorted(unknown)}")
         if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
             raise ValueError("give exactly one of prompt, input_ids or messages")
+        check_prompt_size(self.limits, prompt, messages)
         if sampling is None:
             sampling = _sampling_from(sampling_fields)
         elif sampling_fields:
             sampling = msgspec.structs.replace(sampling, **sampling_fields)
-        sampling.validate(self.loaded.config.vocab_size if self.loaded else None)
+        sampling.validate(self.loaded.config.vocab_size if self.loaded else None, self.limits)
         actors = self.actors
         rid = rid if rid is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(rid, self.abort)
@@ -206,7 +213,10 @@ class Engine:
         self.actors.tokenizer_box.put(
             UpdateWeights(str(model_path), abort_all_requests, weight_version, reply)
         )
-        success, message, version = await reply
+        try:
+            success, message, version = await reply
+        except InternalError as exc:
+            return UpdateResult(False, str(exc), self.weight_version)
         return UpdateResult(success, message, version)
 
     async def flush_cache(self, timeout_s: float = 30.0) -> FlushResult:
@@ -214,7 +224,10 @@ class Engine:
         if it does not become idle in time, refuse and change nothing."""
         reply = self._future()
         self.actors.tokenizer_box.put(FlushWhenIdle(next(self._ids), timeout_s, reply))
-        error = await reply
+        try:
+            error = await reply
+        except InternalError as exc:
+            return FlushResult(False, f"not flushed: {exc}")
         return FlushResult(error is None, error or "prefix cache flushed")
 
     def pause_generation(self) -> None:

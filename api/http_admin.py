@@ -26,6 +26,7 @@ from shoal import __name__ as package_name
 from shoal.api.http_body import decode_body, json_response
 from shoal.api.http_errors import ApiError, bad_request, from_engine
 from shoal.api.http_gateway import Gateway
+from shoal.api.http_limits import check_id
 from shoal.api.http_native_protocol import AbortRequest
 from shoal.api.metrics import CONTENT_TYPE, Metrics
 from shoal.params import SamplingParams
@@ -154,6 +155,7 @@ class AdminRoutes:
             return json_response({"aborted": self.gateway.abort_all()})
         if not body.rid:
             raise bad_request("give rid, or abort_all: true", "rid")
+        check_id(body.rid, self.gateway.limits, "rid")
         aborted = self.gateway.abort(body.rid)
         if not aborted:
             self.engine.abort(body.rid)  # not started over HTTP: let the engine look

@@ -5,10 +5,15 @@
 
 Invalid UTF-8, a lone surrogate escape (`"\\ud800"`), malformed JSON and a value of the wrong
 type are all answered 400 naming what is wrong; a body over the app's `client_max_size` is 413.
+A body nesting arrays and objects deeper than the app's MAX_JSON_DEPTH (ServerOptions
+.max_json_depth) is answered 400 code "json_too_deep" before it is decoded (json_depth.py).
+A body that has not fully arrived within the app's BODY_TIMEOUT_S (ServerOptions.body_timeout_s)
+is answered 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, TypeVar
@@ -16,25 +21,40 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from shoal.api.http_errors import JSON, bad_request, from_validation
+from shoal.api.http_errors import JSON, ApiError, bad_request, from_validation
+from shoal.api.json_depth import DEFAULT_MAX_JSON_DEPTH, nests_deeper
 
 T = TypeVar("T")
 
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+MAX_JSON_DEPTH = web.AppKey("max_json_depth", int)  # set by the Server from its options
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)  # set by the Server from its options
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 async def decode_body(request: web.Request, kind: type[T]) -> T:
-    raw = await request.read()  # raises HTTPRequestEntityTooLarge (413) past client_max_size
-    return decode_bytes(raw, kind)
+    timeout_s = request.app.get(BODY_TIMEOUT_S, DEFAULT_BODY_TIMEOUT_S)
+    try:
+        async with asyncio.timeout(timeout_s):  # a trickled body must not hold the handler
+            raw = await request.read()  # HTTPRequestEntityTooLarge (413) past client_max_size
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {timeout_s:g}s (body_timeout_s)"
+        ) from None
+    return decode_bytes(raw, kind, request.app.get(MAX_JSON_DEPTH, DEFAULT_MAX_JSON_DEPTH))
 
 
-def decode_bytes(raw: bytes, kind: type[T]) -> T:
+def decode_bytes(raw: bytes, kind: type[T], max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> T:
     if not raw.strip():
         raise bad_request("the request body is empty: send a JSON object")
+    if nests_deeper(raw, max_json_depth):
+        raise too_deep("the request body", max_json_depth)
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
         raise from_validation(exc) from None
+    except RecursionError:  # not reached past the depth check; never a 500 if it is
+        raise too_deep("the request body", max_json_depth) from None
     except UnicodeDecodeError as exc:
         raise bad_request(f"the request body is not valid UTF-8: {exc.reason}") from None
     except msgspec.DecodeError as exc:
@@ -46,6 +66,15 @@ def decode_bytes(raw: bytes, kind: type[T]) -> T:
                 where or None,
             ) from None
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def too_deep(what: str, max_json_depth: int) -> ApiError:
+    return bad_request(
+        f"{what} nests arrays and objects deeper than the limit of {max_json_depth} levels "
+        "(max_json_depth)",
+        None,
+        "json_too_deep",
+    )
 
 
 def _lone_surrogate_at(raw: bytes) -> str | None:

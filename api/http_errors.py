@@ -17,11 +17,13 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from shoal.api.stream import EngineDeadError
+from shoal.api.stream import EngineDeadError, InternalError
 
 log = logging.getLogger("shoal.http")
 
 JSON = "application/json"
+# What a client learns of a bug: never the exception, a path or a trace (the log has them).
+INTERNAL = "internal error: the server log has the detail"
 
 _TYPES = {
     400: "invalid_request_error",
@@ -35,13 +37,19 @@ _TYPES = {
 }
 _CODES = {
     401: "invalid_api_key",
+    403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     413: "request_too_large",
+    415: "unsupported_media_type",
     429: "rate_limit_exceeded",
     500: "internal_error",
     503: "service_unavailable",
 }
+
+# Retry-After (seconds) on answers a client should retry later: saturated, or not serving.
+RETRY_AFTER_S = {429: 1, 503: 5}
 
 
 class ErrorBody(msgspec.Struct, frozen=True):
@@ -78,8 +86,12 @@ class ApiError(Exception):
         return ErrorEnvelope(ErrorBody(self.message, kind, self.param, self.code))
 
     def response(self) -> web.Response:
+        retry_after_s = RETRY_AFTER_S.get(self.status)
         return web.Response(
-            status=self.status, body=msgspec.json.encode(self.body), content_type=JSON
+            status=self.status,
+            body=msgspec.json.encode(self.body),
+            content_type=JSON,
+            headers=None if retry_after_s is None else {"Retry-After": str(retry_after_s)},
         )
 
 
@@ -108,13 +120,15 @@ def from_engine(exc: BaseException, prompt_param: str) -> ApiError:
     """Map what an engine request can raise onto 400 / 503 / 500."""
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the engine is not serving: {exc}")
+    if isinstance(exc, InternalError):  # its message names the part, never the exception
+        return ApiError(500, f"{exc}; the server log has the detail")
     if isinstance(exc, ValueError):
         text = str(exc)
         if "context length" in text:
             return bad_request(text, prompt_param, "context_length_exceeded")
         return bad_request(text, "rid" if "request id" in text else prompt_param)
-    log.error("request failed: %r", exc, exc_info=exc)
-    return ApiError(500, f"internal error: {exc!r}")
+    log.error("request failed", exc_info=exc)
+    return ApiError(500, INTERNAL)
 
 
 def from_http_exception(exc: web.HTTPException, path: str) -> ApiError:
@@ -141,6 +155,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return from_http_exception(exc, request.path).response()
     except ConnectionError:
         raise  # the client is gone: there is nobody to answer
-    except Exception as exc:
+    except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return ApiError(500, f"internal error: {exc!r}").response()
+        return ApiError(500, INTERNAL).response()

@@ -1,10 +1,14 @@
 """The gateway between HTTP handlers and the engine, shared by the OpenAI and native routes.
 
-    ids = gateway.encode_messages(messages)              # or encode_text / check_ids
+    ids = await gateway.encode_messages(messages)        # or encode_text / check_ids
     max_new = gateway.budget(len(ids), body.max_tokens, "max_tokens", "messages")
     async with gateway.submit(public_id, [(ids, sampling, rid), ...], arrived_at) as job:
         async for index, event in job.events():          # Delta ... then Completion, per choice
             ...
+
+Prompts are measured before they are encoded (characters, messages: the limits every door
+shares, limits.py) and encoded on a worker thread, so a long prompt never stalls the event loop
+that answers every other client.
 
 It turns every problem into an ApiError (400 naming the field, 429 when saturated, 503 while
 draining or when the engine is dead), keeps the table of open jobs (for /abort_request, the
@@ -29,8 +33,10 @@ import msgspec
 from shoal.actors.encode import encode_prompt
 from shoal.api.engine import Engine
 from shoal.api.http_errors import ApiError, bad_request, from_engine
+from shoal.api.http_limits import HttpLimits, api_error
 from shoal.api.metrics import Metrics, RequestTimer
 from shoal.api.stream import Completion, Delta, RequestError, RequestStream
+from shoal.limits import LimitExceeded, check_prompt_size, check_stops
 from shoal.params import SamplingParams
 
 Event = tuple[int, Delta | Completion]
@@ -49,9 +55,17 @@ class SessionTurn(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Gateway:
-    def __init__(self, engine: Engine, metrics: Metrics, max_open_requests: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: Metrics,
+        max_open_requests: int,
+        limits: HttpLimits | None = None,
+    ) -> None:
         assert engine.loaded is not None and engine.resolved is not None, "start the engine"
         self.engine = engine
+        self.limits = limits or HttpLimits()
+        self.input_limits = engine.limits  # the engine's own: stops, prompt chars, messages
         self.metrics = metrics
         self.max_open_requests = max_open_requests
         self.vocab_size = engine.loaded.config.vocab_size
@@ -66,19 +80,49 @@ class Gateway:
 
     # ---- prompts ---------------------------------------------------------------------------
 
-    def encode_messages(self, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
-        """The tokenizer actor's own encoding of `messages=` (actors/encode.py)."""
-        return self._encode(None, messages, param)
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], param: str = "messages"
+    ) -> list[int]:
+        """The tokenizer actor's own encoding of `messages=` (actors/encode.py), measured
+        first and templated and encoded off the event loop."""
+        self.check_prompt_size(None, messages, param)
+        return await asyncio.to_thread(self._encode, None, messages, param)
 
-    def encode_text(self, text: str, param: str) -> list[int]:
-        """The tokenizer actor's own encoding of `prompt=` (actors/encode.py)."""
+    async def encode_text(self, text: str, param: str) -> list[int]:
+        """The tokenizer actor's own encoding of `prompt=` (actors/encode.py), measured first
+        and encoded off the event loop."""
         if not text:
             raise bad_request(f"{param} must not be empty", param)
-        return self._encode(text, None, param)
+        self.check_prompt_size(text, None, param)
+        return await asyncio.to_thread(self._encode, text, None, param)
+
+    def check_prompt_size(
+        self, text: str | None, messages: list[dict[str, Any]] | None, param: str
+    ) -> None:
+        """400 for a prompt over max_prompt_chars or messages over max_messages (or their
+        content over max_prompt_chars): counted, never encoded."""
+        try:
+            check_prompt_size(self.input_limits, text, messages, param)
+        except LimitExceeded as exc:
+            raise api_error(exc, param) from None
+
+    def check_stops(
+        self, stop: str | list[str] | None, stop_token_ids: list[int] | None, prefix: str = ""
+    ) -> None:
+        """400 for too many or too long stop strings, or too many stop ids, before anything
+        else reads them (SamplingParams.validate checks the same, later). prefix: where the
+        fields are ("sampling_params.")."""
+        stops = [stop] if isinstance(stop, str) else stop or []
+        try:
+            check_stops(self.input_limits, stops, stop_token_ids or [])
+        except LimitExceeded as exc:
+            raise api_error(exc, prefix + exc.field) from None
 
     def _encode(
         self, text: str | None, messages: list[dict[str, Any]] | None, param: str
     ) -> list[int]:
+        """On a worker thread: a fast tokenizer's encode releases the GIL, a chat template
+        (jinja2) shares it in short slices."""
         try:
             ids = encode_prompt(self.engine.tokenizer, text, None, messages)
         except RequestError as exc:  # its message names "messages"; say the API's name
@@ -91,6 +135,8 @@ class Gateway:
     def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
         if not ids:
             raise bad_request(f"{param} must not be empty", param)
+        if len(ids) >= self.context_length:  # before reading them: a long list costs nothing
+            self.budget(len(ids), None, param, param)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(
@@ -125,12 +171,14 @@ class Gateway:
     def validate(self, sampling: SamplingParams, names: dict[str, str]) -> SamplingParams:
         """SamplingParams.validate, its message and param spoken in the API's field names."""
         try:
-            sampling.validate(self.vocab_size)
+            sampling.validate(self.vocab_size, self.input_limits)
         except ValueError as exc:
             text = str(exc)
             field = text.split(" ", 1)[0]
-            name = names.get(field, field)
-            raise bad_request(name + text[len(field) :], name) from None
+            base, bracket, index = field.partition("[")
+            name = names.get(base, base) + bracket + index
+            code = exc.code if isinstance(exc, LimitExceeded) else None
+            raise bad_request(name + text[len(field) :], name, code) from None
         return sampling
 
     # ---- requests --------------------------------------------------------------------------

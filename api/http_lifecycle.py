@@ -21,6 +21,7 @@ from aiohttp import web
 from shoal.api.engine import Engine
 from shoal.api.http_body import decode_body, json_response
 from shoal.api.http_errors import ErrorBody, bad_request
+from shoal.api.http_limits import HttpLimits, check_chars
 
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
 
@@ -39,8 +40,9 @@ class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class LifecycleRoutes:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, limits: HttpLimits | None = None) -> None:
         self.engine = engine
+        self.limits = limits or HttpLimits()
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -52,6 +54,8 @@ class LifecycleRoutes:
 
     async def update_weights(self, request: web.Request) -> web.Response:
         body = await decode_body(request, UpdateWeightsRequest)
+        max_chars = self.limits.max_path_chars
+        check_chars(len(body.model_path), max_chars, "model_path", "max_path_chars")
         if not body.model_path.strip():
             raise bad_request("model_path must not be empty", param="model_path")
         if body.weight_version is not None and body.weight_version < 0:

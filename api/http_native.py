@@ -18,6 +18,7 @@ from aiohttp import web
 from shoal.api.http_body import decode_body, json_response
 from shoal.api.http_errors import ApiError, bad_request
 from shoal.api.http_gateway import Choice, Gateway, Job, SessionTurn
+from shoal.api.http_limits import check_count, check_id
 from shoal.api.http_native_protocol import (
     GenerateRequest,
     GenerateResponse,
@@ -42,7 +43,8 @@ class NativeRoutes:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrived_at = time.monotonic()
         body = await decode_body(request, GenerateRequest)
-        prompts = self._prompts(body)
+        self._check_sizes(body)
+        prompts = await self._prompts(body)
         batch = len(prompts) > 1 or isinstance(body.text, list) or _nested(body.input_ids)
         rids = self._rids(body, len(prompts), batch)
         settings = self._settings(body, len(prompts))
@@ -101,17 +103,44 @@ class NativeRoutes:
 
     # ---- request ---------------------------------------------------------------------------
 
-    def _prompts(self, body: GenerateRequest) -> list[tuple[str, list[int]]]:
+    def _check_sizes(self, body: GenerateRequest) -> None:
+        """Every counted dimension, before anything is read or encoded (docs/limits.md)."""
+        gateway = self.gateway
+        limits = gateway.limits
+        for name in ("text", "rid", "sampling_params"):
+            value = getattr(body, name)
+            if isinstance(value, list):
+                check_count(len(value), limits.max_prompts, name, "max_prompts")
+        ids = body.input_ids
+        if ids and isinstance(ids[0], list):
+            check_count(len(ids), limits.max_prompts, "input_ids", "max_prompts")
+        rids = [body.rid] if isinstance(body.rid, str) else body.rid or []
+        for i, rid in enumerate(rids):
+            check_id(rid, limits, "rid" if isinstance(body.rid, str) else f"rid[{i}]")
+        if body.session_params is not None:
+            check_id(body.session_params.id, limits, "session_params.id")
+        given = body.sampling_params
+        settings = [given] if isinstance(given, NativeSampling) else given or []
+        one = isinstance(given, NativeSampling)
+        for i, native in enumerate(settings):
+            where = "sampling_params." if one else f"sampling_params[{i}]."
+            gateway.check_stops(native.stop, native.stop_token_ids, where)
+        texts = [body.text] if isinstance(body.text, str) else body.text or []
+        for i, text in enumerate(texts):
+            name = "text" if isinstance(body.text, str) else f"text[{i}]"
+            gateway.check_prompt_size(text, None, name)
+
+    async def _prompts(self, body: GenerateRequest) -> list[tuple[str, list[int]]]:
         if (body.text is None) == (body.input_ids is None):
             raise bad_request("give exactly one of text or input_ids", "text")
         gateway = self.gateway
         if isinstance(body.text, str):
-            return [("text", gateway.encode_text(body.text, "text"))]
+            return [("text", await gateway.encode_text(body.text, "text"))]
         if body.text is not None:
             if not body.text:
                 raise bad_request("text must not be an empty list", "text")
             return [
-                (f"text[{i}]", gateway.encode_text(t, f"text[{i}]"))
+                (f"text[{i}]", await gateway.encode_text(t, f"text[{i}]"))
                 for i, t in enumerate(body.text)
             ]
         ids = body.input_ids or []

@@ -27,6 +27,7 @@ from aiohttp import web
 from shoal.api.http_body import decode_body, json_response
 from shoal.api.http_errors import ApiError, bad_request, from_engine
 from shoal.api.http_gateway import Gateway, SessionTurn
+from shoal.api.http_limits import check_id
 from shoal.api.http_native_protocol import SessionParams
 from shoal.api.stream import RequestError
 
@@ -68,6 +69,7 @@ class SessionRoutes:
 
     async def close_session(self, request: web.Request) -> web.Response:
         body = await decode_body(request, CloseSessionRequest)
+        check_id(body.session_id, self.gateway.limits, "session_id")
         try:
             await self.gateway.engine.close_session(body.session_id)
         except RequestError as exc:  # not open: never opened, closed or reaped

@@ -12,6 +12,7 @@ import msgspec
 
 from shoal.api.http_errors import ApiError, bad_request
 from shoal.api.http_gateway import Gateway
+from shoal.api.http_limits import check_count, check_id
 from shoal.api.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -46,6 +47,18 @@ def check_n(n: int | None, max_n: int) -> int:
     return n
 
 
+def check_sizes(gateway: Gateway, body: SamplingFields) -> None:
+    """Every counted dimension of the body, before anything reads or encodes it: 400 naming
+    the field past its limit (docs/limits.md)."""
+    limits = gateway.limits
+    check_count(len(body.logit_bias or ()), limits.max_logit_bias, "logit_bias", "max_logit_bias")
+    check_id(body.model, limits, "model")
+    check_id(body.user, limits, "user")
+    if body.session_params is not None:
+        check_id(body.session_params.id, limits, "session_params.id")
+    gateway.check_stops(body.stop, body.stop_token_ids)
+
+
 def refuse_unsupported(body: SamplingFields) -> None:
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
@@ -64,10 +77,18 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise bad_request("best_of other than n is not supported", "best_of")
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template reads them: role and plain-text content."""
+def chat_messages(gateway: Gateway, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them: role and plain-text content. Counted first
+    (messages, content parts per message), then measured (characters), never encoded here."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
+    max_messages = gateway.input_limits.max_messages
+    check_count(len(messages), max_messages, "messages", "max_messages")
+    max_parts = gateway.limits.max_content_parts
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            where = f"messages[{i}].content"
+            check_count(len(message.content), max_parts, where, "max_content_parts")
     out = []
     for i, message in enumerate(messages):
         if message.role not in ROLES:
@@ -89,26 +110,31 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = "".join(texts)
         role = "system" if message.role == "developer" else message.role
         out.append({"role": role, "content": content or ""})
+    gateway.check_prompt_size(None, out, "messages")
     return out
 
 
-def encode_prompts(
+async def encode_prompts(
     gateway: Gateway, prompt: str | list[str | int | list[int]]
 ) -> list[tuple[str, list[int]]]:
     """(field name, token ids) per prompt: a string, a list of strings, a list of token ids or
-    a list of token-id lists."""
+    a list of token-id lists. Every string is measured before any is encoded."""
     if isinstance(prompt, str):
-        return [("prompt", gateway.encode_text(prompt, "prompt"))]
+        return [("prompt", await gateway.encode_text(prompt, "prompt"))]
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     ints = [p for p in prompt if isinstance(p, int)]
     if len(ints) == len(prompt):
         return [("prompt", gateway.check_ids(ints, "prompt"))]
+    check_count(len(prompt), gateway.limits.max_prompts, "prompt", "max_prompts")
+    for i, p in enumerate(prompt):
+        if isinstance(p, str) and p:
+            gateway.check_prompt_size(p, None, f"prompt[{i}]")
     out = []
     for i, p in enumerate(prompt):
         name = f"prompt[{i}]"
         if isinstance(p, str) and isinstance(prompt[0], str):
-            out.append((name, gateway.encode_text(p, name)))
+            out.append((name, await gateway.encode_text(p, name)))
         elif isinstance(p, list) and isinstance(prompt[0], list):
             out.append((name, gateway.check_ids(p, name)))
         else:

@@ -29,6 +29,7 @@ from shoal.api.openai_params import (
     chat_messages,
     check_model,
     check_n,
+    check_sizes,
     completion_logprobs_wanted,
     encode_prompts,
     for_choice,
@@ -73,11 +74,12 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         arrived_at = time.monotonic()
         body = await decode_body(request, ChatCompletionRequest)
+        gateway = self.gateway
+        check_sizes(gateway, body)
         model = check_model(body.model, self.model_names)
         refuse_unsupported(body)
-        gateway = self.gateway
-        messages = chat_messages(body.messages)
-        ids = gateway.encode_messages(messages)
+        messages = chat_messages(gateway, body.messages)
+        ids = await gateway.encode_messages(messages)
         max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, field = body.max_tokens, "max_tokens"
@@ -97,13 +99,14 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrived_at = time.monotonic()
         body = await decode_body(request, CompletionRequest)
+        check_sizes(self.gateway, body)
         model = check_model(body.model, self.model_names)
         refuse_unsupported(body)
         if body.session_params is not None:
             message = "session_params is supported on /v1/chat/completions and /generate"
             raise bad_request(message, "session_params")
         gateway = self.gateway
-        prompts = encode_prompts(gateway, body.prompt)
+        prompts = await encode_prompts(gateway, body.prompt)
         logprobs = completion_logprobs_wanted(body)
         n = check_n(body.n, self.max_n)
         rid = f"cmpl-{uuid.uuid4().hex}"

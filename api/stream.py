@@ -55,6 +55,12 @@ class RequestError(ValueError):
         self.code = code
 
 
+class InternalError(RuntimeError):
+    """A failure inside the engine ended this request or operation; the engine goes on.
+
+    Its message names the part that failed, never the exception: the server log has that."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped (an actor died or it was shut down) before the request ended."""
 

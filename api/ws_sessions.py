@@ -28,9 +28,11 @@ from typing import Any
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from shoal.api.http_errors import ApiError, bad_request, from_validation
+from shoal.api.http_body import too_deep
+from shoal.api.http_errors import INTERNAL, ApiError, bad_request, from_validation
 from shoal.api.http_gateway import Gateway, Job, SessionTurn
 from shoal.api.http_sessions import TURN_MAX_TOKENS, open_session
+from shoal.api.json_depth import nests_deeper
 from shoal.api.openai_params import chat_messages
 from shoal.api.session import Session
 from shoal.api.stream import Delta, EngineDeadError, RequestError
@@ -59,9 +61,9 @@ HEARTBEAT_S = 30.0  # ping a quiet client this often; one that does not answer i
 class SessionSockets:
     """The websocket route, and every connection open on it (for shutdown)."""
 
-    def __init__(self, gateway: Gateway, max_message_bytes: int) -> None:
+    def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes = gateway.limits.max_ws_message_bytes  # larger: closed, 1009
         self.decoder = msgspec.json.Decoder(ClientMessage)
         self.open: set[SessionSocket] = set()
 
@@ -69,7 +71,9 @@ class SessionSockets:
         return [web.get("/v1/sessions/ws", self.connect)]
 
     async def connect(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=self.max_message_bytes, heartbeat=HEARTBEAT_S)
+        # aiohttp refuses a frame of exactly max_msg_size bytes: allow max_message_bytes
+        limit = self.max_message_bytes + 1
+        ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=HEARTBEAT_S)
         await ws.prepare(request)
         socket = SessionSocket(self.gateway, ws, self.decoder)
         self.open.add(socket)
@@ -119,12 +123,24 @@ class SessionSocket:
 
     async def handle(self, raw: str | bytes) -> None:
         try:
-            message = self.decoder.decode(raw)
+            data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+            limits = self.gateway.limits
+            if len(data) > limits.max_ws_message_bytes:  # only a compressed frame gets here
+                raise bad_request(
+                    f"the message is {len(data)} bytes, more than the limit of "
+                    f"{limits.max_ws_message_bytes} (max_ws_message_bytes)",
+                    None,
+                    "message_too_big",
+                )
+            max_depth = limits.max_json_depth
+            if nests_deeper(data, max_depth):  # before msgspec recurses into it
+                raise too_deep("the message", max_depth)
+            message = self.decoder.decode(data)
             match message:
                 case Open():
                     await self.open(message)
                 case Turn():
-                    self.turn(message)
+                    await self.turn(message)
                 case Cancel():
                     if self.job is not None:  # none: the turn has just ended; nothing to do
                         self.job.abort()
@@ -140,9 +156,9 @@ class SessionSocket:
             await self.send(Error(exc.message, exc.code, exc.param))
         except ConnectionError:
             raise
-        except Exception as exc:  # a bug: say so, and keep the connection
+        except Exception:  # a bug: say so, and keep the connection
             log.exception("websocket message failed: %r", raw[:200])
-            await self.send(Error(f"internal error: {exc!r}", "internal_error"))
+            await self.send(Error(INTERNAL, "internal_error"))
 
     async def open(self, message: Open) -> None:
         if self.session is not None:
@@ -161,7 +177,7 @@ class SessionSocket:
         self.session = Session(self.gateway.engine, session_id)
         await self.send(Opened(session_id))
 
-    def turn(self, message: Turn) -> None:
+    async def turn(self, message: Turn) -> None:
         if self.session is None:
             raise bad_request('no session is open: send {"type": "open"} first', "type")
         if self.job is not None:
@@ -171,7 +187,8 @@ class SessionSocket:
                 code="session_busy",
             )
         arrived_at = time.monotonic()
-        turn, num_new, prompt_param = self.turn_input(self.session.id, message)
+        self.gateway.check_stops(message.stop, message.stop_token_ids)
+        turn, num_new, prompt_param = await self.turn_input(self.session.id, message)
         sampling = self.sampling(message, num_new, prompt_param)
         rid = f"turn-{uuid.uuid4().hex}"
         job = self.gateway.submit(rid, [([], sampling, rid)], arrived_at, prompt_param, turn)
@@ -231,20 +248,20 @@ class SessionSocket:
 
     # ---- a turn message into the engine's terms -------------------------------------------
 
-    def turn_input(self, session_id: str, message: Turn) -> tuple[SessionTurn, int, str]:
+    async def turn_input(self, session_id: str, message: Turn) -> tuple[SessionTurn, int, str]:
         """The turn, how many tokens its input has (as if first), and its field's name."""
         given = [n for n in ("text", "input_ids", "messages") if getattr(message, n) is not None]
         if len(given) != 1:
             raise bad_request("a turn needs exactly one of text, input_ids or messages", "text")
         gateway = self.gateway
         if message.text is not None:
-            num_new = len(gateway.encode_text(message.text, "text"))
+            num_new = len(await gateway.encode_text(message.text, "text"))
             return SessionTurn(session_id=session_id, text=message.text), num_new, "text"
         if message.input_ids is not None:
             ids = gateway.check_ids(message.input_ids, "input_ids")
             return SessionTurn(session_id=session_id, input_ids=ids), len(ids), "input_ids"
-        messages = chat_messages(message.messages or [])
-        num_new = len(gateway.encode_messages(messages))  # also: the template takes them
+        messages = chat_messages(gateway, message.messages or [])
+        num_new = len(await gateway.encode_messages(messages))  # also: the template takes them
         return SessionTurn(session_id=session_id, messages=messages), num_new, "messages"
 
     def sampling(self, message: Turn, num_new: int, prompt_param: str) -> SamplingParams:

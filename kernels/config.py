@@ -3,15 +3,33 @@
 ModelConfig is frozen and narrow: only what a Llama-family decoder (Llama, Mistral, SmolLM2,
 Qwen2-style q/k/v biases) needs to run. Everything else in config.json is ignored, and anything
 that would change the math without this config saying so (another activation, MLP biases, a
-model type we do not implement) is rejected with a ValueError rather than silently run wrong.
+model type we do not implement) is rejected rather than silently run wrong.
+
+Every field the forward uses is checked for its JSON type and range before it is used: sizes
+are positive integers (a bool, a float or a string is not one), eps and theta positive finite
+numbers, flags true or false, token ids integers below vocab_size. A bad field is a
+CheckpointError that names the file and the field, e.g.
+"config.json: num_hidden_layers must be a positive integer, got null".
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.kernels.checkpoint import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    CheckpointError,
+    json_kind,
+    json_value,
+)
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MAX_SIZE = 2**31 - 1  # the largest size (vocab, hidden, layers, positions, ...) we accept
+_REQUIRED = object()  # the default of a field that must be present
 
 
 @dataclass(frozen=True)
@@ -39,84 +57,208 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf_config(cls, d: dict[str, Any]) -> ModelConfig:
-        """Read a config.json dict (model_type llama, mistral or qwen2).
+    def from_hf_config(
+        cls, d: dict[str, Any], generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        """Read a config.json dict (model_type llama, mistral or qwen2), with
+        generation_config.json's bos/eos merged in (eos ids are the union).
 
-        The caller merges generation_config.json's eos_token_id in beforehand (see loader).
         Both the transformers 4 spelling (rope_theta, rope_scaling) and the transformers 5 one
-        (rope_parameters) are understood.
+        (rope_parameters) are understood. A bad field raises CheckpointError (a ValueError).
         """
-        model_type = d.get("model_type")
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{CONFIG_NAME}: must be a JSON object, got {json_kind(d)}")
+        fields = _Fields(d, CONFIG_NAME)
+        model_type = fields.text("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config.json model_type {model_type!r} is not supported; "
+            raise CheckpointError(
+                f"{CONFIG_NAME}: model_type {json_value(model_type)} is not supported; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        hidden_act = d.get("hidden_act", "silu")
+        hidden_act = fields.text("hidden_act", "silu")
         if hidden_act != "silu":
-            raise ValueError(f"config.json hidden_act {hidden_act!r} is not supported (only silu)")
-        if d.get("mlp_bias", False):
-            raise ValueError("config.json mlp_bias=true is not supported")
+            raise CheckpointError(
+                f"{CONFIG_NAME}: hidden_act {json_value(hidden_act)} is not supported (only silu)"
+            )
+        if fields.flag("mlp_bias", False):
+            raise CheckpointError(f"{CONFIG_NAME}: mlp_bias=true is not supported")
 
-        hidden_size = int(d["hidden_size"])
-        num_heads = int(d["num_attention_heads"])
-        num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
-        head_dim = int(d.get("head_dim") or hidden_size // num_heads)
+        hidden_size = fields.positive_int("hidden_size")
+        num_heads = fields.positive_int("num_attention_heads")
+        num_kv_heads = fields.optional_positive_int("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({num_heads}) is not a multiple of "
+            raise CheckpointError(
+                f"{CONFIG_NAME}: num_attention_heads ({num_heads}) is not a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        rope_theta, rope_scaling = _rope(d)
+        head_dim = fields.optional_positive_int("head_dim")
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise CheckpointError(
+                    f"{CONFIG_NAME}: hidden_size ({hidden_size}) is not a multiple of "
+                    f"num_attention_heads ({num_heads}) and head_dim is not given"
+                )
+            head_dim = hidden_size // num_heads
+        if head_dim % 2 != 0:
+            raise CheckpointError(f"{CONFIG_NAME}: head_dim ({head_dim}) must be even for RoPE")
+        rope_theta, rope_scaling = _rope(fields)
 
-        max_positions = int(d.get("max_position_embeddings", 2048))
+        max_positions = fields.positive_int("max_position_embeddings", 2048)
         # We implement full attention only. A model whose attention really is windowed
         # (Mistral v0.1) is exact only within the window, so the window caps the context.
-        window = d.get("sliding_window")
-        if window and (model_type == "mistral" or d.get("use_sliding_window", False)):
-            max_positions = min(max_positions, int(window))
+        window = fields.optional_positive_int("sliding_window")
+        if window and (model_type == "mistral" or fields.flag("use_sliding_window", False)):
+            max_positions = min(max_positions, window)
 
-        if model_type != "qwen2" and d.get("attention_bias", False):
+        if model_type != "qwen2" and fields.flag("attention_bias", False):
             # Llama's attention_bias also biases o_proj, which the forward does not implement.
-            raise ValueError(f"config.json attention_bias=true is not supported for {model_type}")
+            raise CheckpointError(
+                f"{CONFIG_NAME}: attention_bias=true is not supported for {model_type}"
+            )
         attention_bias = model_type == "qwen2"  # q/k/v biases, none on o_proj
-        bos = d.get("bos_token_id")
+        vocab_size = fields.positive_int("vocab_size")
+        generation_fields = _Fields(generation or {}, GENERATION_CONFIG_NAME)
+        bos, eos = _special_tokens(fields, generation_fields, vocab_size)
         return cls(
-            vocab_size=int(d["vocab_size"]),
+            vocab_size=vocab_size,
             hidden_size=hidden_size,
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            intermediate_size=fields.positive_int("intermediate_size"),
+            num_layers=fields.positive_int("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=fields.positive_number("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),  # HF default
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False),  # HF default
             attention_bias=attention_bias,
             max_position_embeddings=max_positions,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=token_ids(d.get("eos_token_id")),
+            bos_token_id=bos,
+            eos_token_ids=eos,
         )
 
 
-def token_ids(value: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
-    """An HF token-id field (absent, one id or a list) as a tuple of unique ids, order kept."""
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(dict.fromkeys(int(v) for v in value))
+class _Fields:
+    """Typed reads of one JSON object's fields. An absent field takes its default (or is an
+    error without one); null does too where `nullable`, else it is a wrong type."""
+
+    def __init__(self, values: dict[str, Any], file_name: str, prefix: str = "") -> None:
+        self.values = values
+        self.file_name = file_name
+        self.prefix = prefix  # "rope_scaling." for the fields of a nested object
+
+    def has(self, name: str) -> bool:
+        return name in self.values
+
+    def positive_int(self, name: str, default: Any = _REQUIRED) -> int:
+        value = self._get(name, default, False)
+        if not _is_int(value) or not 0 < value <= MAX_SIZE:
+            raise self.error(name, "a positive integer", value)
+        result: int = value
+        return result
+
+    def optional_positive_int(self, name: str) -> int | None:
+        """Absent or null reads as None."""
+        if self.values.get(name) is None:
+            return None
+        return self.positive_int(name)
+
+    def positive_number(self, name: str, default: Any = _REQUIRED) -> float:
+        value = self._get(name, default, False)
+        number = _is_int(value) or isinstance(value, float)
+        if not number or not math.isfinite(value) or value <= 0:
+            raise self.error(name, "a positive number", value)
+        return float(value)
+
+    def flag(self, name: str, default: bool) -> bool:
+        value = self._get(name, default, False)
+        if not isinstance(value, bool):
+            raise self.error(name, "true or false", value)
+        return value
+
+    def text(self, name: str, default: Any = _REQUIRED) -> str:
+        value = self._get(name, default, False)
+        if not isinstance(value, str):
+            raise self.error(name, "a string", value)
+        return value
+
+    def nested(self, name: str) -> dict[str, Any]:
+        """A nested object; absent or null reads as {}."""
+        value = self._get(name, {}, True)
+        if not isinstance(value, dict):
+            raise self.error(name, "an object", value)
+        return value
+
+    def token_ids(self, name: str, vocab_size: int) -> tuple[int, ...]:
+        """A token id or a list of them (absent or null: none), unique, order kept."""
+        value = self._get(name, None, True)
+        ids = [] if value is None else value if isinstance(value, list) else [value]
+        if not all(_is_int(i) and 0 <= i < vocab_size for i in ids):
+            wanted = f"a token id or a list of token ids below vocab_size {vocab_size}"
+            raise self.error(name, wanted, value)
+        return tuple(dict.fromkeys(ids))
+
+    def error(self, name: str, wanted: str, value: object) -> CheckpointError:
+        return CheckpointError(
+            f"{self.file_name}: {self.prefix}{name} must be {wanted}, got {json_value(value)}"
+        )
+
+    def _get(self, name: str, default: Any, nullable: bool) -> Any:
+        if name not in self.values:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.file_name}: {self.prefix}{name} is missing")
+            return default
+        value = self.values[name]
+        return default if value is None and nullable and default is not _REQUIRED else value
 
 
-def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _special_tokens(
+    config: _Fields, generation: _Fields, vocab_size: int
+) -> tuple[int | None, tuple[int, ...]]:
+    """(bos id or None, eos ids): config.json's, then generation_config.json's."""
+    bos_ids = config.token_ids("bos_token_id", vocab_size)
+    if not bos_ids:
+        bos_ids = generation.token_ids("bos_token_id", vocab_size)
+    if len(bos_ids) > 1:
+        raise CheckpointError(f"{CONFIG_NAME}: bos_token_id must be a single token id")
+    eos = config.token_ids("eos_token_id", vocab_size)
+    eos += generation.token_ids("eos_token_id", vocab_size)
+    return (bos_ids[0] if bos_ids else None), tuple(dict.fromkeys(eos))
+
+
+def _rope(fields: _Fields) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling or None) from either spelling of the RoPE settings."""
-    params: dict[str, Any] = dict(d.get("rope_parameters") or {})
-    scaling: dict[str, Any] = dict(d.get("rope_scaling") or params)
-    theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
+    params = fields.nested("rope_parameters")
+    scaling_name = "rope_scaling" if fields.nested("rope_scaling") else "rope_parameters"
+    scaling = dict(fields.nested("rope_scaling") or params)
+    if fields.has("rope_theta"):
+        theta = fields.positive_number("rope_theta")
+    else:
+        theta = _Fields(params, CONFIG_NAME, "rope_parameters.").positive_number(
+            "rope_theta", 10000.0
+        )
     scaling.pop("rope_theta", None)
     kind = scaling.pop("type", None)  # the old key for rope_type
     scaling.setdefault("rope_type", kind)
-    if scaling["rope_type"] in (None, "default"):
-        return float(theta), None
-    return float(theta), scaling
+    nested = _Fields(scaling, CONFIG_NAME, f"{scaling_name}.")
+    kind = nested.values["rope_type"]
+    if kind in (None, "default"):
+        return theta, None
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"{CONFIG_NAME}: {scaling_name}.rope_type {json_value(kind)} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    nested.positive_number("factor")
+    if kind == "llama3":
+        low = nested.positive_number("low_freq_factor")
+        if nested.positive_number("high_freq_factor") == low:
+            raise CheckpointError(
+                f"{CONFIG_NAME}: {scaling_name}.high_freq_factor must differ from low_freq_factor"
+            )
+        nested.positive_number("original_max_position_embeddings")
+    return theta, scaling

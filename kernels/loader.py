@@ -9,16 +9,18 @@ The cache dir is `cache_dir`, else $SHOAL_CACHE_DIR, else ~/.cache/shoal. A seco
 reads the converted folder (safetensors is mmapped and copied once) and builds the tokenizer
 from tokenizer.json; transformers is imported lazily and only its tokenizer classes.
 
-Every load checks the weights against the config: each expected tensor present with its shape
-and nothing unexpected. A bad checkpoint raises ValueError naming the tensor, which is what lets
-a weight update from disk reject it and keep serving the old weights.
+Every load validates the checkpoint before it reads any tensor data (checkpoint.py): config.json
+field by field, then every safetensors header, each tensor's name, dtype and shape against the
+config, and the shard index if there is one. A bad checkpoint raises CheckpointError (a
+ValueError) saying what is wrong with which file, which is what lets a weight update from disk
+(checkpoint_folder, read_model_config, load_weights) refuse it and keep serving the old weights.
+At start-up load_model says which folder it was.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,16 @@ from typing import Any, TypeAlias
 
 import torch
 
-from shoal.kernels.config import ModelConfig, token_ids
+from shoal.kernels.checkpoint import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    CheckpointError,
+    check_entries,
+    check_folder,
+    read_json_object,
+    read_tensor_entries,
+)
+from shoal.kernels.config import ModelConfig
 from shoal.kernels.gguf_convert import convert_gguf, converted_folder
 
 # A transformers.PreTrainedTokenizerBase (in practice PreTrainedTokenizerFast). Spelled Any, and
@@ -92,6 +103,19 @@ def resolve_model_folder(
     raise FileNotFoundError(f"model {path} does not exist (expected a folder or a .gguf file)")
 
 
+def checkpoint_folder(model_path: str | Path, cache_dir: Path | None = None) -> Path:
+    """The HF-style folder a weight update reads: a .gguf file is converted as at start-up;
+    anything else must be a model folder (CheckpointError, naming no path, if it is not)."""
+    path = Path(model_path).expanduser()
+    try:
+        is_gguf = path.suffix == ".gguf" and path.is_file()
+    except (OSError, ValueError):
+        is_gguf = False
+    if is_gguf:
+        return resolve_model_folder(path, cache_dir=cache_dir, progress=False)
+    return check_folder(path)
+
+
 def load_model(
     model: str | Path | None = None,
     *,
@@ -99,24 +123,25 @@ def load_model(
     cache_dir: Path | None = None,
     progress: bool = True,
 ) -> LoadedModel:
-    """Resolve `model` (see module doc), then load its config, checked weights and tokenizer."""
+    """Resolve `model` (see module doc), then load its config, checked weights and tokenizer.
+    A bad checkpoint raises ValueError naming the folder and what is wrong in it."""
     folder = resolve_model_folder(model, cache_dir=cache_dir, progress=progress)
-    config = read_model_config(folder)
-    weights = load_weights(folder, config, dtype=dtype)
+    try:
+        config = read_model_config(folder)
+        weights = load_weights(folder, config, dtype=dtype)
+    except CheckpointError as exc:
+        raise ValueError(f"model folder {folder}: {exc}") from exc
     return LoadedModel(folder, config, weights, load_tokenizer(folder))
 
 
 def read_model_config(folder: Path) -> ModelConfig:
-    """config.json, with generation_config.json's bos/eos merged in (eos ids are the union)."""
-    config = _read_json(folder / "config.json")
-    generation_path = folder / "generation_config.json"
-    if generation_path.is_file():
-        generation = _read_json(generation_path)
-        eos = token_ids(config.get("eos_token_id")) + token_ids(generation.get("eos_token_id"))
-        config["eos_token_id"] = list(dict.fromkeys(eos))
-        if config.get("bos_token_id") is None:
-            config["bos_token_id"] = generation.get("bos_token_id")
-    return ModelConfig.from_hf_config(config)
+    """config.json, with generation_config.json's bos/eos merged in (eos ids are the union),
+    every field checked (CheckpointError)."""
+    config = read_json_object(folder, CONFIG_NAME)
+    generation = None
+    if (folder / GENERATION_CONFIG_NAME).is_file():
+        generation = read_json_object(folder, GENERATION_CONFIG_NAME)
+    return ModelConfig.from_hf_config(config, generation)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -168,21 +193,27 @@ def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> None
 def load_weights(
     folder: Path, config: ModelConfig, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """All tensors of the folder's safetensors files, checked against `config`, cast to `dtype`.
+    """All tensors the forward reads from the folder's safetensors files, cast to `dtype`.
 
-    The result owns its memory (copied out of the mmap), so the files may be replaced later, as a
-    trainer does when it writes the next checkpoint over the last one.
+    Every header is validated against `config` first (CheckpointError); only then is tensor
+    data read. The result owns its memory (copied out of the mmap), so the files may be
+    replaced later, as a trainer does when it writes the next checkpoint over the last one.
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    raw: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(folder):
-        raw.update(load_file(str(file)))
-    for name in list(raw):
+    entries = read_tensor_entries(folder)
+    for name in list(entries):
         if name.endswith(_IGNORED_SUFFIXES):
-            del raw[name]
+            del entries[name]
     if config.tie_word_embeddings:
-        raw.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+        entries.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    check_entries(entries, expected_weight_shapes(config))
+    raw: dict[str, torch.Tensor] = {}
+    for file_name in sorted({entry.file_name for entry in entries.values()}):
+        with safe_open(str(folder / file_name), framework="pt") as f:
+            for name, entry in entries.items():
+                if entry.file_name == file_name:
+                    raw[name] = f.get_tensor(name)
     check_weights(raw, config)
     return {name: tensor.to(dtype, copy=True) for name, tensor in raw.items()}
 
@@ -201,23 +232,3 @@ def load_tokenizer(folder: Path) -> HFTokenizer:
         )
     except (OSError, ValueError) as exc:
         raise ValueError(f"model folder {folder} has no usable tokenizer: {exc}") from exc
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    """The index's shards if there is an index, else model.safetensors, else every file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = _read_json(index)["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model folder {folder} has no *.safetensors weights")
-    return files
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    with path.open(encoding="utf-8") as f:
-        value: dict[str, Any] = json.load(f)
-    return value

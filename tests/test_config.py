@@ -15,6 +15,8 @@ from shoal.config import EngineOptions, resolve
         ({"dtype": "float8"}, "dtype"),
         ({"device": "tpu"}, "device"),
         ({"attention": "flash"}, "attention"),
+        ({"max_stop_strings": 0}, "max_stop_strings"),
+        ({"max_prompt_chars": -1}, "max_prompt_chars"),
     ],
 )
 def test_bad_options_name_the_field(options: dict[str, object], field: str) -> None:

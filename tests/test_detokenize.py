@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
+import tracemalloc
 from collections.abc import Sequence
 
 import pytest
@@ -13,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from shoal.actors.detokenize import IncrementalDetokenizer
-from shoal.actors.stops import StopMatcher
+from shoal.actors.stops import StopMatcher, failure_function
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, 1234567890!",
@@ -247,3 +249,39 @@ def test_stops_match_reference_however_split(text: str, stops: list[str], cuts: 
     assert run_stops(stops, pieces) == expected
     if expected[1] is None:
         assert expected[0] == text
+
+
+def test_the_documented_examples() -> None:
+    assert run_stops(["ab", "b"], ["xab"]) == ("x", "ab")  # both end at 3, the longer wins
+    assert run_stops(["abcd", "bc"], ["abcd"]) == ("a", "bc")  # "bc" is whole first
+
+
+def test_held_back_text_is_the_longest_suffix_that_starts_a_stop() -> None:
+    matcher = StopMatcher(["abcab", "cax"])
+    assert matcher.push("zzabca") == ("zz", None)  # "abca" starts "abcab" (and "ca", "cax")
+    assert matcher.push("b") == ("", "abcab")
+
+
+def test_a_100k_character_stop_over_a_long_text_is_linear_in_time_and_memory() -> None:
+    stop = "a" * 99_999 + "b"  # every proper prefix is a suffix of the text: the worst case
+    tracemalloc.start()
+    began = time.perf_counter()
+    matcher = StopMatcher([stop, "ab" * 50_000])
+    emitted = [matcher.push("a" * 5_000)[0] for _ in range(200)]  # 1M characters
+    out, matched = matcher.push("b")
+    took_s = time.perf_counter() - began
+    _, peak_bytes = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert matched == stop and len("".join(emitted) + out) == 1_000_000 - 99_999
+    assert took_s < 20  # ~0.4 s here; the old prefix set did not finish (5 * 10^9 characters)
+    assert peak_bytes < 64 * 2**20  # the failure functions and the held-back text, no more
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.text(alphabet="ab", min_size=1, max_size=40))
+def test_failure_function_matches_its_definition(pattern: str) -> None:
+    expected = [
+        max(k for k in range(i + 1) if pattern[:k] == pattern[i + 1 - k : i + 1])
+        for i in range(len(pattern))
+    ]
+    assert failure_function(pattern) == expected

@@ -219,7 +219,9 @@ async def test_a_failing_forward_ends_requests_with_an_error_and_serving_goes_on
     ]
     done = await asyncio.gather(*(s.result() for s in streams))
     assert {d.finish_reason for d in done} == {"error"}
-    assert "injected device fault" in done[0].message
+    # The client learns that the step failed, not how: the exception stays in the log.
+    assert "forward failed" in done[0].message
+    assert "injected device fault" not in done[0].message
     after = await engine.generate(input_ids=[5, 6, 7], max_new_tokens=4, ignore_eos=True).result()
     assert after.finish_reason == "length"
 

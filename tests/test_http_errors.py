@@ -152,7 +152,11 @@ async def test_bad_input_table_then_the_server_is_unharmed(serve: ServeFactory) 
     bystander = s.engine.generate(input_ids=[5, 6, 7], max_new_tokens=60, ignore_eos=True)
     statuses = []
     for name, path, body, status, param, code in CASES:
-        kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+        kwargs = (
+            {"data": body, "headers": {"Content-Type": "application/json"}}
+            if isinstance(body, bytes)
+            else {"json": body}
+        )
         async with s.http.post(s.url + path, **kwargs) as resp:
             got = await resp.json()
             statuses.append(resp.status)
