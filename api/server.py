@@ -148,7 +148,7 @@ class Server:
         app.add_routes(LifecycleRoutes(self.engine, self.gateway.limits).routes())
         app.add_routes(SessionRoutes(self.gateway).routes())
         app.add_routes(self.sockets.routes())
-        app.add_routes(OpenAPIRoute(bool(self.options.api_key)).routes())
+        app.add_routes(OpenAPIRoute(self.options.api_key, self.options.admin_api_key).routes())
         return app
 
     # ---- life ------------------------------------------------------------------------------

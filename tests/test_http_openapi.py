@@ -7,7 +7,9 @@ from typing import Any
 import msgspec
 from test_http_support import ServeFactory, serve
 
-from shoal.api.openapi import OPERATIONS, document
+from shoal.api.http_guard import ADMIN_ROUTES
+from shoal.api.openapi import document
+from shoal.api.openapi_operations import OPERATIONS
 
 __all__ = ["serve"]
 
@@ -64,18 +66,43 @@ def test_components_come_from_the_wire_types() -> None:
     body = chat["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    event = chat["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    chunk = event["properties"]["data"]["anyOf"][1]["contentSchema"]["anyOf"][0]
+    assert chunk == {"$ref": "#/components/schemas/ChatCompletionChunk"}  # each event's data
     assert "security" not in chat and "securitySchemes" not in doc["components"]
     ws = doc["paths"]["/v1/sessions/ws"]["get"]
     assert "101" in ws["responses"] and "ws_protocol" in ws["description"]
 
 
-def test_api_key_is_documented_where_it_is_checked() -> None:
-    doc = document(api_key=True)
-    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-    for path, item in doc["paths"].items():
-        for operation in item.values():
-            wanted = [] if path == "/health" else [{"bearer": []}]
-            assert operation.get("security", []) == wanted, path
+def security(doc: Any) -> dict[str, list[Any]]:
+    return {
+        path: operation.get("security", [])
+        for path, item in doc["paths"].items()
+        for operation in item.values()
+    }
+
+
+def test_keys_are_documented_where_they_are_checked() -> None:
+    api = document(api_key=True)
+    assert set(api["components"]["securitySchemes"]) == {"apiKey"}
+    for path, needs in security(api).items():
+        assert needs == ([] if path == "/health" else [{"apiKey": []}]), path
+    admin = document(admin_key=True)
+    assert set(admin["components"]["securitySchemes"]) == {"adminKey"}
+    for path, needs in security(admin).items():
+        assert needs == ([{"adminKey": []}] if path in ADMIN_ROUTES else []), path
+    both = security(document(api_key=True, admin_key=True))
+    assert both["/flush_cache"] == [{"adminKey": []}] and both["/generate"] == [{"apiKey": []}]
+
+
+async def test_served_document_follows_the_server_keys(serve: ServeFactory) -> None:
+    s = await serve(api_key="api-key-7c1e", admin_api_key="admin-key-93d0")
+    headers = {"Authorization": "Bearer api-key-7c1e"}
+    async with s.http.get(s.url + "/openapi.json", headers=headers) as response:
+        assert response.status == 200
+        text = await response.text()
+    assert '"adminKey"' in text and '"apiKey"' in text
+    assert "key-7c1e" not in text and "key-93d0" not in text  # names no key
 
 
 def test_examples_decode_as_their_request_types() -> None:
