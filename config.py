@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.kernels.linear import LinearKind, packing_available
 from shoal.limits import InputLimits
 
 DEFAULT_LIMITS = InputLimits()
@@ -22,11 +23,15 @@ class EngineOptions:
     max_running_requests: int = 64
     chunk_size: int = 512
     max_batch_tokens: int = 2048
+    # Prompt tokens a step that also decodes may take (0: up to max_batch_tokens). Lower:
+    # steadier inter-token latency under load, newcomers' first token a little later.
+    max_mixed_prefill_tokens: int = 256
     max_inflight: int = 2
     context_length: int | None = None
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # CUDA when available
     attention: str = "auto"  # triton on CUDA, torch on CPU
+    quantization: str | None = None  # "int8": int8 weights, dynamic activations (CPU)
     cuda_graph_max_batch: int = 128  # decode batches up to this replay CUDA graphs; 0 = off
     num_threads: int | None = None
     seed: int | None = None
@@ -55,6 +60,10 @@ class EngineOptions:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_mixed_prefill_tokens < 0:
+            raise ValueError(
+                f"max_mixed_prefill_tokens must be >= 0, got {self.max_mixed_prefill_tokens}"
+            )
         if self.cuda_graph_max_batch < 0:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -64,7 +73,11 @@ class EngineOptions:
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
         if self.attention not in ("torch", "triton", "auto"):
             raise ValueError(f"attention must be torch, triton or auto, got {self.attention!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
 
+
+QUANTIZATIONS = (None, "int8")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,6 +100,7 @@ class Resolved:
     device: torch.device
     attention: str  # "torch" | "triton"
     cuda_graph_max_batch: int  # 0 = no graphs (always 0 off CUDA or without Triton)
+    linear_kind: LinearKind  # how the forward multiplies by weights (kernels/linear.py)
 
 
 def resolve(options: EngineOptions, model_context: int) -> Resolved:
@@ -105,7 +119,17 @@ def resolve(options: EngineOptions, model_context: int) -> Resolved:
         graphs = min(options.cuda_graph_max_batch, options.max_running_requests)
     max_pages_per_row = -(-context // page_size) + 1
     layout = CacheLayout(page_size, num_pages, options.max_running_requests, max_pages_per_row)
-    return Resolved(layout, context, dtype, device, attention, graphs)
+    linear = resolve_linear(options, device, dtype)
+    return Resolved(layout, context, dtype, device, attention, graphs, linear)
+
+
+def resolve_linear(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> LinearKind:
+    """int8 when asked for (CPU only); else MKL-packed float32 on the CPU; else dense."""
+    if options.quantization == "int8":
+        if device.type != "cpu":
+            raise ValueError("quantization int8 runs on the CPU only")
+        return "int8"
+    return "packed" if packing_available(device, dtype) else "dense"
 
 
 def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:

@@ -190,7 +190,7 @@ class Planner:
             ExtendReq(r.rid, r.num_launched + 1) for r in self.holding() if self._wants_decode(r)
         ]
         publishes = publishes_due(self.holding(), self.config)
-        budget = self.config.max_batch_tokens - len(extends)
+        budget = self.config.prefill_budget(len(extends))
         has_prefill = any(r.phase is Phase.PREFILL for r in self.reqs.values())
         admits: list[AdmitReq] = []
         if not self.pressure:
@@ -280,7 +280,7 @@ class Planner:
                 members.append(Member(req.rid, True, req.num_launched))
                 req.pending += 1
                 req.inflight += 1
-        budget = self.config.max_batch_tokens - len(seqs)
+        budget = self.config.prefill_budget(len(seqs))
         for req in by_order:
             if req.phase is not Phase.PREFILL or budget <= 0:
                 continue

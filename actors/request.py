@@ -22,8 +22,17 @@ class PlannerConfig:
     chunk_size: int
     max_batch_tokens: int
     eos_token_ids: tuple[int, ...]
+    max_mixed_prefill_tokens: int = 0  # prompt tokens in a step that also decodes; 0: no cap
     prefix_cache: bool = True  # False: no KV is ever kept in the tree for reuse
     page_size: int = 16
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prompt tokens a step with this many decodes may take: the batch's room, capped
+        while decodes run so that a newcomer's prompt never stalls every stream for long."""
+        room = self.max_batch_tokens - num_decodes
+        if num_decodes and self.max_mixed_prefill_tokens:
+            return min(room, self.max_mixed_prefill_tokens)
+        return room
 
 
 @dataclass

@@ -117,7 +117,9 @@ def start_actors(
         num_rows=layout.num_rows,
         max_pages_per_row=layout.max_pages_per_row,
     )
-    model = LlamaModel(config, loaded.weights, resolved.dtype, resolved.device)
+    model = LlamaModel(
+        config, loaded.weights, resolved.dtype, resolved.device, resolved.linear_kind
+    )
     pool = KVPool(config, layout.num_pages * layout.page_size, resolved.dtype, resolved.device)
     device_state = DeviceState(
         model,
@@ -133,6 +135,7 @@ def start_actors(
             max_running=layout.num_rows,
             chunk_size=options.chunk_size,
             max_batch_tokens=max(options.max_batch_tokens, layout.num_rows),
+            max_mixed_prefill_tokens=options.max_mixed_prefill_tokens,
             eos_token_ids=config.eos_token_ids,
             prefix_cache=options.prefix_cache,
             page_size=layout.page_size,

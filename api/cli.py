@@ -34,6 +34,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
     parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
+    parser.add_argument(
+        "--max-mixed-prefill-tokens",
+        type=int,
+        default=defaults.max_mixed_prefill_tokens,
+        help="prompt tokens a step that also decodes may take (0: up to --max-batch-tokens)",
+    )
     parser.add_argument("--max-inflight", type=int, default=defaults.max_inflight)
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument(
@@ -60,6 +66,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=defaults.cuda_graph_max_batch,
         help="decode batches up to this size replay CUDA graphs (0: off)",
     )
+    parser.add_argument(
+        "--quantization",
+        default=defaults.quantization,
+        choices=["int8"],
+        help="int8: weights int8 per output channel, activations quantized per step (CPU; "
+        "not token-exact, quality in bench/README.md); unset: the model's dtype",
+    )
     parser.add_argument("--num-threads", type=int, default=None)
     limits = parser.add_argument_group("input limits, every door (docs/limits.md)")
     for name in INPUT_LIMITS:
@@ -75,12 +88,14 @@ def engine_from_args(args: argparse.Namespace, **extra: Any) -> Engine:
         max_running_requests=args.max_running_requests,
         chunk_size=args.chunk_size,
         max_batch_tokens=args.max_batch_tokens,
+        max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
         max_inflight=args.max_inflight,
         context_length=args.context_length,
         dtype=args.dtype,
         device=args.device,
         attention=args.attention,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
+        quantization=args.quantization,
         num_threads=args.num_threads,
         **{name: getattr(args, name) for name in INPUT_LIMITS},
         **extra,

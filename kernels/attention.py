@@ -23,17 +23,33 @@ from shoal.kernels.batch import BatchShape
 
 
 @dataclass(frozen=True)
+class DecodePages:
+    """A group of a step's decode sequences, attended page by page (padded to its longest)."""
+
+    token_index: torch.Tensor  # [B_dec] which of the T tokens each decode is
+    page_ids: torch.Tensor  # [B_dec, P_max] each sequence's pages (past its last: any page)
+    key_mask: torch.Tensor  # [B_dec, 1, 1, P_max * page_size] bool: key is one of its tokens
+
+
+@dataclass(frozen=True)
+class ExtendSeq:
+    """One sequence bringing more than one new token: its queries attend causally."""
+
+    token_start: int  # its first token among the T
+    num_new: int
+    seq_len: int  # cached prefix + new tokens
+    page_ids: torch.Tensor  # [ceil(seq_len / page_size)]
+    mask: torch.Tensor | None  # [num_new, seq_len] bool; None: plain causal (no prefix)
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Everything a layer needs to attend; built once per step, shared by all layers."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    extend_lens: tuple[int, ...]
-    seq_lens: tuple[int, ...]
-    kv_slots: tuple[torch.Tensor, ...]  # per sequence: [seq_len] int64 slots of its tokens
-    decode_index: torch.Tensor | None  # [B_dec, L_max] slots of decode sequences (padded)
-    decode_mask: torch.Tensor | None  # [B_dec, 1, 1, L_max] bool: key is valid
-    decode_token_index: torch.Tensor | None  # [B_dec] which of the T tokens each decode is
-    extend_masks: tuple[torch.Tensor | None, ...]  # per sequence with extend_len > 1
+    page_size: int
+    decodes: tuple[DecodePages, ...]
+    extends: tuple[ExtendSeq, ...]
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +67,7 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """The reference backend: gathers each sequence's slots and calls SDPA (any device)."""
+    """The reference backend: gathers each sequence's pages and calls SDPA (any device)."""
 
     name = "torch"
 
@@ -71,52 +87,77 @@ def build_metadata(
     extend_lens: list[int],
     page_size: int,
 ) -> AttentionMetadata:
-    """page_table_rows: [B, max_pages] page ids of each sequence's row (host tensor)."""
+    """page_table_rows: [B, max_pages] page ids of each sequence's row (host tensor).
+
+    No per-token Python work: the slots of the new tokens are computed as tensors, decodes are
+    gathered as whole pages, and only sequences with more than one new token are visited."""
     device = page_table_rows.device
-    offsets = torch.arange(page_size, device=device)
-    kv_slots: list[torch.Tensor] = []
-    new_slots: list[torch.Tensor] = []
-    seq_lens: list[int] = []
-    extend_masks: list[torch.Tensor | None] = []
-    decode_ids: list[int] = []
-    decode_tokens: list[int] = []
+    num_seqs = len(extend_lens)
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
+    new_counts = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), new_counts)
+    first_token = torch.cumsum(new_counts, 0) - new_counts
+    prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
+    token = torch.arange(len(seq_of_token), device=device)
+    positions = prefix_t[seq_of_token] + token - first_token[seq_of_token]
+    pages = page_table_rows.to(torch.int64)
+    slot_mapping = pages[seq_of_token, positions // page_size] * page_size + positions % page_size
+
+    decode_ids = [i for i, n in enumerate(extend_lens) if n == 1]
+    decodes = []
+    for group in length_groups(decode_ids, seq_lens, page_size):
+        dec_lens = torch.tensor([seq_lens[i] for i in group], device=device)
+        max_pages = -(-max(seq_lens[i] for i in group) // page_size)
+        ids = torch.tensor(group, dtype=torch.int64, device=device)
+        key_pos = torch.arange(max_pages * page_size, device=device)
+        decodes.append(
+            DecodePages(
+                token_index=first_token[ids],
+                page_ids=pages[ids, :max_pages],
+                key_mask=(key_pos[None, :] < dec_lens[:, None]).view(len(group), 1, 1, -1),
+            )
+        )
+    extends = []
     token_start = 0
     for i, (prefix, n_new) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
-        seq_len = prefix + n_new
-        num_pages = -(-seq_len // page_size)
-        pages = page_table_rows[i, :num_pages].to(torch.int64)
-        slots = (pages[:, None] * page_size + offsets[None, :]).reshape(-1)[:seq_len]
-        kv_slots.append(slots)
-        new_slots.append(slots[prefix:])
-        seq_lens.append(seq_len)
-        if n_new == 1:
-            decode_ids.append(i)
-            decode_tokens.append(token_start)
-            extend_masks.append(None)
-        else:
-            query_pos = torch.arange(prefix, seq_len, device=device)
-            key_pos = torch.arange(seq_len, device=device)
-            extend_masks.append(key_pos[None, :] <= query_pos[:, None])
+        if n_new > 1:
+            seq_len = seq_lens[i]
+            mask = None
+            if prefix > 0:
+                query_pos = torch.arange(prefix, seq_len, device=device)
+                key_pos = torch.arange(seq_len, device=device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+            page_ids = pages[i, : -(-seq_len // page_size)]
+            extends.append(ExtendSeq(token_start, n_new, seq_len, page_ids, mask))
         token_start += n_new
-    decode_index = decode_mask = decode_token_index = None
-    if decode_ids:
-        max_len = max(seq_lens[i] for i in decode_ids)
-        decode_index = torch.zeros(len(decode_ids), max_len, dtype=torch.int64, device=device)
-        decode_mask = torch.zeros(len(decode_ids), 1, 1, max_len, dtype=torch.bool, device=device)
-        for j, i in enumerate(decode_ids):
-            decode_index[j, : seq_lens[i]] = kv_slots[i]
-            decode_mask[j, 0, 0, : seq_lens[i]] = True
-        decode_token_index = torch.tensor(decode_tokens, dtype=torch.int64, device=device)
-    return AttentionMetadata(
-        slot_mapping=torch.cat(new_slots) if new_slots else torch.zeros(0, dtype=torch.int64),
-        extend_lens=tuple(extend_lens),
-        seq_lens=tuple(seq_lens),
-        kv_slots=tuple(kv_slots),
-        decode_index=decode_index,
-        decode_mask=decode_mask,
-        decode_token_index=decode_token_index,
-        extend_masks=tuple(extend_masks),
-    )
+    return AttentionMetadata(slot_mapping, page_size, tuple(decodes), tuple(extends))
+
+
+# A decode group's padding (pages gathered beyond its sequences' own) may reach this share of
+# its own pages, or this many pages, before the longest sequences get a group of their own:
+# each group is one more gather and SDPA call per layer, worth it only for much padding.
+MAX_PADDING_SHARE = 0.25
+MAX_PADDING_PAGES = 32
+
+
+def length_groups(ids: list[int], seq_lens: list[int], page_size: int) -> list[list[int]]:
+    """Split decode sequences, longest first, into groups whose padding stays small: batches
+    of mixed lengths gather far fewer pages than padding every sequence to the longest."""
+    groups: list[list[int]] = []
+    own_pages = 0
+    for i in sorted(ids, key=lambda i: -seq_lens[i]):
+        pages = -(-seq_lens[i] // page_size)
+        if groups:
+            group = groups[-1]
+            longest = -(-seq_lens[group[0]] // page_size)
+            padding = longest * (len(group) + 1) - (own_pages + pages)
+            if padding <= max(MAX_PADDING_SHARE * (own_pages + pages), MAX_PADDING_PAGES):
+                group.append(i)
+                own_pages += pages
+                continue
+        groups.append([i])
+        own_pages = pages
+    return groups
 
 
 def store_kv(
@@ -127,8 +168,8 @@ def store_kv(
     v: torch.Tensor,
 ) -> None:
     """Write the new tokens' K/V ([T, Hkv, D]) into their slots."""
-    k_cache[slot_mapping] = k
-    v_cache[slot_mapping] = v
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(
@@ -140,30 +181,36 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D] for the new tokens; returns [T, H, D]. K/V of new tokens already stored."""
     out = torch.empty_like(q)
-    if meta.decode_index is not None:
-        assert meta.decode_mask is not None and meta.decode_token_index is not None
-        qd = q[meta.decode_token_index].unsqueeze(2)  # [B, H, 1, D]
-        kd = gather(k_cache, meta.decode_index).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = gather(v_cache, meta.decode_index).transpose(1, 2)
+    page_size = meta.page_size
+    for dec in meta.decodes:
+        qd = q[dec.token_index].unsqueeze(2)  # [B, H, 1, D]
+        kd = gather_pages(k_cache, dec.page_ids, page_size).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = gather_pages(v_cache, dec.page_ids, page_size).transpose(1, 2)
         od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            qd, kd, vd, attn_mask=dec.key_mask, scale=scale, enable_gqa=True
         )
-        out[meta.decode_token_index] = od.squeeze(2)
-    start = 0
-    for n_new, slots, mask in zip(meta.extend_lens, meta.kv_slots, meta.extend_masks, strict=True):
-        if mask is not None:
-            qe = q[start : start + n_new].transpose(0, 1)  # [H, n, D]
-            ke = k_cache.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
-            ve = v_cache.index_select(0, slots).transpose(0, 1)
-            oe = F.scaled_dot_product_attention(
-                qe, ke, ve, attn_mask=mask, scale=scale, enable_gqa=True
-            )
-            out[start : start + n_new] = oe.transpose(0, 1)
-        start += n_new
+        out[dec.token_index] = od.squeeze(2)
+    for ext in meta.extends:
+        end = ext.token_start + ext.num_new
+        qe = q[ext.token_start : end].transpose(0, 1)  # [H, n, D]
+        ke = gather_pages(k_cache, ext.page_ids[None], page_size)[0, : ext.seq_len]
+        ve = gather_pages(v_cache, ext.page_ids[None], page_size)[0, : ext.seq_len]
+        oe = F.scaled_dot_product_attention(
+            qe,
+            ke.transpose(0, 1),  # [Hkv, L, D]
+            ve.transpose(0, 1),
+            attn_mask=ext.mask,
+            is_causal=ext.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[ext.token_start : end] = oe.transpose(0, 1)
     return out
 
 
-def gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """cache[index] for a 2-D index: [B, L] -> [B, L, Hkv, D] (index_select is far faster)."""
-    rows = cache.index_select(0, index.reshape(-1))
-    return rows.view(*index.shape, *cache.shape[1:])
+def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The tokens of whole pages: cache [slots, Hkv, D], page_ids [B, P] -> [B, P * page, Hkv, D]
+    (one index_select of page-sized blocks, far faster than one per token)."""
+    paged = cache.view(-1, page_size, *cache.shape[1:])
+    blocks = paged.index_select(0, page_ids.reshape(-1))
+    return blocks.view(page_ids.shape[0], -1, *cache.shape[1:])

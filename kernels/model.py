@@ -14,18 +14,18 @@ import torch.nn.functional as F
 
 from shoal.kernels.batch import Attention
 from shoal.kernels.config import ModelConfig
+from shoal.kernels.linear import Linear, LinearKind, make_linear
 from shoal.kernels.rope import apply_rope, cos_sin_table, inv_frequencies
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear  # [(H + 2 Hkv) D, hidden] (+ bias)
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # [2 I, hidden]
+    down: Linear
 
 
 @dataclass
@@ -33,44 +33,85 @@ class ModelWeights:
     layers: list[LayerWeights]
     embed: torch.Tensor
     norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding itself when tied
+    lm_head: Linear  # built from the embedding when tied
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.embed, self.norm, self.lm_head]
+        """The plain tensors (norms, embedding), in a fixed order."""
+        out = [self.embed, self.norm]
         for layer in self.layers:
-            out += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up]
-            out += [layer.down] + ([layer.qkv_bias] if layer.qkv_bias is not None else [])
+            out += [layer.input_norm, layer.post_norm]
+        return out
+
+    def linears(self) -> list[Linear]:
+        out = [self.lm_head]
+        for layer in self.layers:
+            out += [layer.qkv, layer.o, layer.gate_up, layer.down]
         return out
 
 
-def build_weights(
-    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> ModelWeights:
-    def w(name: str) -> torch.Tensor:
-        # Always a copy: later loads write into these tensors, never into the caller's.
-        return weights[name].to(device=device, dtype=dtype, copy=True)
+LinearWeights = tuple[torch.Tensor, torch.Tensor | None]
 
-    layers = []
+
+def linear_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[LinearWeights]:
+    """Each projection's weight (and bias), fused as the forward multiplies them, in the order
+    of `ModelWeights.linears`. Tensors as given (HF names, any dtype and device)."""
+    lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    out: list[LinearWeights] = [(weights[lm_head], None)]
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         qkv_bias = None
         if config.attention_bias:
-            qkv_bias = torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
-        layers.append(
-            LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]),
-                qkv_bias=qkv_bias,
-                o=w(attn + "o_proj.weight"),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
-            )
+            qkv_bias = torch.cat([weights[attn + f"{x}_proj.bias"] for x in "qkv"])
+        out += [
+            (torch.cat([weights[attn + f"{x}_proj.weight"] for x in "qkv"]), qkv_bias),
+            (weights[attn + "o_proj.weight"], None),
+            (torch.cat([weights[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]), None),
+            (weights[p + "mlp.down_proj.weight"], None),
+        ]
+    return out
+
+
+def plain_tensors(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The norms and the embedding, in the order of `ModelWeights.tensors`."""
+    out = [weights["model.embed_tokens.weight"], weights["model.norm.weight"]]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        out += [weights[p + f"{x}_layernorm.weight"] for x in ("input", "post_attention")]
+    return out
+
+
+def build_weights(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    kind: LinearKind,
+) -> ModelWeights:
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # Always a copy: later loads write into these tensors, never into the caller's.
+        return t.to(device=device, dtype=dtype, copy=True)
+
+    embed, norm, *norms = [own(t) for t in plain_tensors(config, weights)]
+    linears = []
+    for weight, bias in linear_weights(config, weights):
+        if kind == "dense" and weight is weights["model.embed_tokens.weight"]:
+            linears.append(make_linear(kind, embed, None))  # tied: the embedding itself
+            continue
+        linears.append(make_linear(kind, own(weight), None if bias is None else own(bias)))
+    lm_head, *per_layer = linears
+    layers = [
+        LayerWeights(
+            input_norm=norms[2 * i],
+            qkv=per_layer[4 * i],
+            o=per_layer[4 * i + 1],
+            post_norm=norms[2 * i + 1],
+            gate_up=per_layer[4 * i + 2],
+            down=per_layer[4 * i + 3],
         )
-    embed = w("model.embed_tokens.weight")
-    lm_head = embed if config.tie_word_embeddings else w("lm_head.weight")
-    return ModelWeights(layers, embed, w("model.norm.weight"), lm_head)
+        for i in range(config.num_layers)
+    ]
+    return ModelWeights(layers, embed, norm, lm_head)
 
 
 class KVPool:
@@ -92,10 +133,12 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device,
+        linear_kind: LinearKind = "dense",
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.linear_kind = linear_kind
         self.scale = config.head_dim**-0.5
         inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         cos, sin = cos_sin_table(inv_freq, config.max_position_embeddings)
@@ -107,15 +150,22 @@ class LlamaModel:
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """Take a full set of HF-named weights (already checked for names and shapes).
 
-        A later load copies into the tensors of the first, so whatever holds them (a captured
-        CUDA graph) reads the new weights.
+        A later load copies into the tensors of the first (and each linear takes its new weight
+        as its kind does, see linear.py), so whatever holds them (a captured CUDA graph) reads
+        the new weights.
         """
-        built = build_weights(self.config, weights, self.dtype, self.device)
         if not hasattr(self, "weights"):
-            self.weights = built
+            self.weights = build_weights(
+                self.config, weights, self.dtype, self.device, self.linear_kind
+            )
             return
-        for old, new in zip(self.weights.tensors(), built.tensors(), strict=True):
+        own = self.weights
+        for old, new in zip(own.tensors(), plain_tensors(self.config, weights), strict=True):
             old.copy_(new)
+        fresh = linear_weights(self.config, weights)
+        for linear, (weight, bias) in zip(own.linears(), fresh, strict=True):
+            cast = weight.to(device=self.device, dtype=self.dtype)
+            linear.load(cast, None if bias is None else bias.to(self.device, self.dtype))
 
     @torch.inference_mode()
     def forward(
@@ -136,19 +186,19 @@ class LlamaModel:
         h = F.embedding(input_ids, weights.embed)
         for layer_id, layer in enumerate(weights.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             attention.store(kv.k[layer_id], kv.v[layer_id], k, v)
             attn = attention.attend(q, kv.k[layer_id], kv.v[layer_id], self.scale)
-            h = h + F.linear(attn.reshape(-1, q_size), layer.o)
+            h = h + layer.o(attn.reshape(-1, q_size))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         last = rms_norm(h[sample_index], weights.norm, cfg.rms_norm_eps)
-        return F.linear(last, weights.lm_head).float()
+        return weights.lm_head(last).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

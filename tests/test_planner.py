@@ -51,12 +51,22 @@ class Sim:
         chunk_size: int = 64,
         max_inflight: int = 2,
         eos: tuple[int, ...] = (EOS,),
+        max_mixed_prefill_tokens: int = 0,
     ) -> None:
         self.kv = KVCache(
             num_pages=num_pages, page_size=page_size, num_rows=num_rows, max_pages_per_row=64
         )
         self.cache = CacheManager(self.kv, Mailbox("c"), Mailbox("s"), strict=True)
-        self.planner = Planner(PlannerConfig(num_rows, chunk_size, 256, eos, page_size=page_size))
+        self.planner = Planner(
+            PlannerConfig(
+                num_rows,
+                chunk_size,
+                256,
+                eos,
+                max_mixed_prefill_tokens=max_mixed_prefill_tokens,
+                page_size=page_size,
+            )
+        )
         self.device = FakeDevice()
         self.max_inflight = max_inflight
         self.launched: deque[Launch] = deque()
@@ -145,6 +155,30 @@ def test_chunked_prefill_keeps_one_row_and_samples_once() -> None:
     assert len({s.row for s in seqs}) == 1
     assert [s.sample for s in seqs] == [False, False, False, True]
     assert seqs[0].init is not None and all(s.init is None for s in seqs[1:])
+
+
+@pytest.mark.parametrize("cap", [0, 5, 16])
+def test_a_step_that_decodes_takes_at_most_the_mixed_prefill_cap(cap: int) -> None:
+    sim = Sim(chunk_size=64, max_inflight=1, max_mixed_prefill_tokens=cap)
+    sim.add("first", [4] * 10, max_new_tokens=12)
+    assert sim.plan_and_launch()
+    sim.complete_one()  # "first" decodes from here on
+    for rid, prompt in PROMPTS.items():
+        sim.add(rid, prompt, max_new_tokens=3)
+    prefill_with_decodes = []
+    while not sim.planner.idle:
+        if not sim.launched and sim.plan_and_launch():
+            continue
+        launch = sim.launched[0]
+        decodes = sum(1 for seq in launch.seqs if seq.input_ids is None)
+        prompt_tokens = sum(seq.num_tokens for seq in launch.seqs if seq.input_ids is not None)
+        if decodes:
+            prefill_with_decodes.append(prompt_tokens)
+        sim.complete_one()
+    # No cap: every prompt (135 tokens, each under chunk_size) rides with the first decode.
+    assert max(prefill_with_decodes) == (cap or sum(len(p) for p in PROMPTS.values()))
+    for rid, prompt in PROMPTS.items():  # the cap changes when tokens come, never which
+        assert sim.tokens(rid) == solo(prompt, max_new_tokens=3)
 
 
 def test_finished_request_keeps_row_until_the_later_batch_completes() -> None:

@@ -1,0 +1,143 @@
+"""Where the milliseconds of one decode step go, at given batch sizes.
+
+    python bench/step_profile.py                      # batch 1 and 16, context 256
+    python bench/step_profile.py --batch 1 4 16 64 --context 512 --linear dense packed
+
+Runs the model forward directly (no actors): B sequences of `--context` cached tokens each
+decode one token, with the step's attention metadata built as the executor builds it, then
+greedy sampling (argmax). Each op torch's profiler sees is put in a bucket (matmul, attention, KV
+gather/store, element-wise, other); `metadata` and `sample` are timed around their calls.
+One line per (linear kind, batch):
+
+    step linear=<kind> batch=<B> context=<n> step_ms=<x> metadata_ms=<x> sample_ms=<x>
+         matmul_ms=<x> attention_ms=<x> kv_ms=<x> elementwise_ms=<x> other_ms=<x> machine=<desc>
+
+The buckets are the profiler's self-CPU times over the profiled steps, divided by the
+number of steps; step_ms is the wall time of an unprofiled step (the median of `--steps`).
+Works on any revision whose LlamaModel takes (config, weights, dtype, device) — the linear
+kind is passed only when asked for — so the same script gives "before" and "after".
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from offline import emit, machine
+
+BUCKETS: dict[str, tuple[str, ...]] = {
+    "matmul": ("mm", "addmm", "linear", "matmul", "_mkl_linear", "_linear_pointwise", "bmm"),
+    "attention": ("_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention"),
+    "kv": ("index_select", "index_copy", "index_put", "_index_put_impl_", "gather"),
+    "elementwise": (
+        "mul", "add", "sub", "neg", "cat", "silu", "rsqrt", "pow", "mean", "div", "where",
+        "copy_", "to", "_to_copy", "embedding", "index", "float", "clone", "fill_", "masked_fill",
+    ),
+}  # fmt: skip
+
+
+def bucket_of(op_name: str) -> str:
+    name = op_name.split("::")[-1]
+    for bucket, names in BUCKETS.items():
+        if any(name == n or name.startswith(n + "_") for n in names):
+            return bucket
+    return "other"
+
+
+def build(kind: str | None) -> tuple[Any, Any, Any]:
+    from shoal.kernels.attention import TorchAttention
+    from shoal.kernels.loader import load_model
+    from shoal.kernels.model import KVPool, LlamaModel
+
+    loaded = load_model(None)
+    cpu = torch.device("cpu")
+    extra = () if kind is None else (kind,)
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32, cpu, *extra)
+    pool = KVPool(loaded.config, 8192 * 16, torch.float32, cpu)
+    return model, pool, TorchAttention(16)
+
+
+def profile_step(
+    model: Any, pool: Any, backend: Any, batch: int, context: int, steps: int
+) -> dict[str, float]:
+    from shoal.kernels.batch import BatchShape
+
+    page_size = backend.page_size
+    pages_per_row = -(-(context + 1) // page_size)
+    gen = torch.Generator().manual_seed(0)
+    # Every row gets its own random pages, as a busy cache would give them.
+    page_ids = torch.randperm(8192, generator=gen)[: batch * pages_per_row]
+    page_table = page_ids.view(batch, pages_per_row)
+    shape = BatchShape(tuple(range(batch)), (context,) * batch, (1,) * batch)
+    ids = torch.randint(100, 1000, (batch,), generator=gen)
+    positions = torch.full((batch,), context)
+    sample_index = torch.arange(batch)
+
+    def step() -> tuple[float, float]:
+        began = time.perf_counter()
+        meta = backend.prepare(page_table, shape)
+        prepared = time.perf_counter()
+        logits = model.forward(ids, positions, meta, pool, sample_index)
+        forwarded = time.perf_counter()
+        logits.argmax(dim=-1)  # what sampling does for greedy rows
+        return prepared - began, time.perf_counter() - forwarded
+
+    for _ in range(3):
+        step()
+    walls, metas, samples = [], [], []
+    for _ in range(steps):
+        began = time.perf_counter()
+        meta_s, sample_s = step()
+        walls.append(time.perf_counter() - began)
+        metas.append(meta_s)
+        samples.append(sample_s)
+    buckets = profile_buckets(step, steps)
+    return {
+        "step_ms": statistics.median(walls) * 1e3,
+        "metadata_ms": statistics.median(metas) * 1e3,
+        "sample_ms": statistics.median(samples) * 1e3,
+        **{f"{b}_ms": ms for b, ms in buckets.items()},
+    }
+
+
+def profile_buckets(step: Callable[[], Any], steps: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        totals[bucket_of(event.key)] += event.self_cpu_time_total / 1e3
+    return {b: totals[b] / steps for b in (*BUCKETS, "other")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--linear", nargs="+", default=None, help="linear kinds (default: the model's own)"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    desc = machine()
+    for kind in args.linear or [None]:
+        model, pool, backend = build(kind)
+        for batch in args.batch:
+            result = profile_step(model, pool, backend, batch, args.context, args.steps)
+            line = {"linear": kind or "default", "batch": batch, "context": args.context}
+            line |= {k: round(v, 2) for k, v in result.items()}
+            emit("step", line | {"machine": desc}, None)
+
+
+if __name__ == "__main__":
+    main()
