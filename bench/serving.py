@@ -1,18 +1,22 @@
 """Online serving: a load generator against OpenAI-compatible servers over HTTP streaming
 `/v1/completions`, at a fixed concurrency or with Poisson arrivals at a rate.
 
-    python bench/serving.py                                # shoal and llama.cpp, c = 1 4 16
+    python bench/serving.py                           # shoal, llama.cpp and vLLM, c = 1 4 16
     python bench/serving.py --launch shoal --concurrency 1 4 16 64
+    python bench/serving.py --launch shoal --quantization int8 --shoal-args "--chunk-size 256"
+    python bench/serving.py --launch vllm --vllm-python /path/to/vllm-env/bin/python
     python bench/serving.py --base-url http://127.0.0.1:30000 --rate 2 8
     python bench/serving.py --launch shoal --model <folder> --smoke
 
 `--launch` starts each system as a subprocess on the same model (shoal on the folder or GGUF,
-llama-cpp-python's server on the GGUF file) with the same thread count, one at a time; a
-system that is not installed is skipped with the reason. Prompts are seeded random words
-(text, so any server takes them), the same for every system and run. shoal gets
-`ignore_eos`; llama.cpp, which has no such field, gets the end-of-sequence ids banned with
-`logit_bias` and `min_tokens`. Output tokens: the usage chunk where the server sends one
-(shoal), else max_tokens for a request that finished with "length", else the chunks received.
+llama-cpp-python's server on the GGUF file, vLLM's OpenAI server on the HF folder, from its
+own environment: --vllm-python, bench/vllm_peer.py) with the same thread count, one at a
+time (bench/launch.py); a system that is not installed is skipped with the reason. Prompts
+are seeded random words (text, so any server takes them), the same for every system and run.
+shoal and vLLM get `ignore_eos` (vLLM also `min_tokens`); llama.cpp, which has no such field,
+gets the end-of-sequence ids banned with `logit_bias` and `min_tokens`. Output tokens: the
+usage chunk where the server sends one (shoal, vLLM), else max_tokens for a request that
+finished with "length", else the chunks received.
 
 Metrics (SGLang's bench_serving definitions): TTFT, the time to the first non-empty chunk;
 ITL, the gaps between consecutive non-empty chunks, pooled over requests; TPOT per request,
@@ -20,6 +24,9 @@ ITL, the gaps between consecutive non-empty chunks, pooled over requests; TPOT p
     serving system=<s> mode=<concurrency|rate> load=<x> requests=<n> failed=<n>
             output_tokens=<n> seconds=<s> req_per_s=<x> out_tok_per_s=<x>
             ttft_ms_{mean,median,p99}=<x> itl_ms_{...} tpot_ms_{...} e2e_ms_{...} machine=<desc>
+A launched shoal with --quantization / --shoal-args is named by them: system=shoal-int8,
+system=shoal_--chunk-size_256 (launch.py's LaunchConfig.label). A system that cannot start:
+    serving system=<s> skipped: <why>
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -37,7 +45,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from launch import SYSTEMS, eos_ids_of, launch, missing
+from launch import SYSTEMS, LaunchConfig, eos_ids_of, launch, missing
 from offline import machine
 from tqdm import tqdm
 
@@ -87,9 +95,11 @@ def request_body(system: str, model: str, req: Request, eos_ids: Sequence[int]) 
         "temperature": 0.0,
         "stream": True,
     }
-    if system == "shoal":
+    if system in ("shoal", "vllm"):
         body["ignore_eos"] = True
         body["stream_options"] = {"include_usage": True}
+        if system == "vllm":
+            body["min_tokens"] = req.max_tokens
     elif system == "llamacpp":
         body["min_tokens"] = req.max_tokens
         if eos_ids:
@@ -244,6 +254,20 @@ async def amain(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", default="shoal", help="with --base-url: shoal|llamacpp|...")
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 (GGUF)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--quantization", default=None, choices=["int8"], help="shoal's weights (default none)"
+    )
+    parser.add_argument(
+        "--shoal-args",
+        default="",
+        help='more `python -m shoal serve` arguments, e.g. "--chunk-size 256"',
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of an environment with vLLM (default: $SHOAL_BENCH_VLLM_PYTHON, else "
+        "this one if it imports vllm)",
+    )
     loads = parser.add_mutually_exclusive_group()
     loads.add_argument("--concurrency", type=int, nargs="+", default=None)
     loads.add_argument("--rate", type=float, nargs="+", default=None, help="requests/s")
@@ -265,7 +289,7 @@ async def amain(argv: list[str] | None = None) -> int:
         n = args.requests or max(8, 2 * int(level))
         return workload(n, args.seed, args.prompt_len, args.output_len)
 
-    async def runs(system: str, base_url: str) -> None:
+    async def runs(system: str, label: str, base_url: str) -> None:
         eos_ids = eos_ids_of(args.model) if system == "llamacpp" else []
         for level in levels:
             line = await run_load(
@@ -278,22 +302,30 @@ async def amain(argv: list[str] | None = None) -> int:
                 eos_ids,
                 not args.no_progress,
             )
+            line["system"] = label
             print("serving " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
             if args.out is not None:
                 with args.out.open("a") as f:
                     f.write(json.dumps(line) + "\n")
 
     if args.base_url is not None:
-        await runs(args.system, args.base_url.rstrip("/"))
+        await runs(args.system, args.system, args.base_url.rstrip("/"))
         return 0
+    config = LaunchConfig(
+        args.model,
+        args.threads,
+        args.quantization,
+        tuple(shlex.split(args.shoal_args)),
+        args.vllm_python,
+    )
     for system in args.launch:
-        reason = missing(system)
+        reason = missing(system, config)
         if reason is not None:
             print(f"serving system={system} skipped: {reason}", flush=True)
             continue
-        async with launch(system, args.model, args.threads) as server:
+        async with launch(system, config) as server:
             print(f"# {system} ready at {server.base_url} in {server.startup_s:.1f}s", flush=True)
-            await runs(system, server.base_url)
+            await runs(system, config.label(system), server.base_url)
     return 0
 
 

@@ -1,16 +1,24 @@
 """bench/offline.py and bench/prefix.py run (a few tiny requests) and print their fixed format;
-bench/roofline.py's arithmetic matches hand-computed examples."""
+bench/roofline.py's arithmetic matches hand-computed examples; the vLLM peer (a worker in
+another environment) is tested against a fake `vllm` package, and skipped without one."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+import tempfile
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+
+from shoal.kernels.linear import packing_available
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+LINEAR = "packed" if packing_available(torch.device("cpu"), torch.float32) else "dense"
 
 
 def load_bench(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -35,7 +43,8 @@ def test_offline_benchmark_smoke(
 ) -> None:
     bench = load_bench("offline", monkeypatch)
     out = tmp_path / "offline.jsonl"
-    assert bench.main(["--model", str(tiny_folder), "--smoke", "--out", str(out)]) == 0
+    argv = ["--model", str(tiny_folder), "--smoke", "--peers", "hf", "--out", str(out)]
+    assert bench.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     runs = [fields(line) for line in lines if line.startswith("offline system=")]
     assert [r["system"] for r in runs] == ["shoal", "hf-generate-batch2", "hf-generate-solo"]
@@ -44,9 +53,11 @@ def test_offline_benchmark_smoke(
     assert int(solo["requests"]) == 1 and all(float(r["tok_per_s"]) > 0 for r in runs)
     summary = fields(next(line for line in lines if line.startswith("offline summary")))
     assert float(summary["shoal_over_hf_batch"]) > 0 and float(summary["shoal_over_hf_solo"]) > 0
+    assert "shoal_over_vllm" not in summary
     assert len(out.read_text().splitlines()) == 3
-    assert shoal["setup"] == "cpu-float32-torch-graphs0-inflight2"
+    assert shoal["setup"] == f"cpu-float32-torch-graphs0-inflight2-{LINEAR}"
     assert batch["setup"] == solo["setup"] == "cpu-float32-hf"
+    assert all(float(r["setup_s"]) >= 0 for r in runs)
 
 
 DECODE_KEYS = [
@@ -84,7 +95,8 @@ def test_offline_decode_steps_smoke(
     assert [r["batch"] for r in runs] == ["1", "2"]
     for r in runs:
         assert 1 <= int(r["steps"]) <= 5 and float(r["step_ms"]) > 0
-        assert r["hbm_gbps"] == "100.0" and r["setup"] == "cpu-float32-torch-graphs0-inflight2"
+        assert r["hbm_gbps"] == "100.0"
+        assert r["setup"] == f"cpu-float32-torch-graphs0-inflight2-{LINEAR}"
         mb = float(r["weight_mb"]) + float(r["kv_mb"])
         assert float(r["roofline_ms"]) == pytest.approx(mb * 1e6 / 100e9 * 1e3, abs=1e-4)
         fraction = float(r["roofline_ms"]) / float(r["step_ms"])
@@ -94,7 +106,8 @@ def test_offline_decode_steps_smoke(
     assert bench.main([*small[:6], "--no-overlap"]) == 0  # CPU, no --hbm-gbps: unknown
     r = fields(capsys.readouterr().out.splitlines()[0])
     assert r["roofline_ms"] == r["fraction_of_roofline"] == r["hbm_gbps"] == "unknown"
-    assert r["setup"] == "cpu-float32-torch-graphs0-inflight1" and float(r["step_ms"]) > 0
+    assert r["setup"] == f"cpu-float32-torch-graphs0-inflight1-{LINEAR}"
+    assert float(r["step_ms"]) > 0
 
 
 def test_offline_decode_flags_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,6 +120,200 @@ def test_offline_decode_flags_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         )
     args = bench.parse_args(["--decode-batch", "1", "64", "256", "--max-running", "256"])
     assert args.decode_batch == [1, 64, 256] and args.device == "cpu"
+    assert args.peers == ["vllm", "hf"] and args.quantization is None
+    assert bench.parse_args(["--peers"]).peers == []  # shoal alone
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--peers", "sglang"])
+
+
+# ---- the vLLM peer, against a fake vllm package ---------------------------------------------
+
+FAKE_VLLM = {
+    "__init__.py": """
+        import json, os, sys, time
+        __version__ = "0.0fake"
+
+        class SamplingParams:
+            def __init__(self, **fields):
+                self.fields = fields
+
+        class _Output:
+            def __init__(self, n):
+                self.outputs = [type("Completion", (), {"token_ids": [7] * n})()]
+
+        class LLM:
+            def __init__(self, model, dtype, max_model_len):
+                if os.environ.get("FAKE_VLLM_FAIL"):
+                    raise RuntimeError("fake vLLM refuses to start")
+                self.record = {"model": model, "dtype": dtype, "max_model_len": max_model_len,
+                               "env_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                               "sys_path": sys.path, "cwd": os.getcwd(), "calls": []}
+
+            def generate(self, prompts, params, use_tqdm=True):
+                assert len(prompts) == len(params) and not use_tqdm
+                self.record["calls"].append([[p["prompt_token_ids"], s.fields]
+                                             for p, s in zip(prompts, params)])
+                with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
+                    json.dump(self.record, f)
+                time.sleep(0.01)
+                return [_Output(s.fields["max_tokens"]) for s in params]
+    """,
+    "inputs.py": """
+        def TokensPrompt(prompt_token_ids):
+            return {"prompt_token_ids": prompt_token_ids}
+    """,
+    "platforms.py": """
+        class current_platform:
+            device_type = "cpu"
+    """,
+    "entrypoints/__init__.py": "",
+    "entrypoints/openai/__init__.py": "",
+    "entrypoints/openai/api_server.py": """
+        # A stand-in for vLLM's OpenAI server: /v1/models, streaming /v1/completions that
+        # sends max_tokens chunks and a usage chunk when asked with ignore_eos and min_tokens.
+        import argparse, json, os
+        from aiohttp import web
+
+        parser = argparse.ArgumentParser()
+        for flag in ("--model", "--dtype", "--max-model-len", "--host", "--port"):
+            parser.add_argument(flag)
+        args = parser.parse_args()
+        with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
+            json.dump({"argv": vars(args), "cwd": os.getcwd(),
+                       "env_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}, f)
+
+        async def models(request):
+            return web.json_response({"data": [{"id": args.model}]})
+
+        def event(data):
+            return b"data: " + json.dumps(data).encode() + b"\\n\\n"
+
+        async def completions(request):
+            body = await request.json()
+            n = body["max_tokens"]
+            if not (body.get("ignore_eos") and body.get("min_tokens") == n and body["stream"]):
+                return web.json_response({"error": "asked not as serving.py asks"}, status=400)
+            response = web.StreamResponse()
+            await response.prepare(request)
+            for i in range(n):
+                choice = {"text": " w", "finish_reason": "length" if i == n - 1 else None}
+                await response.write(event({"choices": [choice]}))
+            await response.write(event({"choices": [], "usage": {"completion_tokens": n}}))
+            await response.write(b"data: [DONE]\\n\\n")
+            return response
+
+        app = web.Application()
+        app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions)])
+        web.run_app(app, host=args.host, port=int(args.port), print=None)
+    """,
+}
+
+
+def fake_vllm(root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fake `vllm` package under root, importable by subprocesses (PYTHONPATH); the file
+    each fake writes what it was given to (FAKE_VLLM_RECORD)."""
+    for name, text in FAKE_VLLM.items():
+        path = root / "vllm" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    record = root / "record.json"
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "SHOAL_BENCH_VLLM_PYTHON"):
+        monkeypatch.delenv(name, raising=False)
+    return record
+
+
+def test_offline_measures_vllm_through_its_worker(
+    tiny_folder: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    record = fake_vllm(tmp_path, monkeypatch)
+    bench = load_bench("offline", monkeypatch)
+    out = tmp_path / "offline.jsonl"
+    argv = ["--model", str(tiny_folder), "--smoke", "--peers", "vllm", "--out", str(out)]
+    assert bench.main([*argv, "--vllm-python", sys.executable]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    runs = [fields(line) for line in lines if line.startswith("offline system=")]
+    assert [r["system"] for r in runs] == ["shoal", "vllm"]
+    shoal, vllm = runs
+    assert vllm["output_tokens"] == shoal["output_tokens"] and vllm["requests"] == "4"
+    assert vllm["setup"] == "cpu-float32-vllm0.0fake" and float(vllm["setup_s"]) >= 0
+    summary = fields(next(line for line in lines if line.startswith("offline summary")))
+    assert list(summary) == ["shoal_over_vllm", "machine"]
+    ratio = float(shoal["tok_per_s"]) / float(vllm["tok_per_s"])
+    assert float(summary["shoal_over_vllm"]) == pytest.approx(ratio, rel=0.02)
+    assert [json.loads(t)["system"] for t in out.read_text().splitlines()] == ["shoal", "vllm"]
+
+    # What the worker asked of vLLM: the warm-up, then shoal's prompts, each exactly its length.
+    seen = json.loads(record.read_text())
+    assert seen["model"] == str(tiny_folder) and seen["dtype"] == "float32"
+    assert seen["env_bind"] == f"0-{torch.get_num_threads() - 1}"
+    assert str(BENCH) not in seen["sys_path"] and seen["cwd"] == tempfile.gettempdir()
+    warm_up, timed = seen["calls"]
+    assert [p for p, _ in warm_up] == [bench.WARM_UP_PROMPT]
+    vocab = json.loads((tiny_folder / "config.json").read_text())["vocab_size"]
+    work = bench.workload(4, vocab, 0, (4, 8), (2, 4))  # --smoke's, as shoal got them
+    for (prompt, params), (ids, n) in zip(timed, work, strict=True):
+        assert prompt == ids
+        assert params == {"min_tokens": n, "max_tokens": n, "ignore_eos": True, "temperature": 0.0}
+    assert sum(params["max_tokens"] for _, params in timed) == int(vllm["output_tokens"])
+
+
+def test_offline_skips_vllm_it_cannot_run(
+    tiny_folder: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bench = load_bench("offline", monkeypatch)
+    argv = ["--model", str(tiny_folder), "--smoke", "--peers", "vllm"]
+    assert bench.main([*argv, "--vllm-python", str(tmp_path / "no-python")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("offline system=shoal ")
+    assert lines[1].startswith("offline system=vllm skipped reason=")
+    assert "no-python does not run" in lines[1] and "--vllm-python" in lines[1]
+    assert len(lines) == 2  # no summary: nothing to compare with
+
+    fake_vllm(tmp_path, monkeypatch)  # a vLLM that fails to start: skipped, its output on stderr
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    assert bench.main([*argv, "--vllm-python", sys.executable]) == 0
+    captured = capsys.readouterr()
+    skipped = captured.out.splitlines()[1]
+    assert skipped.startswith("offline system=vllm skipped reason=the vLLM worker exited with 1")
+    assert "fake vLLM refuses to start" in captured.err
+
+
+def test_vllm_python_is_found_or_explained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    peer = load_bench("vllm_peer", monkeypatch)
+    monkeypatch.delenv("SHOAL_BENCH_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    if importlib.util.find_spec("vllm") is None:  # shoal's environment has no vLLM
+        python, reason = peer.find_python(None)
+        assert python is None and "SHOAL_BENCH_VLLM_PYTHON" in reason
+    python, reason = peer.find_python(sys.executable)  # a Python without vllm
+    assert python is None and reason == f"{sys.executable} cannot import vllm (from --vllm-python)"
+    fake_vllm(tmp_path, monkeypatch)
+    monkeypatch.setenv("SHOAL_BENCH_VLLM_PYTHON", sys.executable)
+    assert peer.find_python(None) == (sys.executable, "")
+    assert peer.find_python(str(tmp_path / "none"))[0] is None  # the flag wins over the variable
+
+    env = peer.vllm_env(4, sys.executable, {"HF_HUB_OFFLINE": "0"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3" and env["HF_HUB_OFFLINE"] == "0"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and "LD_PRELOAD" not in env
+    venv = tmp_path / "venv"  # an environment with Intel's OpenMP: preloaded, as vLLM asks
+    (venv / "lib").mkdir(parents=True)
+    (venv / "lib" / "libiomp5.so").touch()
+    env = peer.vllm_env(2, str(venv / "bin" / "python"), {})
+    assert env["LD_PRELOAD"] == str(venv / "lib" / "libiomp5.so")
+    assert peer.vllm_env(2, str(venv / "bin" / "python"), {"LD_PRELOAD": ""})["LD_PRELOAD"] == ""
+
+    line = 'vllm_offline_result {"tokens": 9, "seconds": 1.5, "setup_s": 120.0, "setup": "x"}'
+    assert peer.parse_result(line) == peer.OfflineResult(9, 1.5, 120.0, "x")
+    assert peer.parse_result("INFO engine ready") is None
 
 
 SMOLLM2_135M = {  # its config.json, the fields the roofline reads
