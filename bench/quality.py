@@ -1,0 +1,151 @@
+"""Quality of a linear kind against float32: teacher-forced top-1 agreement and perplexity on a
+fixed English text (bench/quality_text.txt, 2,714 tokens), bundled SmolLM2, CPU.
+
+    python bench/quality.py                       # int8 against packed float32, the whole text
+    python bench/quality.py --linear packed       # packed against dense float32 (~1 expected)
+    python bench/quality.py --tokens 512          # the first 512 tokens only
+
+The text is cut into windows of --window tokens, each run from position 0 on an empty KV cache,
+fed to `LlamaModel.forward` --chunk tokens at a time (as the engine prefills); every position
+but a window's last predicts the next token. Both models see exactly the same tokens.
+
+Prints one line:
+    quality linear=<kind> baseline=<kind> tokens=<n> predictions=<n> top1_agreement=<x>
+            ppl=<x> baseline_ppl=<x> ppl_ratio=<x> seconds=<s> baseline_seconds=<s>
+            verdict=<pass|fail> machine=<desc>
+verdict: pass when top1_agreement >= 0.97 and ppl within 3% of the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shoal.kernels.attention import TorchAttention
+from shoal.kernels.batch import BatchShape
+from shoal.kernels.linear import LinearKind
+from shoal.kernels.loader import LoadedModel, load_model
+from shoal.kernels.model import KVPool, LlamaModel
+
+TEXT = Path(__file__).resolve().parent / "quality_text.txt"
+PAGE_SIZE = 16
+MIN_AGREEMENT = 0.97
+PPL_TOLERANCE = 0.03  # |ppl / baseline_ppl - 1|
+KINDS = ["int8", "packed", "dense"]
+
+
+def machine() -> str:
+    threads = torch.get_num_threads()
+    return f"{platform.machine()}-{os.cpu_count()}cpu-torch{torch.__version__}-threads{threads}"
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Per predicted position: the model's argmax and the negative log-likelihood of the text."""
+
+    argmax: torch.Tensor  # [P] int64
+    nll: torch.Tensor  # [P] float64
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(float(self.nll.mean()))
+
+
+def text_ids(loaded: LoadedModel, max_tokens: int | None = None) -> list[int]:
+    ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    return list(ids[:max_tokens] if max_tokens else ids)
+
+
+def score(model: LlamaModel, ids: list[int], window: int, chunk: int) -> Scores:
+    """Teacher-forced argmax and NLL at every position that has a next token in its window."""
+    cpu = torch.device("cpu")
+    pool = KVPool(model.config, -(-window // PAGE_SIZE) * PAGE_SIZE, model.dtype, cpu)
+    page_table = torch.arange(pool.num_slots // PAGE_SIZE, dtype=torch.int64).unsqueeze(0)
+    attention = TorchAttention(PAGE_SIZE)
+    argmax, nll = [], []
+    began = time.perf_counter()
+    for start in range(0, len(ids), window):
+        tokens = torch.tensor(ids[start : start + window])
+        for prefix in range(0, len(tokens), chunk):
+            part = tokens[prefix : prefix + chunk]
+            shape = BatchShape(rows=(0,), prefix_lens=(prefix,), extend_lens=(len(part),))
+            meta = attention.prepare(page_table, shape)
+            positions = torch.arange(prefix, prefix + len(part))
+            logits = model.forward(part, positions, meta, pool, torch.arange(len(part)))
+            targets = tokens[prefix + 1 : prefix + 1 + len(part)]
+            logits = logits[: len(targets)]  # a window's last token predicts nothing
+            argmax.append(logits.argmax(-1))
+            logp = torch.log_softmax(logits.double(), -1)
+            nll.append(-logp.gather(1, targets.unsqueeze(1)).squeeze(1))
+    return Scores(torch.cat(argmax), torch.cat(nll), time.perf_counter() - began)
+
+
+def build(loaded: LoadedModel, kind: LinearKind) -> LlamaModel:
+    cpu = torch.device("cpu")
+    return LlamaModel(loaded.config, loaded.weights, torch.float32, cpu, kind)
+
+
+def compare(
+    loaded: LoadedModel,
+    kind: LinearKind,
+    baseline: LinearKind,
+    ids: list[int],
+    window: int,
+    chunk: int,
+) -> dict[str, object]:
+    """The quality line's fields: `kind` scored against `baseline` on the same tokens."""
+    base = score(build(loaded, baseline), ids, window, chunk)
+    test = score(build(loaded, kind), ids, window, chunk)
+    agreement = float((test.argmax == base.argmax).double().mean())
+    ratio = test.perplexity / base.perplexity
+    passed = agreement >= MIN_AGREEMENT and abs(ratio - 1) <= PPL_TOLERANCE
+    return {
+        "linear": kind,
+        "baseline": baseline,
+        "tokens": len(ids),
+        "predictions": len(base.argmax),
+        "top1_agreement": round(agreement, 4),
+        "ppl": round(test.perplexity, 3),
+        "baseline_ppl": round(base.perplexity, 3),
+        "ppl_ratio": round(ratio, 4),
+        "seconds": round(test.seconds, 2),
+        "baseline_seconds": round(base.seconds, 2),
+        "verdict": "pass" if passed else "fail",
+        "machine": machine(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--linear", default="int8", choices=KINDS)
+    parser.add_argument(
+        "--baseline", default=None, choices=KINDS, help="default: dense for packed, else packed"
+    )
+    parser.add_argument("--tokens", type=int, default=None, help="only the text's first n")
+    parser.add_argument("--window", type=int, default=1024, help="tokens per fresh context")
+    parser.add_argument("--chunk", type=int, default=512, help="tokens per forward call")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kind: LinearKind = args.linear
+    baseline: LinearKind = args.baseline or ("dense" if kind == "packed" else "packed")
+    loaded = load_model(None, progress=False)
+    window = min(args.window, loaded.config.max_position_embeddings)
+    ids = text_ids(loaded, args.tokens)
+    line = compare(loaded, kind, baseline, ids, window, args.chunk)
+    print("quality " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
+    return 0 if line["verdict"] == "pass" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
