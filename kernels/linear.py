@@ -4,8 +4,9 @@
     dense    DenseLinear    CUDA, and reference   F.linear on the weight as loaded
     packed   PackedLinear   CPU, float32          by row count: MKL's packed sgemm, oneDNN's
                                                   blocked layout, or F.linear (packed at load)
-    int8     (quant.py)     CPU, opt-in           int8 weights per output channel, activations
-                                                  quantized per call
+    int8     (quant.py)     CPU, opt-in           int8 weights per output channel (Hadamard-
+                                                  rotated), activations per row in two 7-bit
+                                                  passes of one fbgemm GEMM
 
 `Linear.load` takes a new weight of the same shape (a weight update): a dense linear copies it
 into the tensor it already holds (a captured CUDA graph keeps reading that tensor); a packed one
