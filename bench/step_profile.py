@@ -41,6 +41,10 @@ BUCKETS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
+PAGE_SIZE = 16
+POOL_PAGES = 2048  # 32768 tokens, the engine's default pool
+
+
 def bucket_of(op_name: str) -> str:
     name = op_name.split("::")[-1]
     for bucket, names in BUCKETS.items():
@@ -58,8 +62,10 @@ def build(kind: str | None) -> tuple[Any, Any, Any]:
     cpu = torch.device("cpu")
     extra = () if kind is None else (kind,)
     model = LlamaModel(loaded.config, loaded.weights, torch.float32, cpu, *extra)
-    pool = KVPool(loaded.config, 8192 * 16, torch.float32, cpu)
-    return model, pool, TorchAttention(16)
+    pool = KVPool(loaded.config, POOL_PAGES * PAGE_SIZE, torch.float32, cpu)
+    for layer in (*pool.k, *pool.v):  # touched: untouched zero pages would read unrealistically
+        layer.normal_()
+    return model, pool, TorchAttention(PAGE_SIZE)
 
 
 def profile_step(
@@ -71,7 +77,7 @@ def profile_step(
     pages_per_row = -(-(context + 1) // page_size)
     gen = torch.Generator().manual_seed(0)
     # Every row gets its own random pages, as a busy cache would give them.
-    page_ids = torch.randperm(8192, generator=gen)[: batch * pages_per_row]
+    page_ids = torch.randperm(POOL_PAGES, generator=gen)[: batch * pages_per_row]
     page_table = page_ids.view(batch, pages_per_row)
     shape = BatchShape(tuple(range(batch)), (context,) * batch, (1,) * batch)
     ids = torch.randint(100, 1000, (batch,), generator=gen)

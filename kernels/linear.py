@@ -54,15 +54,16 @@ class DenseLinear:
 
 class PackedLinear:
     """float32 on the CPU, the weight kept in three forms, each used where it measured fastest
-    on a 2-core AVX2 EPYC (bench/README.md has the figures):
+    against F.linear on a 2-core AVX2 EPYC with one thread (bench/README.md):
 
-        rows     form                          against F.linear
+        rows     form                          one thread, against F.linear
         1        MKL's packed sgemm            SmolLM2's lm_head in about half the time
         2-127    oneDNN's blocked layout       1.2-1.8x faster at 4-64 rows
         128+     the plain weight (F.linear)   MKL's large-matrix sgemm, 10-15% ahead of oneDNN
 
-    Three copies of every projection: memory traded for speed, as suits the small models a
-    CPU serves."""
+    With two threads the gains shrink (the lm_head at 16 rows 1.2x, the layers' projections
+    within 10%): a decode step is mostly bound by reading the weights. Three copies of every
+    projection: memory traded for speed, as suits the small models a CPU serves."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = int(weight.shape[0])
