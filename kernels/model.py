@@ -164,8 +164,10 @@ class LlamaModel:
             old.copy_(new)
         fresh = linear_weights(self.config, weights)
         for linear, (weight, bias) in zip(own.linears(), fresh, strict=True):
-            cast = weight.to(device=self.device, dtype=self.dtype)
-            linear.load(cast, None if bias is None else bias.to(self.device, self.dtype))
+            # Copies: a packed linear keeps the tensor it is given, never the caller's.
+            cast = weight.to(device=self.device, dtype=self.dtype, copy=True)
+            own_bias = None if bias is None else bias.to(self.device, self.dtype, copy=True)
+            linear.load(cast, own_bias)
 
     @torch.inference_mode()
     def forward(

@@ -1,11 +1,14 @@
-"""The forward's element-wise shortcuts give the same bits as the formulas they replace."""
+"""The forward's element-wise shortcuts give the same bits as the formulas they replace, and
+its weights stay its own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shoal.kernels.model import rms_norm
+from shoal.kernels.linear import LinearKind
+from shoal.kernels.loader import LoadedModel
+from shoal.kernels.model import LlamaModel, rms_norm
 from shoal.kernels.rope import apply_rope
 
 
@@ -33,3 +36,31 @@ def test_rotating_q_and_k_together_equals_rotating_each() -> None:
     together = apply_rope(qk, cos, sin)
     assert torch.equal(together[:, :heads], apply_rope(qk[:, :heads], cos, sin))
     assert torch.equal(together[:, heads:], apply_rope(qk[:, heads:], cos, sin))
+
+
+@pytest.mark.parametrize("kind", ["dense", "packed"])
+def test_a_weight_update_never_keeps_the_callers_tensors(
+    tiny_model: LoadedModel, kind: LinearKind
+) -> None:
+    """After `load`, the caller may change its tensors in place (a trainer's step): the model
+    reads its own copies, in every linear kind and at every row count."""
+    cpu = torch.device("cpu")
+    config = tiny_model.config
+    model = LlamaModel(config, tiny_model.weights, torch.float32, cpu, kind)
+    update = {name: tensor * 1.5 for name, tensor in tiny_model.weights.items()}
+    model.load(update)
+    hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
+    widths = [hidden] + [hidden, q_size, hidden, config.intermediate_size] * config.num_layers
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(200, width, generator=gen) for width in widths]
+    linears = model.weights.linears()
+
+    def outputs() -> list[torch.Tensor]:
+        return [f(x[:rows]) for f, x in zip(linears, inputs, strict=True) for rows in (1, 5, 200)]
+
+    before = outputs()
+    for tensor in update.values():
+        tensor.mul_(-3.0)
+    after = outputs()
+    for b, a in zip(before, after, strict=True):
+        assert torch.equal(b, a)
