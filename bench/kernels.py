@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from offline import machine
+from bench_format import machine
 
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import Attention, BatchShape

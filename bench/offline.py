@@ -38,83 +38,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from bench_format import (
+    WARM_UP_PROMPT,
+    Setup,
+    dtype_name,
+    emit,
+    machine,
+    report,
+    workload,
+)
+from hf_peer import compare_hf
 from roofline import DecodePlan, decode_line, hbm_gbps_for, measure_decode
 from tqdm import tqdm
 from vllm_peer import OfflineJob, find_python, run_offline
 
-WARM_UP_PROMPT = list(range(100, 116))
 PEERS = ("vllm", "hf")
-
-
-def machine() -> str:
-    threads = torch.get_num_threads()
-    desc = f"{platform.machine()}-{os.cpu_count()}cpu-torch{torch.__version__}-threads{threads}"
-    if torch.cuda.is_available():
-        desc = torch.cuda.get_device_name().replace(" ", "_") + "-" + desc
-    return desc
-
-
-def workload(
-    n: int, vocab: int, seed: int, prompt: tuple[int, int], output: tuple[int, int]
-) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [
-        ([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output))
-        for _ in range(n)
-    ]
-
-
-def emit(kind: str, line: dict[str, Any], out: Path | None) -> None:
-    print(f"{kind} " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
-    if out is not None:
-        with out.open("a") as f:
-            f.write(json.dumps(line) + "\n")
-
-
-@dataclass(frozen=True)
-class Setup:
-    """How a system was set up: its description, and the seconds that took (not timed)."""
-
-    desc: str
-    seconds: float
-
-
-def report(
-    system: str, n: int, tokens: int, seconds: float, setup: Setup, desc: str, out: Path | None
-) -> float:
-    line = {
-        "system": system,
-        "requests": n,
-        "output_tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tok_per_s": round(tokens / seconds, 2),
-        "setup_s": round(setup.seconds, 1),
-        "setup": setup.desc,
-        "machine": desc,
-    }
-    emit("offline", line, out)
-    return tokens / seconds
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the GPU's queued work, so that a clock read after it counts all of it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---- shoal ---------------------------------------------------------------------------------
@@ -216,68 +161,6 @@ def compare_vllm(
         print(f"# vllm produced {result.tokens} of {asked} tokens", file=sys.stderr, flush=True)
     setup = Setup(result.setup, result.setup_s)
     return report("vllm", len(work), result.tokens, result.seconds, setup, desc, out)
-
-
-# ---- transformers generate -----------------------------------------------------------------
-
-
-def run_hf(
-    model: Any, work: list[tuple[list[int], int]], batch_size: int, device: torch.device
-) -> tuple[int, float]:
-    tokens = 0
-    sync(device)
-    began = time.perf_counter()
-    starts = range(0, len(work), batch_size)
-    for start in tqdm(starts, desc=f"generate x{batch_size}", disable=len(work) < 8):
-        chunk = work[start : start + batch_size]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=device)
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device
-        )
-        max_new = max(m for _, m in chunk)
-        with torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        tokens += sum(m for _, m in chunk)  # tokens each request asked for (the rest is waste)
-    sync(device)
-    return tokens, time.perf_counter() - began
-
-
-def compare_hf(
-    loaded: Any,
-    work: list[tuple[list[int], int]],
-    batches: list[int],
-    solo: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    desc: str,
-    out: Path | None,
-) -> tuple[list[float], float | None]:
-    """generate's tok/s at each batch size, and one at a time (None if not asked for)."""
-    from transformers import AutoModelForCausalLM
-
-    began = time.perf_counter()
-    model: Any = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype)
-    model = model.to(device).eval()
-    setup = Setup(f"{device.type}-{dtype_name(dtype)}-hf", time.perf_counter() - began)
-    run_hf(model, [(WARM_UP_PROMPT, 2)], 1, device)  # CUDA context, kernels, allocator
-    batched = []
-    for size in batches:
-        tokens, seconds = run_hf(model, work, size, device)
-        name = f"hf-generate-batch{size}"
-        batched.append(report(name, len(work), tokens, seconds, setup, desc, out))
-    one_at_a_time = None
-    if solo:
-        tokens, seconds = run_hf(model, work[:solo], 1, device)
-        one_at_a_time = report("hf-generate-solo", solo, tokens, seconds, setup, desc, out)
-    return batched, one_at_a_time
 
 
 # ---- command line --------------------------------------------------------------------------

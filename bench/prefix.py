@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offline import machine
+from bench_format import machine
 
 
 def workload(

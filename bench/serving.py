@@ -45,8 +45,8 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from bench_format import machine
 from launch import SYSTEMS, LaunchConfig, eos_ids_of, launch, missing
-from offline import machine
 from tqdm import tqdm
 
 _WORD_TEXT = (

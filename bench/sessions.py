@@ -31,7 +31,7 @@ import time
 from statistics import mean
 from typing import Any
 
-from offline import machine
+from bench_format import machine
 
 
 class Engines:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from offline import emit, machine
+from bench_format import emit, machine
 
 BUCKETS: dict[str, tuple[str, ...]] = {
     "matmul": ("mm", "addmm", "linear", "matmul", "_mkl_linear", "_linear_pointwise", "bmm"),

@@ -1,0 +1,76 @@
+"""What every benchmark shares: the machine's name, the fixed `key=value` lines (also appended
+as JSON to `--out`), and the offline runs' one-line report."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WARM_UP_PROMPT = list(range(100, 116))
+
+
+def machine() -> str:
+    threads = torch.get_num_threads()
+    desc = f"{platform.machine()}-{os.cpu_count()}cpu-torch{torch.__version__}-threads{threads}"
+    if torch.cuda.is_available():
+        desc = torch.cuda.get_device_name().replace(" ", "_") + "-" + desc
+    return desc
+
+
+def workload(
+    n: int, vocab: int, seed: int, prompt: tuple[int, int], output: tuple[int, int]
+) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output))
+        for _ in range(n)
+    ]
+
+
+def emit(kind: str, line: dict[str, Any], out: Path | None) -> None:
+    print(f"{kind} " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a system was set up: its description, and the seconds that took (not timed)."""
+
+    desc: str
+    seconds: float
+
+
+def report(
+    system: str, n: int, tokens: int, seconds: float, setup: Setup, desc: str, out: Path | None
+) -> float:
+    line = {
+        "system": system,
+        "requests": n,
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tok_per_s": round(tokens / seconds, 2),
+        "setup_s": round(setup.seconds, 1),
+        "setup": setup.desc,
+        "machine": desc,
+    }
+    emit("offline", line, out)
+    return tokens / seconds
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a clock read after it counts all of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
