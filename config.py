@@ -30,7 +30,7 @@ class EngineOptions:
     context_length: int | None = None
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # CUDA when available
-    attention: str = "auto"  # triton on CUDA, torch on CPU
+    attention: str = "auto"  # triton on CUDA; on CPU the compiled decode kernel (float32)
     quantization: str | None = None  # "int8": int8 weights, dynamic activations (CPU)
     cuda_graph_max_batch: int = 128  # decode batches up to this replay CUDA graphs; 0 = off
     num_threads: int | None = None
@@ -71,13 +71,17 @@ class EngineOptions:
             raise ValueError(f"dtype must be one of {choices}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
-        if self.attention not in ("torch", "triton", "auto"):
-            raise ValueError(f"attention must be torch, triton or auto, got {self.attention!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
+            )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
 
 
 QUANTIZATIONS = (None, "int8")
+
+ATTENTIONS = ("auto", "torch", "triton", "cpu")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,7 +102,7 @@ class Resolved:
     context_length: int
     dtype: torch.dtype
     device: torch.device
-    attention: str  # "torch" | "triton"
+    attention: str  # "torch" | "triton" | "cpu"
     cuda_graph_max_batch: int  # 0 = no graphs (always 0 off CUDA or without Triton)
     linear_kind: LinearKind  # how the forward multiplies by weights (kernels/linear.py)
 
@@ -113,7 +117,7 @@ def resolve(options: EngineOptions, model_context: int) -> Resolved:
     if context < 2:
         raise ValueError("kv_cache_tokens is too small for even one request")
     device, dtype = resolve_device(options)
-    attention = resolve_attention(options, device)
+    attention = resolve_attention(options, device, dtype)
     graphs = 0
     if device.type == "cuda" and attention == "triton":
         graphs = min(options.cuda_graph_max_batch, options.max_running_requests)
@@ -145,14 +149,22 @@ def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
     return torch.device(name), DTYPES[dtype_name]
 
 
-def resolve_attention(options: EngineOptions, device: torch.device) -> str:
+def resolve_attention(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> str:
     """auto: the Triton kernels on CUDA (when triton is installed; torch's CUDA wheels bring
-    it), the torch reference elsewhere. Triton on CPU runs only under its interpreter
-    (TRITON_INTERPRET=1: correct and slow, for tests)."""
+    it); on the CPU in float32 the compiled decode kernel ("cpu", kernels/cpu_attention.py;
+    built on first use, and the torch reference if it cannot be built); else the torch
+    reference. Triton on CPU runs only under its interpreter (TRITON_INTERPRET=1: correct and
+    slow, for tests)."""
     has_triton = importlib.util.find_spec("triton") is not None
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32
     choice = options.attention
     if choice == "auto":
-        choice = "triton" if device.type == "cuda" and has_triton else "torch"
+        if device.type == "cuda" and has_triton:
+            choice = "triton"
+        else:
+            choice = "cpu" if cpu_float32 else "torch"
+    if choice == "cpu" and not cpu_float32:
+        raise ValueError("attention cpu runs on the CPU in float32 only")
     if choice == "triton":
         if not has_triton:
             raise ValueError("attention triton needs the triton package: pip install triton")

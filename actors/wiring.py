@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 from shoal.actors.cache_manager import CacheManager
 from shoal.actors.device_state import DeviceState
@@ -36,6 +37,7 @@ from shoal.cache.kv import KVCache
 from shoal.config import EngineOptions, Resolved
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import AttentionBackend
+from shoal.kernels.cpu_attention import KernelUnavailable, load_decode_kernel
 from shoal.kernels.loader import LoadedModel
 from shoal.kernels.model import KVPool, LlamaModel
 
@@ -89,11 +91,22 @@ class Actors:
         on_death(reason)
 
 
-def attention_backend(name: str, page_size: int, num_kv_heads: int) -> AttentionBackend:
+def attention_backend(
+    name: str, page_size: int, num_kv_heads: int, cache_dir: Path, asked: str
+) -> AttentionBackend:
+    """The resolved backend. "cpu" builds its kernel on first use; when it cannot be built, an
+    explicit `attention="cpu"` fails the start and "auto" falls back to the torch reference."""
     if name == "triton":
         from shoal.kernels.triton_attention import TritonAttention  # needs the triton package
 
         return TritonAttention(page_size, num_kv_heads)
+    if name == "cpu":
+        try:
+            return TorchAttention(page_size, load_decode_kernel(cache_dir))
+        except KernelUnavailable as error:
+            if asked == "cpu":
+                raise ValueError(f"attention cpu: {error}") from error
+            log.warning("%s; decodes use the torch reference (gather and SDPA)", error)
     return TorchAttention(page_size)
 
 
@@ -101,6 +114,7 @@ def start_actors(
     loaded: LoadedModel,
     options: EngineOptions,
     resolved: Resolved,
+    attention: AttentionBackend,
     on_death: Callable[[str], None],
     faults: FaultInjector | None = None,
 ) -> Actors:
@@ -124,7 +138,7 @@ def start_actors(
     device_state = DeviceState(
         model,
         pool,
-        attention_backend(resolved.attention, layout.page_size, config.num_kv_heads),
+        attention,
         layout.num_rows,
         layout.max_pages_per_row,
         layout.page_size,

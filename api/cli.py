@@ -57,8 +57,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention",
         default=defaults.attention,
-        choices=["auto", "torch", "triton"],
-        help="auto: the Triton kernels on CUDA, the torch reference on CPU",
+        choices=["auto", "torch", "triton", "cpu"],
+        help="auto: the Triton kernels on CUDA; on the CPU in float32 the compiled decode "
+        "kernel (cpu, built on first use), else the torch reference",
     )
     parser.add_argument(
         "--cuda-graph-max-batch",

@@ -35,11 +35,11 @@ from shoal.actors.messages import (
     UpdateWeights,
 )
 from shoal.actors.supervise import FaultInjector
-from shoal.actors.wiring import Actors, start_actors
+from shoal.actors.wiring import Actors, attention_backend, start_actors
 from shoal.api.session import Session
 from shoal.api.stream import EngineDeadError, InternalError, RequestError, RequestStream
 from shoal.config import EngineOptions, Resolved, resolve, resolve_device
-from shoal.kernels.loader import LoadedModel, load_model
+from shoal.kernels.loader import LoadedModel, default_cache_dir, load_model
 from shoal.limits import check_prompt_size
 from shoal.params import SamplingParams
 
@@ -67,6 +67,7 @@ class Engine:
         self._ids = itertools.count()
         self.loaded: LoadedModel | None = None
         self.resolved: Resolved | None = None
+        self.attention = ""  # the attention backend in use once started: torch, triton or cpu
         self.dead_reason: str | None = None
         self.startup_s = 0.0
         self.faults = FaultInjector()  # tests arm it to fail one message (actors/supervise.py)
@@ -84,8 +85,17 @@ class Engine:
             loaded = await asyncio.to_thread(load_model, self._model, dtype=dtype)
         self.loaded = loaded
         self.resolved = resolve(self.options, loaded.config.max_position_embeddings)
+        attention = await asyncio.to_thread(  # the CPU kernel may compile, off the loop
+            attention_backend,
+            self.resolved.attention,
+            self.resolved.cache.page_size,
+            loaded.config.num_kv_heads,
+            default_cache_dir(),
+            self.options.attention,
+        )
+        self.attention = attention.name
         self._actors = start_actors(
-            loaded, self.options, self.resolved, self._on_death, self.faults
+            loaded, self.options, self.resolved, attention, self._on_death, self.faults
         )
         if loaded is not self._model:
             loaded.weights.clear()  # the model holds its own copies; a caller's stay whole

@@ -68,7 +68,7 @@ PEERS = ("vllm", "hf")
 def engine_setup(engine: Any) -> str:
     r = engine.resolved
     return (
-        f"{r.device.type}-{dtype_name(r.dtype)}-{r.attention}"
+        f"{r.device.type}-{dtype_name(r.dtype)}-{engine.attention}"
         f"-graphs{r.cuda_graph_max_batch}-inflight{engine.options.max_inflight}-{r.linear_kind}"
     )
 

@@ -2,25 +2,29 @@
 
     python bench/step_profile.py                      # batch 1 and 16, context 256
     python bench/step_profile.py --batch 1 4 16 64 --context 512 --linear dense packed
+    python bench/step_profile.py --attention torch cpu  # gather + SDPA against the C++ kernel
 
 Runs the model forward directly (no actors): B sequences of `--context` cached tokens each
 decode one token, with the step's attention metadata built as the executor builds it, then
 greedy sampling (argmax). Each op torch's profiler sees is put in a bucket (matmul, attention, KV
 gather/store, element-wise, other); `metadata` and `sample` are timed around their calls.
-One line per (linear kind, batch):
+One line per (linear kind, attention, batch):
 
-    step linear=<kind> batch=<B> context=<n> step_ms=<x> metadata_ms=<x> sample_ms=<x>
-         matmul_ms=<x> attention_ms=<x> kv_ms=<x> elementwise_ms=<x> other_ms=<x> machine=<desc>
+    step linear=<kind> attention=<torch|cpu> batch=<B> context=<n> step_ms=<x> metadata_ms=<x>
+         sample_ms=<x> matmul_ms=<x> attention_ms=<x> kv_ms=<x> elementwise_ms=<x> other_ms=<x>
+         machine=<desc>
 
 The buckets are the profiler's self-CPU times over the profiled steps, divided by the
 number of steps; step_ms is the wall time of an unprofiled step (the median of `--steps`).
 Works on any revision whose LlamaModel takes (config, weights, dtype, device) — the linear
-kind is passed only when asked for — so the same script gives "before" and "after".
+kind is passed only when asked for, and the attention is the torch reference unless `--attention
+cpu` is asked for — so the same script gives "before" and "after".
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections import defaultdict
@@ -32,7 +36,10 @@ from bench_format import emit, machine
 
 BUCKETS: dict[str, tuple[str, ...]] = {
     "matmul": ("mm", "addmm", "linear", "matmul", "_mkl_linear", "_linear_pointwise", "bmm"),
-    "attention": ("_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention"),
+    "attention": (
+        "_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention",
+        "paged_decode",
+    ),
     "kv": ("index_select", "index_copy", "index_put", "_index_put_impl_", "gather"),
     "elementwise": (
         "mul", "add", "sub", "neg", "cat", "silu", "rsqrt", "pow", "mean", "div", "where",
@@ -53,7 +60,7 @@ def bucket_of(op_name: str) -> str:
     return "other"
 
 
-def build(kind: str | None) -> tuple[Any, Any, Any]:
+def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
     from shoal.kernels.attention import TorchAttention
     from shoal.kernels.loader import load_model
     from shoal.kernels.model import KVPool, LlamaModel
@@ -65,6 +72,11 @@ def build(kind: str | None) -> tuple[Any, Any, Any]:
     pool = KVPool(loaded.config, POOL_PAGES * PAGE_SIZE, torch.float32, cpu)
     for layer in (*pool.k, *pool.v):  # touched: untouched zero pages would read unrealistically
         layer.normal_()
+    if attention == "cpu":
+        from shoal.kernels.cpu_attention import load_decode_kernel
+        from shoal.kernels.loader import default_cache_dir
+
+        return model, pool, TorchAttention(PAGE_SIZE, load_decode_kernel(default_cache_dir()))
     return model, pool, TorchAttention(PAGE_SIZE)
 
 
@@ -132,15 +144,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--linear", nargs="+", default=None, help="linear kinds (default: the model's own)"
     )
+    parser.add_argument(
+        "--attention", nargs="+", default=["torch"], choices=["torch", "cpu"],
+        help="decode attention: torch (gather + SDPA) or cpu (the compiled kernel)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     desc = machine()
-    for kind in args.linear or [None]:
-        model, pool, backend = build(kind)
+    for kind, attention in itertools.product(args.linear or [None], args.attention):
+        model, pool, backend = build(kind, attention)
         for batch in args.batch:
             result = profile_step(model, pool, backend, batch, args.context, args.steps)
-            line = {"linear": kind or "default", "batch": batch, "context": args.context}
+            line = {"linear": kind or "default", "attention": attention, "batch": batch}
+            line["context"] = args.context
             line |= {k: round(v, 2) for k, v in result.items()}
             emit("step", line | {"machine": desc}, None)
 

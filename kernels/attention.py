@@ -10,6 +10,10 @@ A forward step carries a ragged batch of sequences. Sequence i contributes
 `seq_lens[i] = prefix_lens[i] + extend_lens[i]` tokens of its row (the cached prefix
 read from pages, the new tokens causally). A decode step is the case extend_len == 1.
 New K/V are stored first, so attention reads everything from the pages.
+
+Decodes go one of two ways: with a compiled kernel (cpu_attention.py, the CPU default) all of a
+step's decodes are one call that reads the pages in place; without one they are gathered page by
+page into padded length groups and attended with SDPA. Multi-token chunks always take SDPA.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.kernels.batch import BatchShape
+from shoal.kernels.cpu_attention import DecodeKernel
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,16 @@ class DecodePages:
     token_index: torch.Tensor  # [B_dec] which of the T tokens each decode is
     page_ids: torch.Tensor  # [B_dec, P_max] each sequence's pages (past its last: any page)
     key_mask: torch.Tensor  # [B_dec, 1, 1, P_max * page_size] bool: key is one of its tokens
+
+
+@dataclass(frozen=True)
+class KernelDecodes:
+    """All of a step's decode sequences, for a compiled kernel reading the pages in place."""
+
+    kernel: DecodeKernel
+    token_index: torch.Tensor  # [B_dec] int64: which of the T tokens each decode is
+    page_ids: torch.Tensor  # [B_dec, P_max] int64: each sequence's pages (past its last: any)
+    seq_lens: torch.Tensor  # [B_dec] int64
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class AttentionMetadata:
     page_size: int
     decodes: tuple[DecodePages, ...]
     extends: tuple[ExtendSeq, ...]
+    kernel_decodes: KernelDecodes | None = None  # set: `decodes` is empty
 
     @property
     def num_tokens(self) -> int:
@@ -67,17 +83,22 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """The reference backend: gathers each sequence's pages and calls SDPA (any device)."""
+    """The reference backend: gathers each sequence's pages and calls SDPA (any device); with
+    a decode kernel (the "cpu" backend), decodes go to the kernel instead."""
 
-    name = "torch"
-
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, decode_kernel: DecodeKernel | None = None) -> None:
         self.page_size = page_size
+        self.decode_kernel = decode_kernel
+        self.name = "torch" if decode_kernel is None else "cpu"
 
     def prepare(self, page_table: torch.Tensor, shape: BatchShape) -> AttentionMetadata:
         rows = torch.tensor(shape.rows, dtype=torch.int64, device=page_table.device)
         return build_metadata(
-            page_table[rows], list(shape.prefix_lens), list(shape.extend_lens), self.page_size
+            page_table[rows],
+            list(shape.prefix_lens),
+            list(shape.extend_lens),
+            self.page_size,
+            self.decode_kernel,
         )
 
 
@@ -86,6 +107,7 @@ def build_metadata(
     prefix_lens: list[int],
     extend_lens: list[int],
     page_size: int,
+    decode_kernel: DecodeKernel | None = None,
 ) -> AttentionMetadata:
     """page_table_rows: [B, max_pages] page ids of each sequence's row (host tensor).
 
@@ -104,6 +126,17 @@ def build_metadata(
     slot_mapping = pages[seq_of_token, positions // page_size] * page_size + positions % page_size
 
     decode_ids = [i for i, n in enumerate(extend_lens) if n == 1]
+    kernel_decodes = None
+    if decode_kernel is not None and decode_ids:
+        ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
+        max_pages = -(-max(seq_lens[i] for i in decode_ids) // page_size)
+        kernel_decodes = KernelDecodes(
+            kernel=decode_kernel,
+            token_index=first_token[ids],
+            page_ids=pages[ids, :max_pages].contiguous(),
+            seq_lens=torch.tensor([seq_lens[i] for i in decode_ids], device=device),
+        )
+        decode_ids = []
     decodes = []
     for group in length_groups(decode_ids, seq_lens, page_size):
         dec_lens = torch.tensor([seq_lens[i] for i in group], device=device)
@@ -130,7 +163,9 @@ def build_metadata(
             page_ids = pages[i, : -(-seq_len // page_size)]
             extends.append(ExtendSeq(token_start, n_new, seq_len, page_ids, mask))
         token_start += n_new
-    return AttentionMetadata(slot_mapping, page_size, tuple(decodes), tuple(extends))
+    return AttentionMetadata(
+        slot_mapping, page_size, tuple(decodes), tuple(extends), kernel_decodes
+    )
 
 
 # A decode group's padding (pages gathered beyond its sequences' own) may reach this share of
@@ -180,8 +215,14 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D] for the new tokens; returns [T, H, D]. K/V of new tokens already stored."""
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense even when q is a view
     page_size = meta.page_size
+    fused = meta.kernel_decodes
+    if fused is not None:
+        fused.kernel(
+            q, k_cache, v_cache, fused.page_ids, fused.seq_lens, fused.token_index,
+            page_size, scale, out,
+        )  # fmt: skip
     for dec in meta.decodes:
         qd = q[dec.token_index].unsqueeze(2)  # [B, H, 1, D]
         kd = gather_pages(k_cache, dec.page_ids, page_size).transpose(1, 2)  # [B, Hkv, L, D]

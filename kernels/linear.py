@@ -2,8 +2,8 @@
 
     kind     class          where                 what a call does
     dense    DenseLinear    CUDA, and reference   F.linear on the weight as loaded
-    packed   PackedLinear   CPU, float32          by row count: MKL's packed sgemm, oneDNN's
-                                                  blocked layout, or F.linear (packed at load)
+    packed   PackedLinear   CPU, float32          oneDNN's matmul on the weight in its blocked
+                                                  layout (packed at load)
     int8     (quant.py)     CPU, opt-in           int8 weights per output channel (Hadamard-
                                                   rotated), activations per row in two 7-bit
                                                   passes of one fbgemm GEMM
@@ -24,8 +24,7 @@ import torch.nn.functional as F
 LinearKind = Literal["dense", "packed", "int8"]
 
 # oneDNN's packing takes the expected number of rows as a hint; any number works at call time.
-_FEW_ROWS_HINT = 16
-_MANY_ROWS = 128
+_ROWS_HINT = 16
 
 
 class Linear(Protocol):
@@ -53,17 +52,13 @@ class DenseLinear:
 
 
 class PackedLinear:
-    """float32 on the CPU, the weight kept in three forms, each used where it measured fastest
-    against F.linear on a 2-core AVX2 EPYC with one thread (bench/README.md):
+    """float32 on the CPU: oneDNN's matmul on the weight reordered once into its blocked layout.
 
-        rows     form                          one thread, against F.linear
-        1        MKL's packed sgemm            SmolLM2's lm_head in about half the time
-        2-127    oneDNN's blocked layout       1.2-1.8x faster at 4-64 rows
-        128+     the plain weight (F.linear)   MKL's large-matrix sgemm, 10-15% ahead of oneDNN
-
-    With two threads the gains shrink (the lm_head at 16 rows 1.2x, the layers' projections
-    within 10%): a decode step is mostly bound by reading the weights. Three copies of every
-    projection: memory traded for speed, as suits the small models a CPU serves."""
+    Measured on a 2-core AVX2 EPYC with two threads, all of SmolLM2's projections in a row
+    (bench/README.md), it was the fastest of MKL's packed sgemm, `F.linear` and oneDNN at every
+    row count tried (1 to 512): at one row 1.25x MKL's packed form and 1.4x `F.linear`, at
+    16-64 rows 1.3-1.5x `F.linear`, at 128-512 rows 1.0-1.3x. One copy of each weight, in
+    oneDNN's layout only (the loaded tensor is not kept)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = int(weight.shape[0])
@@ -72,29 +67,16 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        num_rows = rows.shape[0]
-        if num_rows == 1:
-            y = torch.ops.mkl._mkl_linear(rows, self.one_row, self.weight, self.bias, 1)
-        elif num_rows < _MANY_ROWS:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.few_rows, self.bias, "none", [], "")
-        else:
-            y = F.linear(rows, self.weight, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return y.view(*shape[:-1], self.out_features)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight.contiguous()
         self.bias = None if bias is None else bias.contiguous()
-        self.one_row = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
-        self.few_rows = torch.ops.mkldnn._reorder_linear_weight(self.weight, _FEW_ROWS_HINT)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _ROWS_HINT)
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and torch.backends.mkldnn.is_available()
-    )
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 def make_linear(kind: LinearKind, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:

@@ -28,7 +28,11 @@ def test_bad_options_name_the_field(options: dict[str, object], field: str) -> N
 def test_auto_on_a_machine_without_cuda() -> None:
     resolved = resolve(EngineOptions(), model_context=8192)
     assert resolved.device == torch.device("cpu") and resolved.dtype == torch.float32
-    assert resolved.attention == "torch" and resolved.cuda_graph_max_batch == 0
+    assert resolved.attention == "cpu" and resolved.cuda_graph_max_batch == 0  # the C++ kernel
+    bf16 = resolve(EngineOptions(dtype="bfloat16"), model_context=8192)
+    assert bf16.attention == "torch"  # the kernel is float32 only
+    with pytest.raises(ValueError, match="float32 only"):
+        resolve(EngineOptions(dtype="bfloat16", attention="cpu"), model_context=8192)
     with pytest.raises(ValueError, match="no CUDA device"):
         resolve(EngineOptions(device="cuda"), model_context=8192)
 
