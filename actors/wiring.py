@@ -37,7 +37,8 @@ from shoal.cache.kv import KVCache
 from shoal.config import EngineOptions, Resolved
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import AttentionBackend
-from shoal.kernels.cpu_attention import KernelUnavailable, load_decode_kernel
+from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_kernels
+from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.loader import LoadedModel
 from shoal.kernels.model import KVPool, LlamaModel
 
@@ -91,30 +92,36 @@ class Actors:
         on_death(reason)
 
 
+def cpu_kernels(attention: str, cache_dir: Path, asked: str) -> CpuKernels | None:
+    """The compiled CPU kernels when the resolved attention is "cpu" (built on first use).
+    When they cannot be built, an explicit `attention="cpu"` fails the start and "auto" falls
+    back to the torch reference with a warning."""
+    if attention != "cpu":
+        return None
+    try:
+        return load_cpu_kernels(cache_dir)
+    except KernelUnavailable as error:
+        if asked == "cpu":
+            raise ValueError(f"attention cpu: {error}") from error
+        log.warning("%s; the torch reference runs instead (attention=torch)", error)
+        return None
+
+
 def attention_backend(
-    name: str, page_size: int, num_kv_heads: int, cache_dir: Path, asked: str
+    name: str, page_size: int, num_kv_heads: int, kernels: CpuKernels | None
 ) -> AttentionBackend:
-    """The resolved backend. "cpu" builds its kernel on first use; when it cannot be built, an
-    explicit `attention="cpu"` fails the start and "auto" falls back to the torch reference."""
     if name == "triton":
         from shoal.kernels.triton_attention import TritonAttention  # needs the triton package
 
         return TritonAttention(page_size, num_kv_heads)
-    if name == "cpu":
-        try:
-            return TorchAttention(page_size, load_decode_kernel(cache_dir))
-        except KernelUnavailable as error:
-            if asked == "cpu":
-                raise ValueError(f"attention cpu: {error}") from error
-            log.warning("%s; decodes use the torch reference (gather and SDPA)", error)
-    return TorchAttention(page_size)
+    return TorchAttention(page_size, None if kernels is None else kernels.paged_decode)
 
 
 def start_actors(
     loaded: LoadedModel,
     options: EngineOptions,
     resolved: Resolved,
-    attention: AttentionBackend,
+    kernels: CpuKernels | None,
     on_death: Callable[[str], None],
     faults: FaultInjector | None = None,
 ) -> Actors:
@@ -132,13 +139,18 @@ def start_actors(
         max_pages_per_row=layout.max_pages_per_row,
     )
     model = LlamaModel(
-        config, loaded.weights, resolved.dtype, resolved.device, resolved.linear_kind
+        config,
+        loaded.weights,
+        resolved.dtype,
+        resolved.device,
+        resolved.linear_kind,
+        None if kernels is None else CompiledElementwise(kernels),
     )
     pool = KVPool(config, layout.num_pages * layout.page_size, resolved.dtype, resolved.device)
     device_state = DeviceState(
         model,
         pool,
-        attention,
+        attention_backend(resolved.attention, layout.page_size, config.num_kv_heads, kernels),
         layout.num_rows,
         layout.max_pages_per_row,
         layout.page_size,

@@ -35,7 +35,7 @@ from shoal.actors.messages import (
     UpdateWeights,
 )
 from shoal.actors.supervise import FaultInjector
-from shoal.actors.wiring import Actors, attention_backend, start_actors
+from shoal.actors.wiring import Actors, cpu_kernels, start_actors
 from shoal.api.session import Session
 from shoal.api.stream import EngineDeadError, InternalError, RequestError, RequestStream
 from shoal.config import EngineOptions, Resolved, resolve, resolve_device
@@ -85,17 +85,13 @@ class Engine:
             loaded = await asyncio.to_thread(load_model, self._model, dtype=dtype)
         self.loaded = loaded
         self.resolved = resolve(self.options, loaded.config.max_position_embeddings)
-        attention = await asyncio.to_thread(  # the CPU kernel may compile, off the loop
-            attention_backend,
-            self.resolved.attention,
-            self.resolved.cache.page_size,
-            loaded.config.num_kv_heads,
-            default_cache_dir(),
-            self.options.attention,
+        kernels = await asyncio.to_thread(  # the CPU kernels may compile: off the loop
+            cpu_kernels, self.resolved.attention, default_cache_dir(), self.options.attention
         )
-        self.attention = attention.name
+        fell_back = self.resolved.attention == "cpu" and kernels is None
+        self.attention = "torch" if fell_back else self.resolved.attention
         self._actors = start_actors(
-            loaded, self.options, self.resolved, attention, self._on_death, self.faults
+            loaded, self.options, self.resolved, kernels, self._on_death, self.faults
         )
         if loaded is not self._model:
             loaded.weights.clear()  # the model holds its own copies; a caller's stay whole

@@ -44,6 +44,7 @@ BUCKETS: dict[str, tuple[str, ...]] = {
     "elementwise": (
         "mul", "add", "sub", "neg", "cat", "silu", "rsqrt", "pow", "mean", "div", "where",
         "copy_", "to", "_to_copy", "embedding", "index", "float", "clone", "fill_", "masked_fill",
+        "rms_norm", "_fused_rms_norm", "add_rms_norm", "rope",  # the last two: shoal_cpu's
     ),
 }  # fmt: skip
 
@@ -72,11 +73,14 @@ def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
     pool = KVPool(loaded.config, POOL_PAGES * PAGE_SIZE, torch.float32, cpu)
     for layer in (*pool.k, *pool.v):  # touched: untouched zero pages would read unrealistically
         layer.normal_()
-    if attention == "cpu":
-        from shoal.kernels.cpu_attention import load_decode_kernel
+    if attention == "cpu":  # the compiled kernels: decode attention and element-wise ops
+        from shoal.kernels.cpu_kernels import load_cpu_kernels
+        from shoal.kernels.elementwise import CompiledElementwise
         from shoal.kernels.loader import default_cache_dir
 
-        return model, pool, TorchAttention(PAGE_SIZE, load_decode_kernel(default_cache_dir()))
+        kernels = load_cpu_kernels(default_cache_dir())
+        model.elementwise = CompiledElementwise(kernels)
+        return model, pool, TorchAttention(PAGE_SIZE, kernels.paged_decode)
     return model, pool, TorchAttention(PAGE_SIZE)
 
 
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--attention", nargs="+", default=["torch"], choices=["torch", "cpu"],
-        help="decode attention: torch (gather + SDPA) or cpu (the compiled kernel)",
+        help="torch (gather + SDPA, torch's element-wise ops) or cpu (the compiled kernels)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

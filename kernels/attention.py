@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.kernels.batch import BatchShape
-from shoal.kernels.cpu_attention import DecodeKernel
+from shoal.kernels.cpu_kernels import DecodeKernel
 
 
 @dataclass(frozen=True)

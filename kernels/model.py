@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from shoal.kernels.batch import Attention
 from shoal.kernels.config import ModelConfig
+from shoal.kernels.elementwise import Elementwise, TorchElementwise
 from shoal.kernels.linear import Linear, LinearKind, make_linear
-from shoal.kernels.rope import apply_rope, cos_sin_table, inv_frequencies
+from shoal.kernels.rope import cos_sin_table, inv_frequencies
 
 
 @dataclass
@@ -134,11 +135,13 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         linear_kind: LinearKind = "dense",
+        elementwise: Elementwise | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.linear_kind = linear_kind
+        self.elementwise = elementwise or TorchElementwise()
         self.scale = config.head_dim**-0.5
         inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         cos, sin = cos_sin_table(inv_freq, config.max_position_embeddings)
@@ -186,31 +189,25 @@ class LlamaModel:
         cos = self.cos[positions]
         sin = self.sin[positions]
         weights = self.weights
+        ops = self.elementwise
+        eps = cfg.rms_norm_eps
+        layers = weights.layers
         h = F.embedding(input_ids, weights.embed)
-        for layer_id, layer in enumerate(weights.layers):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+        x = ops.rms_norm(h, layers[0].input_norm, eps)
+        for layer_id, layer in enumerate(layers):
             qkv = layer.qkv(x)
             # q and k rotate together: [T, H + Hkv, D] in one pass.
-            qk = apply_rope(
-                qkv[:, : q_size + kv_size].view(-1, num_qk_heads, cfg.head_dim), cos, sin
-            )
+            qk = ops.rope(qkv[:, : q_size + kv_size].view(-1, num_qk_heads, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
             attention.store(kv.k[layer_id], kv.v[layer_id], k, v)
             attn = attention.attend(q, kv.k[layer_id], kv.v[layer_id], self.scale)
-            h = h + layer.o(attn.reshape(-1, q_size))
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            h, x = ops.add_rms_norm(h, layer.o(attn.reshape(-1, q_size)), layer.post_norm, eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        last = rms_norm(h[sample_index], weights.norm, cfg.rms_norm_eps)
+            mlp = layer.down(F.silu(gate) * up)
+            if layer_id + 1 < len(layers):  # the residual add, fused with the next layer's norm
+                h, x = ops.add_rms_norm(h, mlp, layers[layer_id + 1].input_norm, eps)
+            else:
+                h = h + mlp
+        last = ops.rms_norm(h[sample_index], weights.norm, eps)
         return weights.lm_head(last).float()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as Hugging Face Llama does. For float32 inputs torch's own
-    kernel gives the same bits (checked in tests/test_model_ops.py) in one op instead of six."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)

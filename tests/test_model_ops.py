@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shoal.kernels.elementwise import rms_norm
 from shoal.kernels.linear import LinearKind
 from shoal.kernels.loader import LoadedModel
-from shoal.kernels.model import LlamaModel, rms_norm
+from shoal.kernels.model import LlamaModel
 from shoal.kernels.rope import apply_rope
 
 

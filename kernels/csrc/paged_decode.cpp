@@ -8,7 +8,7 @@
 //   seq_lens      [B]                int64; tokens attended (1 .. P * page_size)
 //   token_index   [B]                int64; which of the T rows is the sequence's new token
 //
-// Built by kernels/cpu_attention.py with torch's extension loader; tests/test_cpu_attention.py
+// Built by kernels/cpu_kernels.py with torch's extension loader; tests/test_cpu_kernels.py
 // checks it against the gather-and-SDPA reference in kernels/attention.py.
 
 #include <ATen/ATen.h>
@@ -180,7 +180,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY(shoal_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_ids, Tensor seq_lens, "
       "Tensor token_index, int page_size, float scale, Tensor(a!) out) -> ()",

@@ -1,5 +1,6 @@
-"""The compiled CPU decode kernel (kernels/csrc/paged_decode.cpp) against the torch reference,
-its refusals of bad indices, and how the engine picks it or falls back."""
+"""The compiled CPU kernels (kernels/csrc/) against the torch reference: decode attention and
+its refusals of bad indices, RMSNorm, the fused residual add, RoPE; how the engine picks them or
+falls back."""
 
 from __future__ import annotations
 
@@ -10,19 +11,26 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from shoal.actors.wiring import attention_backend
+from shoal.actors.wiring import cpu_kernels
 from shoal.api.engine import Engine
-from shoal.kernels import cpu_attention
+from shoal.kernels import cpu_kernels as cpu_kernels_module
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
-from shoal.kernels.cpu_attention import DecodeKernel, KernelUnavailable, load_decode_kernel
+from shoal.kernels.cpu_kernels import CpuKernels, DecodeKernel, KernelUnavailable, load_cpu_kernels
+from shoal.kernels.elementwise import CompiledElementwise, TorchElementwise
 from shoal.kernels.loader import LoadedModel, default_cache_dir
+from shoal.kernels.rope import cos_sin_table, inv_frequencies
 from shoal.params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def kernel() -> DecodeKernel:
-    return load_decode_kernel(default_cache_dir())
+def kernels() -> CpuKernels:
+    return load_cpu_kernels(default_cache_dir())
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels: CpuKernels) -> DecodeKernel:
+    return kernels.paged_decode
 
 
 class Step(NamedTuple):
@@ -102,33 +110,73 @@ def test_bad_indices_are_refused_before_any_read(kernel: DecodeKernel) -> None:
 def test_a_failed_build_falls_back_under_auto_and_fails_when_asked_for(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    def no_compiler(cache_dir: Path) -> DecodeKernel:
-        raise KernelUnavailable("the CPU attention kernel could not be built: no compiler")
+    def no_compiler(cache_dir: Path) -> CpuKernels:
+        raise KernelUnavailable("the CPU kernels could not be built: no compiler")
 
-    monkeypatch.setattr("shoal.actors.wiring.load_decode_kernel", no_compiler)
+    monkeypatch.setattr("shoal.actors.wiring.load_cpu_kernels", no_compiler)
     with caplog.at_level(logging.WARNING, logger="shoal"):
-        backend = attention_backend("cpu", 16, 3, tmp_path, asked="auto")
-    assert backend.name == "torch" and "no compiler" in caplog.text
+        assert cpu_kernels("cpu", tmp_path, asked="auto") is None
+    assert "no compiler" in caplog.text
     with pytest.raises(ValueError, match=r"attention cpu: .*no compiler"):
-        attention_backend("cpu", 16, 3, tmp_path, asked="cpu")
+        cpu_kernels("cpu", tmp_path, asked="cpu")
+    assert cpu_kernels("torch", tmp_path, asked="torch") is None  # nothing built, none asked
 
 
 def test_the_build_names_the_cpu_capability() -> None:
-    assert cpu_attention.capability() in cpu_attention.CAPABILITY_FLAGS
-    assert cpu_attention.SOURCE.is_file()  # shipped with the package (package-data)
+    assert cpu_kernels_module.capability() in cpu_kernels_module.CAPABILITY_FLAGS
+    for source in cpu_kernels_module.SOURCES:
+        assert source.is_file()  # shipped with the package (package-data)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: more than one thread's share
+def test_elementwise_ops_equal_the_reference(kernels: CpuKernels, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    compiled, reference = CompiledElementwise(kernels), TorchElementwise()
+    hidden, heads, dim = 576, 12, 64
+    x = torch.randn(rows, hidden, generator=gen) * 3
+    weight = torch.randn(hidden, generator=gen)
+    # RMSNorm sums the squares in another order: equal within the last bits.
+    torch.testing.assert_close(
+        compiled.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5),
+        rtol=2e-6, atol=1e-6,
+    )  # fmt: skip
+    delta = torch.randn(rows, hidden, generator=gen)
+    h_ref, norm_ref = reference.add_rms_norm(x, delta, weight, 1e-5)
+    h, norm = compiled.add_rms_norm(x.clone(), delta, weight, 1e-5)
+    assert torch.equal(h, h_ref)  # the residual add: one rounding, bit-equal
+    torch.testing.assert_close(norm, norm_ref, rtol=2e-6, atol=1e-6)
+    # RoPE: separate multiplies and an add, as Hugging Face's formula: bit-equal. On a view
+    # of a wider tensor, as the model rotates the q and k part of its fused qkv output.
+    cos, sin = cos_sin_table(inv_frequencies(dim, 10000.0, None), 4096)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    qkv = torch.randn(rows, (heads + 4) * dim, generator=gen)
+    qk = qkv[:, : heads * dim].view(rows, heads, dim)
+    expected = reference.rope(qk.clone(), cos[positions], sin[positions])
+    assert torch.equal(compiled.rope(qk, cos[positions], sin[positions]), expected)
+    assert torch.equal(qkv[:, : heads * dim].view(rows, heads, dim), expected)  # in place
+
+
+def test_elementwise_ops_refuse_what_they_cannot_read(kernels: CpuKernels) -> None:
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="weight"):
+        kernels.rms_norm(x, torch.ones(32), 1e-5, torch.empty(4, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.rms_norm(x.double(), torch.ones(64), 1e-5, torch.empty(4, 64))
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        kernels.rope(torch.randn(4, 2, 64), torch.ones(3, 64), torch.ones(3, 64))
 
 
 async def test_the_engine_decodes_with_the_kernel_as_with_the_reference(
     tiny_model: LoadedModel,
 ) -> None:
-    """Greedy tokens of a few prompts, the kernel against the torch reference, in one engine
-    each; the kernel's sums differ from SDPA's only in the last bits."""
+    """Greedy tokens of a few prompts, the compiled kernels against the torch reference, in
+    one engine each; their sums differ from torch's only in the last bits."""
     prompts = [[5, 6, 7], list(range(10, 60)), [3] * 17]
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
     results = {}
     for attention in ("cpu", "torch"):
         async with Engine(tiny_model, attention=attention) as engine:
-            assert engine.resolved is not None and engine.resolved.attention == attention
+            assert engine.attention == attention
             outs = [await engine.generate(input_ids=p, sampling=params).result() for p in prompts]
             results[attention] = [o.token_ids for o in outs]
     assert results["cpu"] == results["torch"]

@@ -1,0 +1,110 @@
+"""The compiled CPU kernels (`csrc/*.cpp`): built once, then loaded.
+
+    paged_decode   csrc/paged_decode.cpp   a step's decodes attend, reading K/V in place from
+                                           the pages (attention.py's reference gathers them)
+    rms_norm       csrc/elementwise.cpp    RMSNorm of rows, in one op
+    add_rms_norm                           the residual add and the next RMSNorm, in one op
+    rope                                   q and k rotated in place, in one op
+
+They are what `attention="cpu"` (the default on the CPU in float32) runs: the decode attention
+here, prompt chunks through the torch reference, and the element-wise ops through
+`elementwise.CompiledElementwise` in the model.
+
+The sources are compiled by torch's extension builder (a C++ compiler and ninja are needed;
+about 25 s on 2 cores) into `<cache_dir>/kernels/<name>/`, named by the CPU's vector capability
+as torch reports it, so a cache shared by machines of different CPUs never loads code built for
+another. A later start only loads the built library (torch's builder rebuilds when a source or
+the flags change). The ops are `torch.ops.shoal_cpu.*`, registered once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "elementwise.cpp")
+
+# torch's CPU capability -> compiler flags. CPU_CAPABILITY selects ATen's vector type
+# (at::vec::Vectorized) as torch's own kernels are built for that capability; no contraction
+# into fused multiply-adds, so RoPE stays bit-equal to torch's separate multiplies and add.
+CAPABILITY_FLAGS: dict[str, list[str]] = {
+    "AVX512": [
+        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+        "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
+    ],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "DEFAULT": ["-DCPU_CAPABILITY=DEFAULT"],
+}  # fmt: skip
+COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernels could not be built or loaded here (no compiler, an unsupported CPU...)."""
+
+
+class DecodeKernel(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        token_index: torch.Tensor,
+        page_size: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded ops (signatures in the sources' comments)."""
+
+    paged_decode: DecodeKernel
+    rms_norm: Any
+    add_rms_norm: Any
+    rope: Any
+
+
+def capability() -> str:
+    reported = torch.backends.cpu.get_cpu_capability()
+    return reported if reported in CAPABILITY_FLAGS else "DEFAULT"
+
+
+def load_cpu_kernels(cache_dir: Path) -> CpuKernels:
+    """The ops, built into `cache_dir` the first time (KernelUnavailable if they cannot be)."""
+    if not hasattr(torch.ops.shoal_cpu, "paged_decode"):
+        build(cache_dir)
+    ops = torch.ops.shoal_cpu
+    return CpuKernels(ops.paged_decode, ops.rms_norm, ops.add_rms_norm, ops.rope)
+
+
+def build(cache_dir: Path) -> None:
+    from torch.utils.cpp_extension import load  # imports setuptools: only when building
+
+    name = f"shoal_cpu_kernels_{capability().lower()}"
+    folder = cache_dir / "kernels" / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        log.info("loading the CPU kernels (built into %s on first use, ~25 s)", folder)
+        load(
+            name,
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=[*COMMON_FLAGS, *CAPABILITY_FLAGS[capability()]],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as error:  # the builder raises whatever the compiler or ninja did
+        raise KernelUnavailable(f"the CPU kernels could not be built: {error}") from error
+    if not hasattr(torch.ops.shoal_cpu, "paged_decode"):
+        raise KernelUnavailable(f"the CPU kernels built in {folder} registered no op")
