@@ -25,7 +25,7 @@ class EngineOptions:
     max_batch_tokens: int = 2048
     # Prompt tokens a step that also decodes may take (0: up to max_batch_tokens). Lower:
     # steadier inter-token latency under load, newcomers' first token a little later.
-    max_mixed_prefill_tokens: int = 256
+    max_mixed_prefill_tokens: int = 128
     max_inflight: int = 2
     context_length: int | None = None
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU

@@ -220,6 +220,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
     parser.add_argument(
+        "--max-mixed-prefill-tokens", type=int, default=defaults.max_mixed_prefill_tokens
+    )
+    parser.add_argument(
         "--cuda-graph-max-batch",
         type=int,
         default=defaults.cuda_graph_max_batch,
@@ -277,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_tokens": args.kv_cache_tokens,
         "chunk_size": args.chunk_size,
         "max_batch_tokens": args.max_batch_tokens,
+        "max_mixed_prefill_tokens": args.max_mixed_prefill_tokens,
         "cuda_graph_max_batch": 0 if args.no_cuda_graphs else args.cuda_graph_max_batch,
         "max_inflight": 1 if args.no_overlap else EngineOptions().max_inflight,
     }
