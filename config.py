@@ -30,7 +30,7 @@ class EngineOptions:
     context_length: int | None = None
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # CUDA when available
-    attention: str = "auto"  # triton on CUDA; on CPU the compiled decode kernel (float32)
+    attention: str = "auto"  # triton on CUDA; on CPU the compiled kernels (float32)
     quantization: str | None = None  # "int8": int8 weights, dynamic activations (CPU)
     cuda_graph_max_batch: int = 128  # decode batches up to this replay CUDA graphs; 0 = off
     num_threads: int | None = None
@@ -151,7 +151,7 @@ def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
 
 def resolve_attention(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> str:
     """auto: the Triton kernels on CUDA (when triton is installed; torch's CUDA wheels bring
-    it); on the CPU in float32 the compiled decode kernel ("cpu", kernels/cpu_attention.py;
+    it); on the CPU in float32 the compiled kernels ("cpu", kernels/cpu_kernels.py;
     built on first use, and the torch reference if it cannot be built); else the torch
     reference. Triton on CPU runs only under its interpreter (TRITON_INTERPRET=1: correct and
     slow, for tests)."""

@@ -58,8 +58,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--attention",
         default=defaults.attention,
         choices=["auto", "torch", "triton", "cpu"],
-        help="auto: the Triton kernels on CUDA; on the CPU in float32 the compiled decode "
-        "kernel (cpu, built on first use), else the torch reference",
+        help="auto: the Triton kernels on CUDA; on the CPU in float32 the compiled kernels "
+        "(cpu: decode attention and element-wise ops, built on first use); else the torch "
+        "reference",
     )
     parser.add_argument(
         "--cuda-graph-max-batch",

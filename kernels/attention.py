@@ -11,7 +11,7 @@ A forward step carries a ragged batch of sequences. Sequence i contributes
 read from pages, the new tokens causally). A decode step is the case extend_len == 1.
 New K/V are stored first, so attention reads everything from the pages.
 
-Decodes go one of two ways: with a compiled kernel (cpu_attention.py, the CPU default) all of a
+Decodes go one of two ways: with a compiled kernel (cpu_kernels.py, the CPU default) all of a
 step's decodes are one call that reads the pages in place; without one they are gathered page by
 page into padded length groups and attended with SDPA. Multi-token chunks always take SDPA.
 """
