@@ -4,7 +4,8 @@ from shoal import Engine, SamplingParams
 """
 
 from shoal.api.engine import Engine
-from shoal.api.stream import (
+from shoal.params import SamplingParams
+from shoal.results import (
     Completion,
     Delta,
     EngineDeadError,
@@ -13,7 +14,6 @@ from shoal.api.stream import (
     RequestStream,
     Usage,
 )
-from shoal.params import SamplingParams
 
 __all__ = [
     "Completion",

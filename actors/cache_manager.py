@@ -24,8 +24,8 @@ from shoal.actors.messages import (
     Shutdown,
 )
 from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
-from shoal.api.stream import InternalError
 from shoal.cache.kv import KVCache
+from shoal.results import InternalError
 
 log = logging.getLogger("shoal.cache")
 

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from shoal.actors.messages import Launch
-from shoal.api.stream import TokenLogprob
 from shoal.kernels.batch import AttentionBackend, BatchShape
 from shoal.kernels.checkpoint import CheckpointError
 from shoal.kernels.config import ModelConfig
@@ -34,6 +33,7 @@ from shoal.kernels.model import KVPool, LlamaModel
 from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
 from shoal.kernels.streams import HostResult, StepStreams, to_device, to_device_many
 from shoal.params import SamplingParams
+from shoal.results import TokenLogprob
 
 if TYPE_CHECKING:
     from shoal.kernels.cuda_graphs import DecodeGraphs  # imports triton

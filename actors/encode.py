@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shoal.api.stream import RequestError
+from shoal.results import RequestError
 
 
 def encode_prompt(

@@ -33,7 +33,7 @@ from shoal.actors.messages import (
     StepDone,
 )
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
-from shoal.api.stream import InternalError
+from shoal.results import InternalError
 
 log = logging.getLogger("shoal.executor")
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from shoal.api.stream import TokenLogprob
 from shoal.params import SamplingParams
+from shoal.results import TokenLogprob
 
 if TYPE_CHECKING:
-    from shoal.api.stream import RequestStream
+    from shoal.results import RequestStream
 
 
 class RowWriteMsg(msgspec.Struct, frozen=True):

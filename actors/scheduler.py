@@ -44,7 +44,7 @@ from shoal.actors.messages import (
 )
 from shoal.actors.planner import Planner
 from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
-from shoal.api.stream import InternalError
+from shoal.results import InternalError
 
 log = logging.getLogger("shoal.scheduler")
 

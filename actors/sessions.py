@@ -22,7 +22,7 @@ from typing import Any
 from shoal.actors.encode import render_chat
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import CacheMsg, CloseSession, EndSession, Generate, OpenSession
-from shoal.api.stream import RequestError
+from shoal.results import RequestError
 
 
 @dataclass

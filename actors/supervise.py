@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Shutdown
-from shoal.api.stream import InternalError
+from shoal.results import InternalError
 
 log = logging.getLogger("shoal.supervise")
 

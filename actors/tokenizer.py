@@ -43,7 +43,7 @@ from shoal.actors.sessions import SessionBook, SessionState
 from shoal.actors.stops import StopMatcher
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
 from shoal.actors.update_lock import UpdateLock, write_weights
-from shoal.api.stream import (
+from shoal.results import (
     Completion,
     Delta,
     InternalError,

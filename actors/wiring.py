@@ -32,7 +32,6 @@ from shoal.actors.request import PlannerConfig
 from shoal.actors.scheduler import Scheduler
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.tokenizer import Tokenizer
-from shoal.api.stream import EngineDeadError
 from shoal.cache.kv import KVCache
 from shoal.config import EngineOptions, Resolved
 from shoal.kernels.attention import TorchAttention
@@ -41,6 +40,7 @@ from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_ke
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.loader import LoadedModel
 from shoal.kernels.model import KVPool, LlamaModel
+from shoal.results import EngineDeadError
 
 log = logging.getLogger("shoal")
 

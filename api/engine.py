@@ -37,11 +37,11 @@ from shoal.actors.messages import (
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.wiring import Actors, cpu_kernels, start_actors
 from shoal.api.session import Session
-from shoal.api.stream import EngineDeadError, InternalError, RequestError, RequestStream
 from shoal.config import EngineOptions, Resolved, resolve, resolve_device
 from shoal.kernels.loader import LoadedModel, default_cache_dir, load_model
 from shoal.limits import check_prompt_size
 from shoal.params import SamplingParams
+from shoal.results import EngineDeadError, InternalError, RequestError, RequestStream
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 

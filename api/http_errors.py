@@ -17,7 +17,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from shoal.api.stream import EngineDeadError, InternalError
+from shoal.results import EngineDeadError, InternalError
 
 log = logging.getLogger("shoal.http")
 

@@ -35,9 +35,9 @@ from shoal.api.engine import Engine
 from shoal.api.http_errors import ApiError, bad_request, from_engine
 from shoal.api.http_limits import HttpLimits, api_error
 from shoal.api.metrics import Metrics, RequestTimer
-from shoal.api.stream import Completion, Delta, RequestError, RequestStream
 from shoal.limits import LimitExceeded, check_prompt_size, check_stops
 from shoal.params import SamplingParams
+from shoal.results import Completion, Delta, RequestError, RequestStream
 
 Event = tuple[int, Delta | Completion]
 Choice = tuple[list[int], SamplingParams, str]  # prompt ids, sampling, engine rid

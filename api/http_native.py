@@ -27,8 +27,8 @@ from shoal.api.http_native_protocol import (
 )
 from shoal.api.http_sessions import session_turn
 from shoal.api.http_sse import open_sse, send_done, send_error, send_event
-from shoal.api.stream import Completion, Delta, TokenLogprob, Usage
 from shoal.params import MAX_TOP_LOGPROBS, SamplingParams
+from shoal.results import Completion, Delta, TokenLogprob, Usage
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 

@@ -29,7 +29,7 @@ from shoal.api.http_errors import ApiError, bad_request, from_engine
 from shoal.api.http_gateway import Gateway, SessionTurn
 from shoal.api.http_limits import check_id
 from shoal.api.http_native_protocol import SessionParams
-from shoal.api.stream import RequestError
+from shoal.results import RequestError
 
 TURN_MAX_TOKENS = 128  # a session turn's default max_tokens / max_new_tokens
 

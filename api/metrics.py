@@ -29,7 +29,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from shoal.api.stream import Completion
+from shoal.results import Completion
 
 CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "abort", "error")

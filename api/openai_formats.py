@@ -28,7 +28,7 @@ from shoal.api.openai_protocol import (
     TextCompletion,
     UsageInfo,
 )
-from shoal.api.stream import Completion, Delta, TokenLogprob
+from shoal.results import Completion, Delta, TokenLogprob
 
 
 class Format(Protocol):

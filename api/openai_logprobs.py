@@ -17,7 +17,7 @@ from shoal.api.openai_protocol import (
     TokenLogprobOut,
     TopLogprob,
 )
-from shoal.api.stream import TokenLogprob
+from shoal.results import TokenLogprob
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:

@@ -21,8 +21,8 @@ from shoal.api.openai_protocol import (
     SamplingFields,
     UsageInfo,
 )
-from shoal.api.stream import Completion
 from shoal.params import MAX_TOP_LOGPROBS, SamplingParams
+from shoal.results import Completion
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 SEED_LIMIT = 2**63

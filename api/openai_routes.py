@@ -44,7 +44,7 @@ from shoal.api.openai_protocol import (
     ModelList,
     SamplingFields,
 )
-from shoal.api.stream import Completion, Delta
+from shoal.results import Completion, Delta
 
 
 class OpenAIRoutes:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from shoal.api.stream import RequestStream
 from shoal.params import SamplingParams
+from shoal.results import RequestStream
 
 if TYPE_CHECKING:
     from shoal.api.engine import Engine

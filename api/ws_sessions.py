@@ -35,7 +35,6 @@ from shoal.api.http_sessions import TURN_MAX_TOKENS, open_session
 from shoal.api.json_depth import nests_deeper
 from shoal.api.openai_params import chat_messages
 from shoal.api.session import Session
-from shoal.api.stream import Delta, EngineDeadError, RequestError
 from shoal.api.ws_protocol import (
     Cancel,
     ClientMessage,
@@ -51,6 +50,7 @@ from shoal.api.ws_protocol import (
     TurnUsage,
 )
 from shoal.params import SamplingParams
+from shoal.results import Delta, EngineDeadError, RequestError
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__) & frozenset(Turn.__struct_fields__)
 log = logging.getLogger("shoal.http")

@@ -24,7 +24,7 @@ from test_http_support import ServeFactory, serve  # noqa: F401  (the fixture)
 
 from shoal.actors.messages import CacheMsg, ExecutorMsg, SchedulerMsg, Shutdown, TokenizerMsg
 from shoal.api.engine import Engine
-from shoal.api.stream import EngineDeadError, InternalError, RequestError
+from shoal.results import EngineDeadError, InternalError, RequestError
 
 STEP_TIMEOUT_S = 20.0  # a workload step that takes longer has hung
 FATAL = {("scheduler", "Plan"), ("cache manager", "PlanRequest")}

@@ -1,4 +1,7 @@
-"""What a caller holds for one request: an async stream of deltas ending in a Completion."""
+"""The engine's output vocabulary: what a caller holds for one request (an async stream of
+deltas ending in a Completion), its parts (Delta, Usage, TokenLogprob) and the errors a request
+can end with. The core: the actors produce these and every door hands them out, so it lives
+outside `api/` (tests/test_import_directions.py keeps `actors/` from importing `api/`)."""
 
 from __future__ import annotations
 
