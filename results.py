@@ -8,8 +8,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from types import TracebackType
+from typing import Literal
 
 import msgspec
+
+# How a request ended: a stop string or token, its length limit, an abort, or an error.
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -40,7 +44,7 @@ class Completion(msgspec.Struct, frozen=True):
     rid: str
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason
     usage: Usage
     matched_stop: str | int | None = None  # the stop string or stop token that ended it
     message: str = ""

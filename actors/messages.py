@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from shoal.params import SamplingParams
-from shoal.results import TokenLogprob
+from shoal.results import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from shoal.results import RequestStream
@@ -48,7 +48,7 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
     """Stop a request wherever it is. `reason` is "abort", or "stop" for a matched stop string."""
 
     rid: str
-    reason: str = "abort"
+    reason: FinishReason = "abort"
     message: str = ""
     keep_outputs: int | None = None  # "stop": outputs the caller kept (a session's history)
 
@@ -56,7 +56,7 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
 class Output(msgspec.Struct, frozen=True):
     rid: str
     token_ids: tuple[int, ...]
-    finish: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish: FinishReason | None = None
     message: str = ""
     matched_token: int | None = None
     num_cached_tokens: int | None = None  # sent once, with the first output of a request

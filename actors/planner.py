@@ -35,6 +35,7 @@ from shoal.actors.messages import (
 )
 from shoal.actors.prefix_sharing import prefixes_in_progress, publishes_due
 from shoal.actors.request import Phase, PlannerConfig, Req, finish_reason
+from shoal.results import FinishReason
 
 
 class Member(NamedTuple):
@@ -106,7 +107,7 @@ class Planner:
         self.stalled = False
 
     def abort(
-        self, rid: str, reason: str, message: str, keep_outputs: int | None = None
+        self, rid: str, reason: FinishReason, message: str, keep_outputs: int | None = None
     ) -> list[Output]:
         """End a request wherever it is. A "stop" (stop string matched) emits nothing."""
         req = self.reqs.get(rid)

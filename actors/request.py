@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from shoal.params import SamplingParams
+from shoal.results import FinishReason
 
 
 class Phase(Enum):
@@ -44,7 +45,7 @@ class Req:
     num_prompt: int
     tokens: list[int]
     phase: Phase = Phase.WAITING
-    finish: str | None = None
+    finish: FinishReason | None = None
     row: int | None = None
     num_cached_tokens: int | None = None
     num_launched: int = 0
@@ -77,7 +78,7 @@ class Req:
         return tuple(computed), self.session_id
 
 
-def finish_reason(req: Req, token: int, eos_token_ids: tuple[int, ...]) -> str | None:
+def finish_reason(req: Req, token: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
     """After `token` was appended: "stop" (stop token or EOS), "length", or None."""
     sp = req.sampling
     if req.num_outputs >= sp.min_new_tokens:

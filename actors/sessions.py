@@ -22,7 +22,7 @@ from typing import Any
 from shoal.actors.encode import render_chat
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import CacheMsg, CloseSession, EndSession, Generate, OpenSession
-from shoal.results import RequestError
+from shoal.results import FinishReason, RequestError
 
 
 @dataclass
@@ -155,7 +155,9 @@ class SessionBook:
         if state.timer is not None:
             state.timer.cancel()
 
-    def ended(self, state: SessionState, reply: str, output_ids: list[int], reason: str) -> None:
+    def ended(
+        self, state: SessionState, reply: str, output_ids: list[int], reason: FinishReason
+    ) -> None:
         """The turn's stream ended: a completed turn becomes history once released."""
         state.stream_open = False
         if reason in ("stop", "length") and state.turn_gen is not None:

@@ -46,6 +46,7 @@ from shoal.actors.update_lock import UpdateLock, write_weights
 from shoal.results import (
     Completion,
     Delta,
+    FinishReason,
     InternalError,
     RequestStream,
     TokenLogprob,
@@ -286,7 +287,9 @@ class Tokenizer:
         elif item.finish is not None:
             self.end(item.rid, item.finish, item.matched_token, item.message)
 
-    def end(self, rid: str, reason: str, matched: str | int | None, message: str = "") -> None:
+    def end(
+        self, rid: str, reason: FinishReason, matched: str | int | None, message: str = ""
+    ) -> None:
         live = self.live.pop(rid)
         if live.session is not None:
             self.sessions.ended(live.session, "".join(live.text), live.output_ids, reason)

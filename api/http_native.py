@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import NamedTuple
 
 import msgspec
 from aiohttp import web
@@ -89,7 +90,7 @@ class NativeRoutes:
                     ids += event.token_ids
                     logprobs += event.logprobs or ()
                     usage = Usage(num_prompt, len(ids), 0)
-                    so_far = Completion(rid, text, tuple(ids), "", usage, weight_version=version)
+                    so_far = Partial(rid, text, tuple(ids), usage, version)
                     chunk = self._answer(body, so_far, arrived_at, tuple(logprobs))
                 else:
                     self._check_finished(event)
@@ -224,13 +225,13 @@ class NativeRoutes:
     def _answer(
         self,
         body: GenerateRequest,
-        c: Completion,
+        c: Completion | Partial,
         arrived_at: float,
         logprobs: tuple[TokenLogprob, ...] | None,
     ) -> GenerateResponse:
         meta = MetaInfo(
             c.rid,
-            _finish_reason(c),
+            _finish_reason(c) if isinstance(c, Completion) else None,
             c.usage.prompt_tokens,
             c.usage.completion_tokens,
             c.usage.cached_tokens,
@@ -251,10 +252,18 @@ class NativeRoutes:
             raise ApiError(503, "the server is shutting down")
 
 
-def _finish_reason(c: Completion) -> dict[str, object] | None:
+class Partial(NamedTuple):
+    """A streamed answer so far: what a chunk reports before the request has finished."""
+
+    rid: str
+    text: str
+    token_ids: tuple[int, ...]
+    usage: Usage
+    weight_version: int
+
+
+def _finish_reason(c: Completion) -> dict[str, object]:
     match c.finish_reason:
-        case "":
-            return None
         case "stop":
             return {"type": "stop", "matched": c.matched_stop}
         case "length":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import msgspec
 
 from shoal.api.openai_protocol import ChatMessage
+from shoal.results import FinishReason
 
 # ---- client -> server -------------------------------------------------------------------------
 
@@ -86,7 +87,7 @@ class TurnUsage(msgspec.Struct, frozen=True):
 
 
 class Done(_ServerMessage, frozen=True, omit_defaults=True, tag="done"):
-    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason
     usage: TurnUsage
     message: str = ""  # why it was aborted or failed
 
