@@ -57,7 +57,7 @@ class PackedLinear:
     Measured on a 2-core AVX2 EPYC with two threads, all of SmolLM2's projections in a row
     (bench/README.md), it was the fastest of MKL's packed sgemm, `F.linear` and oneDNN at every
     row count tried (1 to 512): at one row 1.25x MKL's packed form and 1.4x `F.linear`, at
-    16-64 rows 1.3-1.5x `F.linear`, at 128-512 rows 1.0-1.3x. One copy of each weight, in
+    16-64 rows 1.2-1.5x `F.linear`, at 128-512 rows 1.0-1.3x. One copy of each weight, in
     oneDNN's layout only (the loaded tensor is not kept)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
