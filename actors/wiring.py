@@ -92,16 +92,19 @@ class Actors:
         on_death(reason)
 
 
-def cpu_kernels(attention: str, cache_dir: Path, asked: str) -> CpuKernels | None:
-    """The compiled CPU kernels when the resolved attention is "cpu" (built on first use).
-    When they cannot be built, an explicit `attention="cpu"` fails the start and "auto" falls
-    back to the torch reference with a warning."""
-    if attention != "cpu":
+def cpu_kernels(resolved: Resolved, cache_dir: Path, asked_attention: str) -> CpuKernels | None:
+    """The compiled CPU kernels when the resolved attention is "cpu" or the linears are int8
+    (built on first use). When they cannot be built, int8 and an explicit `attention="cpu"`
+    fail the start, and "auto" falls back to the torch reference with a warning."""
+    wanted = resolved.attention == "cpu" or resolved.linear_kind == "int8"
+    if not wanted:
         return None
     try:
         return load_cpu_kernels(cache_dir)
     except KernelUnavailable as error:
-        if asked == "cpu":
+        if resolved.linear_kind == "int8":
+            raise ValueError(f"quantization int8: {error}") from error
+        if asked_attention == "cpu":
             raise ValueError(f"attention cpu: {error}") from error
         log.warning("%s; the torch reference runs instead (attention=torch)", error)
         return None
@@ -138,19 +141,20 @@ def start_actors(
         num_rows=layout.num_rows,
         max_pages_per_row=layout.max_pages_per_row,
     )
+    compiled = kernels if resolved.attention == "cpu" else None  # int8 may load them alone
     model = LlamaModel(
         config,
         loaded.weights,
         resolved.dtype,
         resolved.device,
         resolved.linear_kind,
-        None if kernels is None else CompiledElementwise(kernels),
+        None if compiled is None else CompiledElementwise(compiled),
     )
     pool = KVPool(config, layout.num_pages * layout.page_size, resolved.dtype, resolved.device)
     device_state = DeviceState(
         model,
         pool,
-        attention_backend(resolved.attention, layout.page_size, config.num_kv_heads, kernels),
+        attention_backend(resolved.attention, layout.page_size, config.num_kv_heads, compiled),
         layout.num_rows,
         layout.max_pages_per_row,
         layout.page_size,

@@ -86,7 +86,7 @@ class Engine:
         self.loaded = loaded
         self.resolved = resolve(self.options, loaded.config.max_position_embeddings)
         kernels = await asyncio.to_thread(  # the CPU kernels may compile: off the loop
-            cpu_kernels, self.resolved.attention, default_cache_dir(), self.options.attention
+            cpu_kernels, self.resolved, default_cache_dir(), self.options.attention
         )
         fell_back = self.resolved.attention == "cpu" and kernels is None
         self.attention = "torch" if fell_back else self.resolved.attention
@@ -203,7 +203,7 @@ class Engine:
         if error is not None:
             raise RequestError(error, "session_id", "session_not_found")
 
-    # ---- lifecycle operations (DESIGN.md, "Model updates and cache flush") -----------------
+    # ---- lifecycle operations (docs/architecture.md, "Weight updates, cache flush and pause")
 
     async def update_weights_from_disk(
         self,
@@ -226,8 +226,9 @@ class Engine:
         return UpdateResult(success, message, version)
 
     async def flush_cache(self, timeout_s: float = 30.0) -> FlushResult:
-        """Empty the prefix cache once the engine is idle (law 1), waiting up to timeout_s;
-        if it does not become idle in time, refuse and change nothing."""
+        """Empty the prefix cache once the engine is idle (docs/architecture.md, law 1),
+        waiting up to timeout_s; if it does not become idle in time, refuse and change
+        nothing."""
         reply = self._future()
         self.actors.tokenizer_box.put(FlushWhenIdle(next(self._ids), timeout_s, reply))
         try:
@@ -290,7 +291,7 @@ class Engine:
         return result
 
     async def wait_idle(self, timeout_s: float = 30.0) -> None:
-        """Wait until no request is anywhere in the engine (DESIGN law 1)."""
+        """Wait until no request is anywhere in the engine (docs/architecture.md, law 1)."""
         deadline = time.monotonic() + timeout_s
         while not (await self.snapshot())["idle"]:
             if time.monotonic() > deadline:

@@ -31,8 +31,9 @@ import torch
 
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
+from shoal.kernels.cpu_kernels import load_cpu_kernels
 from shoal.kernels.linear import LinearKind
-from shoal.kernels.loader import LoadedModel, load_model
+from shoal.kernels.loader import LoadedModel, default_cache_dir, load_model
 from shoal.kernels.model import KVPool, LlamaModel
 
 TEXT = Path(__file__).resolve().parent / "quality_text.txt"
@@ -91,6 +92,8 @@ def score(model: LlamaModel, ids: list[int], window: int, chunk: int) -> Scores:
 
 def build(loaded: LoadedModel, kind: LinearKind) -> LlamaModel:
     cpu = torch.device("cpu")
+    if kind == "int8":
+        load_cpu_kernels(default_cache_dir())  # the int8 kernel is compiled (once)
     return LlamaModel(loaded.config, loaded.weights, torch.float32, cpu, kind)
 
 

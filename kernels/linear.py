@@ -4,9 +4,9 @@
     dense    DenseLinear    CUDA, and reference   F.linear on the weight as loaded
     packed   PackedLinear   CPU, float32          oneDNN's matmul on the weight in its blocked
                                                   layout (packed at load)
-    int8     (quant.py)     CPU, opt-in           int8 weights per output channel (Hadamard-
-                                                  rotated), activations per row in two 7-bit
-                                                  passes of one fbgemm GEMM
+    int8     (quant.py)     CPU, opt-in           int8 weights in blocks of 32 along K (a scale
+                                                  each), float32 activations, a compiled kernel
+                                                  (csrc/int8_linear.cpp)
 
 `Linear.load` takes a new weight of the same shape (a weight update): a dense linear copies it
 into the tensor it already holds (a captured CUDA graph keeps reading that tensor); a packed one

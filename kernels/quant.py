@@ -1,137 +1,82 @@
-"""int8 linears for `quantization="int8"` (CPU): int8 weights, activations in two int8 passes.
+"""int8 linears for `quantization="int8"` (CPU): int8 weights in blocks of 32, float32 activations.
 
 What is quantized how (y = x w.T + b, w: [N, K]):
-    rotation    x and w are both multiplied along K by the same block-diagonal Hadamard matrix
-                H (64 x 64 blocks, orthogonal, H H = I), so x H (w H).T == x w.T. It spreads a
-                large feature of x (SmolLM2 has them) over its block, so the int8 steps of the
-                other features stay fine. Data-free; the weight is rotated once at load.
-    weight      int8, symmetric, one scale per output channel (max |row| / 127), rotated,
-                quantized and packed once at construction and again at each `load`.
-    activation  per row: divided by its own max / 63, then split into hi = round(.) (exact
-                integers in -63..63) and lo = (. - hi) * 126 (in -63..63); both are rows of
-                ONE int8 GEMM and recombined as (y_hi + y_lo / 126) * row scale: about 14 bits.
-    out         float32 (the caller's dtype), bias added in float32.
+    weight      int8, symmetric, in blocks of 32 along K with one float32 scale each (the
+                block's largest |w| maps to 127; GGUF's Q8_0 with a float32 scale), quantized
+                once at construction and again at each `load`: 1.125 bytes per weight.
+    activation  float32, as in the float model: nothing about x is rounded.
+    out         float32, bias added in float32.
 
-The kernel: fbgemm's `quantized::linear_with_input_q_dq_qweight_dq_output_fp32` (u8 x s8 ->
-int32 -> float32) on weights packed by `quantized::linear_prepack`, torch's x86 engine. Inputs
-are fed with scale 1 and zero point 64, so every u8 value is in 1..127: on AVX2 without VNNI
-fbgemm sums u8 x s8 pairs with `vpmaddubsw`, which saturates at int16; 255 * 127 * 2 overflows,
-127 * 127 * 2 does not.
+The kernel is `int8_linear` in csrc/int8_linear.cpp (built with the other CPU kernels,
+cpu_kernels.py): each weight becomes `q * scale` in float32, multiplied and summed in float32.
+It is for the few-row steps that are bound by reading the weights: all of SmolLM2's
+projections and its lm_head (2 threads, this 2-core AVX2 EPYC, bench/README.md) took 9-13 ms
+at one row against 27-30 ms for oneDNN's float32, 13-16 ms against 35 at 4 rows, 44 against 55
+at 16; at 64 rows and more it computes at 0.75-0.8x oneDNN's speed (the conversion costs).
 
-Why two passes: on SmolLM2 (bench/quality.py, 2,711 predictions) every one-pass activation
-scheme missed the >= 97% top-1 agreement target (perplexity was within 3% from rotation on):
-    torch.ao dynamic (per-tensor, 7-bit)          51.4%   ppl x2.38
-    rotated, per-row, 7-bit (one pass)            94.1%   ppl x1.010
-    same with 8-bit activations (saturates)       92.3%
-    simulated ideal 8-bit per-row (no kernel)     96.3%   ppl x1.007
-    rotated weights only, float activations       97.3%   ppl x1.0035  (the ceiling)
-    this: rotated, two passes                     97.3%   ppl x1.0035
-The price (2 threads, load ~1.5): the second pass doubles the GEMM's rows and small batches
-pay ~10 small extra ops: a layer's linear runs at 0.2-0.6x the speed of float32 at M=1 and
-0.4-1.1x at M = 16..512; lm_head (memory-bound) at 8.3x at M=1, 3.5x at M=16. End to end
-(64 offline requests) 0.83x the tok/s of float32; one pass would be 1.30x. Weights take 4x
-less memory.
-Other kernels tried (oneDNN qlinear, torch._int_mm, _weight_int8pack_mm) have no fast path on
-this CPU; per-shape timings are in bench/README.md.
-
-Caveat: quantized tensor creation (`torch.quantize_per_channel`) is deprecated since torch 2.13
-(pytorch issue 184982); oneDNN's `qlinear_prepack` on a plain int8 tensor is the fallback.
+Why weights only, per block (bench/quality.py, 2,711 teacher-forced predictions on SmolLM2):
+the earlier per-channel weights with activations in two 7-bit passes of an fbgemm GEMM reached
+97.3% top-1 agreement and ran at 0.2-0.6x float32 at one row; one-pass int8 activations
+missed 97% (94.1% at best, rotated); float activations keep the error at the weights' alone.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-_QENGINES = ("x86", "fbgemm")
-_MAX_BLOCK = 64
-_MIN_SCALE = 1e-12  # a row of zeros still needs a positive scale
-_HI_LEVELS = 63  # a row's max maps to +-63: u8 = 64 +- 63 stays in 1..127
-_LO_GAIN = 126  # |x - round(x)| <= 0.5 maps to at most 63
-_ZERO_POINT = 64
+BLOCK = 32  # weights per scale, along K (the kernel's kBlock)
+_LEVELS = 127
+_MIN_SCALE = 1e-12  # a block of zeros still needs a positive scale
 
 
 class Int8Linear:
-    """y = x @ w.T + b with w int8 per output channel, x in two int8 passes per row."""
+    """y = x @ w.T + b with w int8 in blocks of 32 along K, x and y float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        if torch.backends.quantized.engine not in _QENGINES:
-            raise ValueError(
-                f"quantization int8 needs torch's x86 or fbgemm quantized engine, "
-                f"got {torch.backends.quantized.engine!r}"
-            )
         if weight.device.type != "cpu":
             raise ValueError(f"quantization int8 runs on the CPU only, got {weight.device}")
+        if not hasattr(torch.ops.shoal_cpu, "int8_linear"):
+            raise ValueError(
+                "quantization int8 needs the compiled CPU kernels, and they are not loaded "
+                "(kernels/cpu_kernels.py: load_cpu_kernels)"
+            )
         self.out_features = int(weight.shape[0])
         self.in_features = int(weight.shape[1])
-        self.hadamard = hadamard(rotation_block(self.in_features))
         self.load(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = rotate(x.reshape(-1, self.in_features).float(), self.hadamard)
-        n = rows.shape[0]
-        row_max = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True)
-        unit = row_max.clamp_min_(_MIN_SCALE).div_(_HI_LEVELS)  # [n, 1]
-        scaled = rows / unit  # in -63..63
-        stacked = torch.empty(2 * n, self.in_features)
-        hi = torch.round(scaled, out=stacked[:n])
-        torch.sub(scaled, hi, out=stacked[n:]).mul_(_LO_GAIN)
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            stacked, 1.0, _ZERO_POINT, self.packed
-        )
-        out = torch.add(y[:n], y[n:], alpha=1.0 / _LO_GAIN).mul_(unit)
-        if self.bias is not None:
-            out.add_(self.bias)
+        rows = x.reshape(-1, self.in_features).float()
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features)
+        torch.ops.shoal_cpu.int8_linear(rows, self.weight, self.scales, self.bias, out)
         return out.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Rotate, quantize and pack a weight of this linear's shape (a weight update)."""
+        """Quantize a weight of this linear's shape (also a weight update)."""
         assert tuple(weight.shape) == (self.out_features, self.in_features), weight.shape
-        rotated = rotate(weight.detach().float(), self.hadamard)
-        self.packed = torch.ops.quantized.linear_prepack(quantize_weight(rotated), None)
-        self.bias = None if bias is None else bias.detach().float().clone()
+        self.weight, self.scales = quantize_blocks(weight.detach().float())
+        self.bias = None if bias is None else bias.detach().float().contiguous().clone()
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The float32 weight the kernel multiplies by, rotated back (for tests)."""
-        weight, _ = torch.ops.quantized.linear_unpack(self.packed)
-        return rotate(weight.dequantize(), self.hadamard)  # H is its own inverse
+        """The float32 weight the kernel multiplies by (for tests)."""
+        return dequantize_blocks(self.weight, self.scales)
 
 
-def rotation_block(in_features: int) -> int:
-    """The largest power of two up to 64 that divides in_features (1: no rotation)."""
-    block = _MAX_BLOCK
-    while in_features % block:
-        block //= 2
-    return block
+def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] and float32 scales [N, ceil(K / 32)]: w ~ q * scale of its block."""
+    n, k = weight.shape
+    blocks = -(-k // BLOCK)
+    padded = torch.zeros(n, blocks * BLOCK)
+    padded[:, :k] = weight
+    grouped = padded.view(n, blocks, BLOCK)
+    scales = (grouped.abs().amax(dim=2) / _LEVELS).clamp_min(_MIN_SCALE)
+    q = torch.round(grouped / scales.unsqueeze(2)).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+    return q.view(n, blocks * BLOCK)[:, :k].contiguous(), scales.contiguous()
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """Sylvester's n x n Hadamard matrix over sqrt(n): symmetric and orthogonal, H H = I."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / n**0.5
-
-
-def rotate(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """[M, K] times block-diagonal(H, H, ...) along K."""
-    block = h.shape[0]
-    if block == 1:
-        return t
-    return (t.reshape(-1, block) @ h).view(t.shape)
-
-
-def weight_scales(weight: torch.Tensor) -> torch.Tensor:
-    """Symmetric per-output-channel scales: the largest |w| of each row maps to 127."""
-    return (weight.abs().amax(dim=1) / 127.0).clamp_min(_MIN_SCALE)
-
-
-def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A per-channel qint8 tensor (zero points 0) for fbgemm's prepack."""
-    scales = weight_scales(weight).double()
-    zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
-    with warnings.catch_warnings():  # the deprecation is known (see the top of this file)
-        warnings.filterwarnings("ignore", "torch.quantize_per_tensor, torch.quantize_per_channel")
-        return torch.quantize_per_channel(weight.contiguous(), scales, zero_points, 0, torch.qint8)
+def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q * scale of its block, in float32 [N, K], as the kernel forms each weight."""
+    block_of = torch.arange(q.shape[1]) // BLOCK
+    return q.float() * scales[:, block_of]

@@ -13,6 +13,7 @@ import torch
 
 from shoal.actors.wiring import cpu_kernels
 from shoal.api.engine import Engine
+from shoal.config import EngineOptions, Resolved, resolve
 from shoal.kernels import cpu_kernels as cpu_kernels_module
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
@@ -113,13 +114,19 @@ def test_a_failed_build_falls_back_under_auto_and_fails_when_asked_for(
     def no_compiler(cache_dir: Path) -> CpuKernels:
         raise KernelUnavailable("the CPU kernels could not be built: no compiler")
 
+    def resolved(attention: str, quantization: str | None = None) -> Resolved:
+        options = EngineOptions(device="cpu", attention=attention, quantization=quantization)
+        return resolve(options, 2048)
+
     monkeypatch.setattr("shoal.actors.wiring.load_cpu_kernels", no_compiler)
     with caplog.at_level(logging.WARNING, logger="shoal"):
-        assert cpu_kernels("cpu", tmp_path, asked="auto") is None
+        assert cpu_kernels(resolved("auto"), tmp_path, asked_attention="auto") is None
     assert "no compiler" in caplog.text
     with pytest.raises(ValueError, match=r"attention cpu: .*no compiler"):
-        cpu_kernels("cpu", tmp_path, asked="cpu")
-    assert cpu_kernels("torch", tmp_path, asked="torch") is None  # nothing built, none asked
+        cpu_kernels(resolved("cpu"), tmp_path, asked_attention="cpu")
+    assert cpu_kernels(resolved("torch"), tmp_path, asked_attention="torch") is None  # none asked
+    with pytest.raises(ValueError, match=r"quantization int8: .*no compiler"):
+        cpu_kernels(resolved("torch", "int8"), tmp_path, asked_attention="torch")
 
 
 def test_the_build_names_the_cpu_capability() -> None:

@@ -17,13 +17,19 @@ from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
 from shoal.config import EngineOptions, resolve, resolve_linear
+from shoal.kernels.cpu_kernels import load_cpu_kernels
 from shoal.kernels.linear import make_linear
-from shoal.kernels.loader import load_model
-from shoal.kernels.quant import Int8Linear, hadamard, rotation_block
+from shoal.kernels.loader import default_cache_dir, load_model
+from shoal.kernels.quant import BLOCK, Int8Linear, dequantize_blocks, quantize_blocks
 
-# Weights are int8 per output channel (relative step 1/127 of a row's largest weight) and
-# activations ~14 bits, so a product is off by well under 1% of its size.
+# Weights are int8 in blocks of 32 (relative step 1/127 of a block's largest weight) and
+# activations float32, so a product is off by well under 1% of its size.
 REL_TOL = 0.01
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    load_cpu_kernels(default_cache_dir())  # the int8 kernel is one of them (built once)
 
 
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -33,11 +39,12 @@ def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 # ---- the linear ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 96), (33, 100), (8, 7)])
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 96), (33, 100), (8, 7), (3, 1536)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float_matmul(n: int, k: int, m: int, with_bias: bool) -> None:
-    """Ragged sizes: K of 64 / 96 / 100 / 7 rotate in blocks of 64 / 32 / 4 / 1 (none)."""
+    """Ragged sizes: K of 100 and 7 end in a part block and a part vector, N of 33 and 3 in a
+    lone channel, M of 3, 5 and 17 in a part tile of rows."""
     gen = torch.Generator().manual_seed(n * k + m)
     weight = torch.randn(n, k, generator=gen) * 0.1
     bias = torch.randn(n, generator=gen) if with_bias else None
@@ -46,32 +53,23 @@ def test_matches_float_matmul(n: int, k: int, m: int, with_bias: bool) -> None:
     y = linear(x)
     assert y.shape == (m, n) and y.dtype == torch.float32 and linear.out_features == n
     assert rel_error(y, F.linear(x, weight, bias)) < REL_TOL
+    # Against its own weights in float64, the kernel is off by float32 rounding only.
+    exact = F.linear(x.double(), linear.dequantized_weight().double())
+    exact = exact if bias is None else exact + bias.double()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
 
 
-def test_the_weight_error_is_within_half_a_step_per_row() -> None:
+def test_each_block_is_within_half_a_step() -> None:
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(64, 128, generator=gen)
-    linear = Int8Linear(weight, None)
-    rotated = weight.reshape(-1, 64) @ hadamard(64)
-    half_step = rotated.view(64, 128).abs().amax(1) / 127 / 2
-    # Rotation is orthogonal: a row's error norm is that of its rotated, rounded row.
-    row_error = (linear.dequantized_weight() - weight).norm(dim=1)
-    assert bool((row_error <= half_step * 128**0.5 + 1e-6).all())
-    # The activation path adds little on top of the weight's own rounding.
-    x = torch.randn(5, 128, generator=gen)
-    assert rel_error(linear(x), F.linear(x, linear.dequantized_weight())) < 1e-3
-
-
-def test_one_large_feature_does_not_swamp_the_rest() -> None:
-    """What LLM activations look like: one feature 50x the others, in every row."""
-    gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(96, 576, generator=gen) * 0.05
-    x = torch.randn(16, 576, generator=gen)
-    x[:, 7] *= 50
-    x[3] *= 100  # and one row far larger than the others
-    linear = Int8Linear(weight, None)
-    assert rel_error(linear(x), F.linear(x, weight)) < REL_TOL
-    assert rel_error(linear(x[:1]), F.linear(x[:1], weight)) < REL_TOL
+    weight = torch.randn(64, 100, generator=gen)
+    weight[3, 40:50] *= 100  # one block with a large weight: only its own step grows
+    q, scales = quantize_blocks(weight)
+    assert q.dtype == torch.int8 and q.shape == (64, 100) and scales.shape == (64, 4)
+    assert int(q.abs().max()) == 127
+    error = (dequantize_blocks(q, scales) - weight).abs()
+    half_step = scales[:, torch.arange(100) // BLOCK] / 2
+    assert bool((error <= half_step * (1 + 1e-6)).all())
+    assert float(half_step[3, 0]) < float(half_step[3, 40]) / 20
 
 
 def test_rows_are_independent_of_the_batch() -> None:
@@ -94,6 +92,7 @@ def test_shapes_zero_rows_and_empty_batches() -> None:
     torch.testing.assert_close(y[1, 2], bias)
     torch.testing.assert_close(y[..., 5], bias[5].expand(2, 3))
     assert linear(torch.randn(0, 64)).shape == (0, 24)
+    assert linear(torch.randn(4, 128)[:, ::2]).shape == (4, 24)  # strided rows are copied
 
 
 def test_load_takes_the_new_weight() -> None:
@@ -109,11 +108,20 @@ def test_load_takes_the_new_weight() -> None:
     torch.testing.assert_close(linear(x), Int8Linear(new_w, new_b)(x), rtol=0, atol=0)
 
 
-def test_rotation_blocks() -> None:
-    assert [rotation_block(k) for k in (576, 1536, 960, 100, 7, 2048)] == [64, 64, 64, 4, 1, 64]
-    for n in (1, 2, 64):
-        h = hadamard(n)
-        torch.testing.assert_close(h @ h, torch.eye(n))
+def test_the_kernel_refuses_what_it_cannot_read() -> None:
+    q, scales = quantize_blocks(torch.randn(8, 64))
+    x, out = torch.randn(2, 64), torch.empty(2, 8)
+    op = torch.ops.shoal_cpu.int8_linear
+    with pytest.raises(RuntimeError, match="weight must be"):
+        op(torch.randn(2, 65), q, scales, None, out)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        op(x, q, scales[:, :1].contiguous(), None, out)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        op(x, q, scales, torch.randn(7), out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        op(x, q, scales, None, torch.empty(3, 8))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        op(x, q.float(), scales, None, out)
 
 
 # ---- an engine on it -----------------------------------------------------------------------
@@ -138,13 +146,35 @@ async def greedy_outputs(engine: Engine, batch: list[list[int]]) -> list[list[in
     return [list((await s.result()).token_ids) for s in streams]
 
 
+# int8 weights move a logit by a few hundredths to a tenth on the tiny model (random weights,
+# flat distributions: its top logits are ~5.0, 4.4, 4.2): only a float32 choice about this
+# close to its runner-up may flip.
+NEAR_TIE = 0.25
+
+
 async def test_an_int8_engine_follows_the_float_engine(make_engine: EngineFactory) -> None:
-    """The tiny model's weights are peaky (far from argmax ties): int8 picks the same tokens."""
+    """int8 picks float32's tokens until a near-tie, where it may pick the runner-up. Measured
+    on `prompts(8, 0)`, 12 tokens each: three of eight flip, at float32 margins of 0.007, 0.041
+    and 0.113. The first (prompt 1, 19 tokens) is its first token: 253 at logit 5.1670 against 6
+    at 5.1601 in transformers; int8 picks 6, as transformers does on the same int8 weights."""
     batch = prompts(8, 0)
     quantized = await make_engine(quantization="int8", page_size=4)
     assert quantized.resolved.linear_kind == "int8"
     float32 = await make_engine(page_size=4)
-    assert await greedy_outputs(quantized, batch) == await greedy_outputs(float32, batch)
+    ask = {**GREEDY, "top_logprobs": 2}
+    flips = 0
+    for prompt in batch:
+        mine = await quantized.generate(input_ids=prompt, **GREEDY).result()
+        ref = await float32.generate(input_ids=prompt, **ask).result()
+        assert ref.logprobs is not None
+        for got, want, scored in zip(mine.token_ids, ref.token_ids, ref.logprobs, strict=True):
+            if got != want:  # the rest follows another text; only the first flip is checked
+                (first, first_lp), (second, second_lp) = scored.top
+                assert (first, second) == (want, got), (prompt, scored)
+                assert first_lp - second_lp < NEAR_TIE, (prompt, scored)
+                flips += 1
+                break
+    assert flips <= len(batch) // 2
 
 
 async def test_a_weight_update_requantizes(
