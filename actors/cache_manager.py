@@ -61,7 +61,8 @@ class CacheManager:
                     reply.set_result(self.kv.stats())
             case FlushCache(reply=reply):
                 # Only ever sent while no request holds anything (the scheduler's idle
-                # predicate, law 1), so this cannot fail on a live request.
+                # predicate, docs/architecture.md, law 1), so this cannot fail on a live
+                # request.
                 self.kv.flush()
                 error = self.check(loud=False)
                 if not reply.done():
@@ -125,7 +126,8 @@ class CacheManager:
         )
 
     def check(self, loud: bool) -> str | None:
-        """Laws 3-4 when idle: nothing leaked, accounting closes. Loud on violation."""
+        """Laws 3-4 (docs/architecture.md) when idle: nothing leaked, accounting closes.
+        Loud on violation."""
         try:
             self.kv.check_integrity()
             stats = self.kv.stats()

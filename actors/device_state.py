@@ -263,7 +263,8 @@ class DeviceState:
         return host
 
     def _write_table(self, launch: Launch) -> None:
-        """Apply the batch's row writes before its forward, in the same stream (law 3)."""
+        """Apply the batch's row writes before its forward, in the same stream
+        (docs/architecture.md, "Lifecycle laws", law 3)."""
         if not launch.writes:
             return
         pages = to_device(

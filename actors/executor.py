@@ -8,8 +8,9 @@
 
 Neither thread is the event loop, so it never blocks. Each launch applies its table writes
 before its forward, in one stream: a row written for batch N+1 is never seen by batch N
-(law 3 by execution order). On CUDA the launch thread only queues work, so it prepares
-batch N+1 while the device still runs batch N; the completion thread does the waiting.
+(docs/architecture.md, "Lifecycle laws", law 3, by execution order). On CUDA the launch
+thread only queues work, so it prepares batch N+1 while the device still runs batch N; the
+completion thread does the waiting.
 """
 
 from __future__ import annotations

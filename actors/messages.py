@@ -68,7 +68,8 @@ class Outputs(msgspec.Struct, frozen=True, tag=True):
 
 
 class Released(msgspec.Struct, frozen=True, tag=True):
-    """The cache manager confirmed these requests hold nothing anywhere (law 2)."""
+    """The cache manager confirmed these requests hold nothing anywhere
+    (docs/architecture.md, "Lifecycle laws", law 2)."""
 
     rids: tuple[str, ...]
 

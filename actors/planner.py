@@ -1,16 +1,17 @@
 """The scheduler's state and planning, as plain Python over plain data (no asyncio, no torch).
 
-Where a request can be (law 1 — `idle` is true only when every one of these is empty)::
+Where a request can be (docs/architecture.md, "Lifecycle laws", law 1 — `idle` is true only
+when every one of these is empty)::
 
     waiting ──admit──▶ prefill ──last chunk──▶ running ──eos/length/abort──▶ finishing ──▶ released
        ▲                  │                       │                              ▲
        └──── retracting ◀─┴───── out of pages ────┘                              │
                                    launched batches whose results are pending ───┘
 
-A request holds its row and pages from admission to release (law 3). It is released only
-when no launched batch still reads it (`inflight == 0`); a token sampled for a request
-that already finished is discarded. `tokens` holds the prompt and every output received;
-`pending` counts tokens sampled on the device but not yet received.
+A request holds its row and pages from admission to release (docs/architecture.md, law 3).
+It is released only when no launched batch still reads it (`inflight == 0`); a token sampled
+for a request that already finished is discarded. `tokens` holds the prompt and every output
+received; `pending` counts tokens sampled on the device but not yet received.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class Planner:
 
     @property
     def idle(self) -> bool:
-        """Law 1: no request anywhere, no batch in flight, no plan outstanding."""
+        """Law 1 (docs/architecture.md): no request anywhere, no batch in flight, no plan
+        outstanding."""
         return not self.reqs and not self.batches and not self.plan_pending
 
     @property
@@ -123,8 +125,8 @@ class Planner:
 
     def _end(self, req: Req) -> None:
         """Move a request to finishing; one that holds nothing is released at once. One whose
-        admission is in flight stays in `waiting` until the plan answers (law 5: it may be
-        holding a row there already)."""
+        admission is in flight stays in `waiting` until the plan answers (docs/architecture.md,
+        law 5: it may be holding a row there already)."""
         if req.phase is Phase.WAITING and req.rid not in self.admitting:
             self.waiting.remove(req.rid)
             del self.reqs[req.rid]

@@ -5,8 +5,9 @@ StepDone. Up to `max_inflight` launches are outstanding at once, so the results 
 are processed while step N+1 runs.
 
 Operations that need the engine idle (a cache flush) or quiet (a weight update during a
-pause) are deferred here until the planner says so — never asserted (law 5). Because the
-cache manager's mailbox is FIFO, a flush sent while idle lands before any later admission.
+pause) are deferred here until the planner says so — never asserted (docs/architecture.md,
+"Lifecycle laws", law 5). Because the cache manager's mailbox is FIFO, a flush sent while
+idle lands before any later admission.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Streaming sessions as the tokenizer actor keeps them (DESIGN.md, "Sessions").
+"""Streaming sessions as the tokenizer actor keeps them (docs/architecture.md, "Sessions").
 
 A session's history is the token sequence of every completed turn, inputs and outputs. A
 turn appends new input to it; the KV of the history stays in the cache manager between turns

@@ -1,4 +1,5 @@
-"""The model-update reader/writer lock (DESIGN.md, law 2), owned by the tokenizer actor.
+"""The model-update reader/writer lock, owned by the tokenizer actor (docs/architecture.md,
+"Lifecycle laws", law 2).
 
     reader   one per admitted request, from admission until the scheduler reports that the
              cache manager released everything it held (not merely its last token sent)

@@ -1,4 +1,5 @@
-"""The routes RL loops call between rollouts (DESIGN.md, "Model updates and cache flush").
+"""The routes RL loops call between rollouts (docs/architecture.md, "Weight updates, cache flush
+and pause").
 
     POST /update_weights_from_disk  {"model_path", "abort_all_requests"?, "weight_version"?}
                                     200 {"success": true, "message", "weight_version"}, or 400

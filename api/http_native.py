@@ -79,7 +79,8 @@ class NativeRoutes:
         """Each event carries the text and output ids so far; the last, the finish_reason."""
         response = await open_sse(request)
         rid = job.streams[0].rid
-        version = self.gateway.engine.weight_version  # fixed while the request is held (law 2)
+        # fixed while the request is held (docs/architecture.md, "Lifecycle laws", law 2)
+        version = self.gateway.engine.weight_version
         text = ""
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []

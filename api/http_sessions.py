@@ -1,5 +1,5 @@
-"""Streaming sessions over HTTP (DESIGN.md, "Sessions"): open, then send each turn's new input
-as an ordinary request carrying `session_params`, then close.
+"""Streaming sessions over HTTP (docs/architecture.md, "Sessions"): open, then send each turn's
+new input as an ordinary request carrying `session_params`, then close.
 
     POST /open_session {"timeout_s"?: 600, "max_tokens"?: null}  -> {"session_id": "session-..."}
     POST /generate {"input_ids" | "text": <only the new input>, "session_params": {"id": ...}, ...}

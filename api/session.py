@@ -1,5 +1,5 @@
 """A streaming session on the Engine: its KV stays across turns, each turn prefills only
-what is new (DESIGN.md, "Sessions").
+what is new (docs/architecture.md, "Sessions").
 
     async with await engine.open_session(timeout_s=300) as session:
         first = await session.turn(messages=[{"role": "user", "content": "Hi"}]).result()

@@ -1,7 +1,8 @@
 """SessionKV: the KV that streaming sessions keep between turns (part of KVCache).
 
 A session that finished a turn keeps a lock on the tree node covering the full pages of its
-tokens, and its partial last page, which belongs to the session alone (law 4)::
+tokens, and its partial last page, which belongs to the session alone (docs/architecture.md,
+"Lifecycle laws", law 4)::
 
     tokens     t0 .. t15 | t16 .. t31 | t32 t33          page_size 16
     pages      [ tree's, locked ]      [ tail page ]     session-owned; None when aligned

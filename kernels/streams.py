@@ -1,10 +1,11 @@
 """Where a step's device work is queued and how its results come back, without waiting.
 
 On CUDA a step runs on a dedicated compute stream: table writes, inputs, forward and sampling,
-in launch order, so a row written for batch N+1 is never read by batch N's forward (law 3 by
-stream order). Results are copied into pinned host memory on a second stream after an event,
-and only the thread that collects them waits. On CPU every operation has finished when it
-returns, so the same calls are plain copies and the waits are no-ops.
+in launch order, so a row written for batch N+1 is never read by batch N's forward
+(docs/architecture.md, "Lifecycle laws", law 3, by stream order). Results are copied into
+pinned host memory on a second stream after an event, and only the thread that collects them
+waits. On CPU every operation has finished when it returns, so the same calls are plain
+copies and the waits are no-ops.
 
 Host-to-device copies go through `to_device`: a plain `torch.tensor(..., device="cuda")`
 synchronizes the stream and would undo the overlap.

@@ -104,7 +104,8 @@ async def test_rows_reused_under_overlap_on_cuda_keep_tiny_parity(
     make_engine: EngineFactory, tiny_reference: Reference
 ) -> None:
     """4 rows for 8 requests: rows are rewritten while the previous batch may still run on
-    the device; stream order must keep every batch reading its own table (law 3)."""
+    the device; stream order must keep every batch reading its own table
+    (docs/architecture.md, "Lifecycle laws", law 3)."""
     engine = await make_engine(
         device="cuda", dtype="float32", max_running_requests=4, page_size=4, chunk_size=16
     )

@@ -1,5 +1,6 @@
-"""Lifecycle guarantees, each driven into its window deterministically (DESIGN.md laws 1-5):
-weight updates under load, flush only when truly idle, pause/continue, aborts everywhere."""
+"""Lifecycle guarantees, each driven into its window deterministically (docs/architecture.md,
+"Lifecycle laws", laws 1-5): weight updates under load, flush only when truly idle,
+pause/continue, aborts everywhere."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The scheduler's planning, driven with the real KVCache and a fake executor: no model,
-no asyncio, milliseconds. Checks laws 1-3 and 5 step by step."""
+no asyncio, milliseconds. Checks laws 1-3 and 5 (docs/architecture.md, "Lifecycle laws")
+step by step."""
 
 from __future__ import annotations
 
@@ -282,7 +283,8 @@ def test_running_cap_queues_the_rest() -> None:
 
 
 def test_rows_are_reused_only_after_every_reader_completed() -> None:
-    """Law 3: no two launches pending at once use one row for two different requests."""
+    """Law 3 (docs/architecture.md): no two launches pending at once use one row for two
+    different requests."""
     sim = Sim(num_rows=2, max_inflight=3)
     for rid, prompt in PROMPTS.items():
         sim.add(rid, prompt, max_new_tokens=6, stop_token_ids=tuple(range(3, 30)))
@@ -365,8 +367,9 @@ def test_a_request_that_can_never_fit_ends_with_an_error_not_a_hang() -> None:
 
 @pytest.mark.parametrize("admits", [True, False])
 def test_abort_while_the_admission_is_in_flight(admits: bool) -> None:
-    """Law 5 in the window "admission sent to the cache manager, its answer not back yet":
-    the request may already hold a row there, so it must be released, not forgotten."""
+    """Law 5 (docs/architecture.md) in the window "admission sent to the cache manager, its
+    answer not back yet": the request may already hold a row there, so it must be released,
+    not forgotten."""
     sim = Sim(num_rows=1, num_pages=64 if admits else 2, page_size=4)
     sim.add("a", list(range(3, 20)), max_new_tokens=4)
     request = sim.planner.propose(sim.step_no)
