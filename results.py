@@ -49,7 +49,7 @@ class Completion(msgspec.Struct, frozen=True):
     matched_stop: str | int | None = None  # the stop string or stop token that ended it
     message: str = ""
     logprobs: tuple[TokenLogprob, ...] | None = None
-    weight_version: int = 0  # the weights every token of this request came from
+    weight_version: int = 0  # the weights its last token came from (see docs/architecture.md)
 
 
 class RequestError(ValueError):

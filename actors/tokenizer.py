@@ -132,11 +132,19 @@ class Tokenizer:
                         self.scheduler.put(Abort(rid, "abort", "aborted for a weight update"))
             case Pause(paused=paused):
                 self.paused = paused
-                self.scheduler.put(SetPaused(paused))
+                # A writer at work may have parked the requests it found: they stay parked
+                # (the scheduler paused) until its load and flush are done, so none holds
+                # pages or reads KV of the old weights when the flush lands.
+                if paused or self.lock.active is None:
+                    self.scheduler.put(SetPaused(paused))
             case WriteDone(error=error):
                 writer = self.lock.finish(error is None)
                 message = error or f"weights loaded from {writer.model_path}"
                 _answer(writer.reply, (error is None, message, self.lock.version))
+                for live in self.live.values():  # parked across it: what comes next is new
+                    live.weight_version = self.lock.version
+                if not self.paused:
+                    self.scheduler.put(SetPaused(False))
                 for gen in self.lock.release_queue():
                     self.dispatch(gen)
             case Snapshot() | FlushWhenIdle() | Gate() | Advance() | Deliver() as control:

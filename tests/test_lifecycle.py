@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from conftest import EngineFactory, Reference
 from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
+from shoal.actors.device_state import DeviceState
 
 
 @pytest.fixture(scope="module")
@@ -320,3 +322,51 @@ async def test_update_during_pause_keeps_requests_which_continue_on_new_weights(
     k = next(i for i in range(30) if tokens[: i + 1] != tiny_reference.greedy(ids, i + 1, True))
     assert k >= 5  # everything before the pause came from the old weights
     assert tokens[k:] == other_reference.greedy(ids + tokens[:k], 30 - k, True)
+
+
+async def test_continue_during_a_paused_update_waits_for_the_new_weights(
+    make_engine: EngineFactory,
+    other_folder: Path,
+    other_reference: Reference,
+    tiny_reference: Reference,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """continue_generation while a paused update loads: the parked request is not admitted
+    again until the load and the flush are done (else it would hold pages, and read KV, from
+    the old weights when the flush lands), and it ends on the new weights, reporting them."""
+    loading, release = threading.Event(), threading.Event()
+    load = DeviceState.load_weights
+
+    def held_load(self: DeviceState, model_path: str) -> str | None:
+        loading.set()
+        release.wait(10)
+        return load(self, model_path)
+
+    monkeypatch.setattr(DeviceState, "load_weights", held_load)
+    engine = await make_engine(page_size=4)
+    ids = prompt(13, 13)
+    stream = engine.generate(input_ids=ids, max_new_tokens=30, **greedy())
+    seen: list[int] = []
+    async for delta in stream:
+        seen.extend(delta.token_ids)
+        if len(seen) >= 5:
+            engine.pause_generation()
+            break
+    update = asyncio.create_task(engine.update_weights_from_disk(other_folder))
+    while not loading.is_set():
+        await asyncio.sleep(0.01)
+    engine.continue_generation()
+    await asyncio.sleep(0.2)  # room for a wrong re-admission
+    snap = await engine.snapshot()
+    assert not snap["rows"] and not snap["launched_batches"], snap
+    release.set()
+    result = await update
+    assert result.success, result.message
+    done = await stream.result()
+    assert done.finish_reason == "length" and len(done.token_ids) == 30
+    assert done.weight_version == result.weight_version
+    tokens = list(done.token_ids)
+    k = next(i for i in range(30) if tokens[: i + 1] != tiny_reference.greedy(ids, i + 1, True))
+    assert k >= 5
+    assert tokens[k:] == other_reference.greedy(ids + tokens[:k], 30 - k, True)
+    await engine.check_integrity()
