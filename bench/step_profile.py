@@ -35,7 +35,10 @@ import torch
 from bench_format import emit, machine
 
 BUCKETS: dict[str, tuple[str, ...]] = {
-    "matmul": ("mm", "addmm", "linear", "matmul", "_mkl_linear", "_linear_pointwise", "bmm"),
+    "matmul": (
+        "mm", "addmm", "linear", "matmul", "_mkl_linear", "_linear_pointwise", "bmm",
+        "int8_linear", "f32_linear",
+    ),
     "attention": (
         "_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention",
         "paged_decode",
@@ -69,6 +72,11 @@ def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
     loaded = load_model(None)
     cpu = torch.device("cpu")
     extra = () if kind is None else (kind,)
+    if kind == "int8" or attention == "cpu":  # int8 linears are compiled too
+        from shoal.kernels.cpu_kernels import load_cpu_kernels
+        from shoal.kernels.loader import default_cache_dir
+
+        load_cpu_kernels(default_cache_dir())
     model = LlamaModel(loaded.config, loaded.weights, torch.float32, cpu, *extra)
     pool = KVPool(loaded.config, POOL_PAGES * PAGE_SIZE, torch.float32, cpu)
     for layer in (*pool.k, *pool.v):  # touched: untouched zero pages would read unrealistically

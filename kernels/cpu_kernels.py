@@ -5,8 +5,10 @@
     rms_norm       csrc/elementwise.cpp    RMSNorm of rows, in one op
     add_rms_norm                           the residual add and the next RMSNorm, in one op
     rope                                   q and k rotated in place, in one op
-    int8_linear    csrc/int8_linear.cpp    x w.T + b with int8 weights in blocks of 32
+    int8_linear    csrc/linear.cpp         x w.T + b with int8 weights in blocks of 32
                                            (`quantization="int8"`, quant.py)
+    f32_linear                             x w.T + b for a few rows, float32 weights
+                                           (`PackedLinear` at a few rows, linear.py)
 
 They are what `attention="cpu"` (the default on the CPU in float32) runs: the decode attention
 here, prompt chunks through the torch reference, and the element-wise ops through
@@ -31,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "elementwise.cpp", CSRC / "int8_linear.cpp")
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp")
 
 # torch's CPU capability -> compiler flags. CPU_CAPABILITY selects ATen's vector type
 # (at::vec::Vectorized) as torch's own kernels are built for that capability; no contraction
@@ -75,6 +77,7 @@ class CpuKernels:
     add_rms_norm: Any
     rope: Any
     int8_linear: Any
+    f32_linear: Any
 
 
 def capability() -> str:
@@ -84,10 +87,12 @@ def capability() -> str:
 
 def load_cpu_kernels(cache_dir: Path) -> CpuKernels:
     """The ops, built into `cache_dir` the first time (KernelUnavailable if they cannot be)."""
-    if not hasattr(torch.ops.shoal_cpu, "int8_linear"):
+    if not hasattr(torch.ops.shoal_cpu, "f32_linear"):
         build(cache_dir)
     ops = torch.ops.shoal_cpu
-    return CpuKernels(ops.paged_decode, ops.rms_norm, ops.add_rms_norm, ops.rope, ops.int8_linear)
+    return CpuKernels(
+        ops.paged_decode, ops.rms_norm, ops.add_rms_norm, ops.rope, ops.int8_linear, ops.f32_linear
+    )
 
 
 def build(cache_dir: Path) -> None:
@@ -109,5 +114,5 @@ def build(cache_dir: Path) -> None:
         )
     except Exception as error:  # the builder raises whatever the compiler or ninja did
         raise KernelUnavailable(f"the CPU kernels could not be built: {error}") from error
-    if not hasattr(torch.ops.shoal_cpu, "int8_linear"):
+    if not hasattr(torch.ops.shoal_cpu, "f32_linear"):
         raise KernelUnavailable(f"the CPU kernels built in {folder} registered no op")

@@ -3,7 +3,8 @@
     kind     class          where                 what a call does
     dense    DenseLinear    CUDA, and reference   F.linear on the weight as loaded
     packed   PackedLinear   CPU, float32          oneDNN's matmul on the weight in its blocked
-                                                  layout (packed at load)
+                                                  layout (packed at load); up to 4 rows a
+                                                  compiled kernel on the plain weight
     int8     (quant.py)     CPU, opt-in           int8 weights in blocks of 32 along K (a scale
                                                   each), float32 activations, a compiled kernel
                                                   (csrc/int8_linear.cpp)
@@ -25,6 +26,7 @@ LinearKind = Literal["dense", "packed", "int8"]
 
 # oneDNN's packing takes the expected number of rows as a hint; any number works at call time.
 _ROWS_HINT = 16
+FEW_ROWS = 4  # up to this many rows, a packed linear runs f32_linear when it can
 
 
 class Linear(Protocol):
@@ -52,13 +54,17 @@ class DenseLinear:
 
 
 class PackedLinear:
-    """float32 on the CPU: oneDNN's matmul on the weight reordered once into its blocked layout.
+    """float32 on the CPU: oneDNN's matmul on the weight reordered once into its blocked
+    layout, and, when the compiled CPU kernels are loaded, `f32_linear` (csrc/linear.cpp) on
+    the plain weight for steps of up to `FEW_ROWS` rows.
 
     Measured on a 2-core AVX2 EPYC with two threads, all of SmolLM2's projections in a row
-    (bench/README.md), it was the fastest of MKL's packed sgemm, `F.linear` and oneDNN at every
-    row count tried (1 to 512): at one row 1.25x MKL's packed form and 1.4x `F.linear`, at
-    16-64 rows 1.2-1.5x `F.linear`, at 128-512 rows 1.0-1.3x. One copy of each weight, in
-    oneDNN's layout only (the loaded tensor is not kept)."""
+    (bench/README.md): oneDNN was the fastest of MKL's packed sgemm, `F.linear` and oneDNN at
+    every row count tried (1 to 512): at one row 1.25x MKL's packed form and 1.4x `F.linear`,
+    at 16-64 rows 1.2-1.5x `F.linear`, at 128-512 rows 1.0-1.3x. At one to four rows, where a
+    step is bound by reading the weights, `f32_linear` reads them faster still (one row 22 ms
+    against 31, four rows 29 against 35), so the weight is kept twice: 1.08 GB for SmolLM2
+    instead of 0.54. The two sum in different orders: results may differ in the last bits."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = int(weight.shape[0])
@@ -67,12 +73,18 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if self.weight is not None and rows.shape[0] <= FEW_ROWS and rows.stride(-1) == 1:
+            y = torch.empty(rows.shape[0], self.out_features)
+            torch.ops.shoal_cpu.f32_linear(rows, self.weight, self.bias, y)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return y.view(*shape[:-1], self.out_features)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _ROWS_HINT)
+        few_rows = hasattr(torch.ops.shoal_cpu, "f32_linear")  # loaded: cpu_kernels.py
+        self.weight = weight.contiguous() if few_rows else None
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:

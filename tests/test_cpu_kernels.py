@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shoal.actors.wiring import cpu_kernels
 from shoal.api.engine import Engine
@@ -19,6 +20,7 @@ from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import CpuKernels, DecodeKernel, KernelUnavailable, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise, TorchElementwise
+from shoal.kernels.linear import FEW_ROWS, PackedLinear
 from shoal.kernels.loader import LoadedModel, default_cache_dir
 from shoal.kernels.rope import cos_sin_table, inv_frequencies
 from shoal.params import SamplingParams
@@ -187,3 +189,45 @@ async def test_the_engine_decodes_with_the_kernel_as_with_the_reference(
             outs = [await engine.generate(input_ids=p, sampling=params).result() for p in prompts]
             results[attention] = [o.token_ids for o in outs]
     assert results["cpu"] == results["torch"]
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (33, 100), (8, 7), (5, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+def test_f32_linear_equals_float64(kernels: CpuKernels, n: int, k: int, rows: int) -> None:
+    """Ragged sizes: channels left over after tiles of 4 and 2, K ending in a part vector."""
+    gen = torch.Generator().manual_seed(n + k + rows)
+    x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    for bias in (None, torch.randn(n, generator=gen)):
+        out = torch.empty(rows, n)
+        kernels.f32_linear(x, weight, bias, out)
+        exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_f32_linear_refuses_what_it_cannot_read(kernels: CpuKernels) -> None:
+    x, weight, out = torch.randn(2, 64), torch.randn(8, 64), torch.empty(2, 8)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.f32_linear(x, weight.double(), None, out)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.f32_linear(torch.randn(2, 63), weight, None, out)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernels.f32_linear(torch.randn(64, 2).t(), weight, None, out)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        kernels.f32_linear(x, weight, torch.randn(9), out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        kernels.f32_linear(x, weight, None, torch.empty(2, 9))
+
+
+def test_a_packed_linear_runs_few_rows_compiled_and_takes_updates(kernels: CpuKernels) -> None:
+    """Up to FEW_ROWS rows through f32_linear, more through oneDNN; a load replaces both."""
+    gen = torch.Generator().manual_seed(7)
+    old, new = torch.randn(48, 64, generator=gen), torch.randn(48, 64, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    linear = PackedLinear(old.clone(), bias.clone())
+    assert linear.weight is not None  # the kernels are loaded: the plain copy is kept
+    for rows in (1, FEW_ROWS, FEW_ROWS + 1, 33):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(linear(x), F.linear(x, old, bias), rtol=1e-5, atol=1e-5)
+        linear.load(new.clone(), bias.clone())
+        torch.testing.assert_close(linear(x), F.linear(x, new, bias), rtol=1e-5, atol=1e-5)
+        linear.load(old.clone(), bias.clone())
