@@ -31,7 +31,7 @@ class EngineOptions:
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # CUDA when available
     attention: str = "auto"  # triton on CUDA; on CPU the compiled kernels (float32)
-    quantization: str | None = None  # "int8": int8 weights, dynamic activations (CPU)
+    quantization: str | None = None  # "int8": int8 weights in blocks, float32 activations (CPU)
     cuda_graph_max_batch: int = 128  # decode batches up to this replay CUDA graphs; 0 = off
     num_threads: int | None = None
     seed: int | None = None
@@ -128,7 +128,7 @@ def resolve(options: EngineOptions, model_context: int) -> Resolved:
 
 
 def resolve_linear(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> LinearKind:
-    """int8 when asked for (CPU only); else MKL-packed float32 on the CPU; else dense."""
+    """int8 when asked for (CPU only); else packed float32 on the CPU; else dense."""
     if options.quantization == "int8":
         if device.type != "cpu":
             raise ValueError("quantization int8 runs on the CPU only")

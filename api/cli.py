@@ -72,8 +72,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default=defaults.quantization,
         choices=["int8"],
-        help="int8: weights int8 per output channel, activations quantized per step (CPU; "
-        "not token-exact, quality in bench/README.md); unset: the model's dtype",
+        help="int8: weights int8 in blocks of 32, activations float32 (CPU; not token-exact, "
+        "quality in bench/README.md); unset: the model's dtype",
     )
     parser.add_argument("--num-threads", type=int, default=None)
     limits = parser.add_argument_group("input limits, every door (docs/limits.md)")
