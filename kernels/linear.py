@@ -7,7 +7,7 @@
                                                   compiled kernel on the plain weight
     int8     (quant.py)     CPU, opt-in           int8 weights in blocks of 32 along K (a scale
                                                   each), float32 activations, a compiled kernel
-                                                  (csrc/int8_linear.cpp)
+                                                  (csrc/linear.cpp)
 
 `Linear.load` takes a new weight of the same shape (a weight update): a dense linear copies it
 into the tensor it already holds (a captured CUDA graph keeps reading that tensor); a packed one

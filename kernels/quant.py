@@ -7,7 +7,7 @@ What is quantized how (y = x w.T + b, w: [N, K]):
     activation  float32, as in the float model: nothing about x is rounded.
     out         float32, bias added in float32.
 
-The kernel is `int8_linear` in csrc/int8_linear.cpp (built with the other CPU kernels,
+The kernel is `int8_linear` in csrc/linear.cpp (built with the other CPU kernels,
 cpu_kernels.py): each weight becomes `q * scale` in float32, multiplied and summed in float32.
 It is for the few-row steps that are bound by reading the weights: all of SmolLM2's
 projections and its lm_head (2 threads, this 2-core AVX2 EPYC, bench/README.md) took 9-13 ms
