@@ -16,6 +16,7 @@ from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
 from shoal.actors.device_state import DeviceState
+from shoal.results import RequestStream
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +294,18 @@ async def test_pause_holds_work_and_continue_resumes_it(
     assert list((await queued.result()).token_ids) == tiny_reference.greedy(ids, 5, True)
 
 
+async def paused_after(engine: Engine, ids: list[int], tokens: int) -> RequestStream:
+    """A greedy 30-token request, and the engine paused once it has streamed `tokens`."""
+    stream = engine.generate(input_ids=ids, max_new_tokens=30, **greedy())
+    seen: list[int] = []
+    async for delta in stream:
+        seen.extend(delta.token_ids)
+        if len(seen) >= tokens:
+            engine.pause_generation()
+            break
+    return stream
+
+
 async def test_update_during_pause_keeps_requests_which_continue_on_new_weights(
     make_engine: EngineFactory,
     other_folder: Path,
@@ -301,13 +314,7 @@ async def test_update_during_pause_keeps_requests_which_continue_on_new_weights(
 ) -> None:
     engine = await make_engine(page_size=4)
     ids = prompt(13, 13)
-    stream = engine.generate(input_ids=ids, max_new_tokens=30, **greedy())
-    seen: list[int] = []
-    async for delta in stream:
-        seen.extend(delta.token_ids)
-        if len(seen) >= 5:
-            engine.pause_generation()
-            break
+    stream = await paused_after(engine, ids, 5)
     await asyncio.sleep(0.05)
     snap = await engine.snapshot()
     while snap["launched_batches"]:
@@ -345,13 +352,7 @@ async def test_continue_during_a_paused_update_waits_for_the_new_weights(
     monkeypatch.setattr(DeviceState, "load_weights", held_load)
     engine = await make_engine(page_size=4)
     ids = prompt(13, 13)
-    stream = engine.generate(input_ids=ids, max_new_tokens=30, **greedy())
-    seen: list[int] = []
-    async for delta in stream:
-        seen.extend(delta.token_ids)
-        if len(seen) >= 5:
-            engine.pause_generation()
-            break
+    stream = await paused_after(engine, ids, 5)
     update = asyncio.create_task(engine.update_weights_from_disk(other_folder))
     while not loading.is_set():
         await asyncio.sleep(0.01)
