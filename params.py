@@ -1,4 +1,9 @@
-"""Sampling parameters: one frozen struct per request, validated before anything is queued."""
+"""Sampling parameters: one frozen struct per request, validated before anything is queued.
+
+SamplingParams is the one declaration of the sampling vocabulary: every door takes each of its
+fields, named as its wire names it (api/sampling_wire.py), with the default declared here, and
+Engine.generate validates each request once (`validate`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import math
 import msgspec
 
 from shoal.limits import InputLimits, check_stops
+from shoal.results import RequestError
 
 MAX_TOP_LOGPROBS = 20
 
@@ -43,8 +49,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.logprobs or self.top_logprobs > 0
 
     def validate(self, vocab_size: int | None = None, limits: InputLimits | None = None) -> None:
-        """Raise ValueError naming the first bad field. Counts and lengths are checked first,
-        against `limits` (default: InputLimits())."""
+        """Raise RequestError (LimitExceeded for a count or a length) naming the first bad
+        field in `field`; its message starts with the name. Counts and lengths are checked
+        first, against `limits` (default: InputLimits())."""
         check_stops(limits or InputLimits(), self.stop, self.stop_token_ids)
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
         _check(
@@ -103,4 +110,4 @@ def _finite(value: float) -> bool:
 
 def _check(ok: bool, field: str, rule: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{field} {rule}, got {value!r}")
+        raise RequestError(f"{field} {rule}, got {value!r}", field)

@@ -1,19 +1,37 @@
 """The engine's output vocabulary: what a caller holds for one request (an async stream of
-deltas ending in a Completion), its parts (Delta, Usage, TokenLogprob) and the errors a request
-can end with. The core: the actors produce these and every door hands them out, so it lives
-outside `api/` (tests/test_import_directions.py keeps `actors/` from importing `api/`)."""
+deltas ending in a Completion), its parts (Delta, Usage, TokenLogprob), the closed sets its
+seams speak (FinishReason, ErrorCode) and the errors a request can end with. The core: the
+actors produce these and every door hands them out, so it lives outside `api/`
+(tests/test_import_directions.py keeps `actors/` from importing `api/`)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 from types import TracebackType
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
-# How a request ended: a stop string or token, its length limit, an abort, or an error.
+# How a request ended: a stop string or token, its length limit, an abort, or an error. The
+# wire says these same strings (OpenAI's finish_reason, /generate's meta_info, the websocket).
 FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
+
+# What kind of refusal a RequestError is: the HTTP layer answers each with a status of its own
+# (api/http_errors.py, STATUS_OF), never by reading the message. The OpenAI codes for limits
+# (limits.py) are among them.
+ErrorCode = Literal[
+    "invalid_value",  # a field's value breaks its rule
+    "invalid_messages",  # the chat template refused the messages
+    "context_length_exceeded",  # the prompt, or the prompt plus its output, is too long
+    "array_above_max_length",  # a list over its limit (limits.py, TOO_MANY)
+    "string_above_max_length",  # a string over its limit (limits.py, TOO_LONG)
+    "session_not_found",  # never opened, closed or reaped
+    "session_busy",  # the session's last turn still streams
+    "too_many_sessions",  # the engine's cap on open sessions is reached
+]
+ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -53,13 +71,16 @@ class Completion(msgspec.Struct, frozen=True):
 
 
 class RequestError(ValueError):
-    """A request the engine refuses as given: `field` names the culprit, `code` is a stable
-    machine-readable kind (e.g. "context_length_exceeded")."""
+    """A request or operation the engine refuses as given: `field` names the culprit (the
+    engine's name for it, e.g. "max_new_tokens"; None when no one field is), `code` says what
+    kind of refusal it is. The message is for people; code and field are for programs."""
 
-    def __init__(self, message: str, field: str | None = None, code: str = "invalid_value"):
+    def __init__(
+        self, message: str, field: str | None = None, code: ErrorCode = "invalid_value"
+    ) -> None:
         super().__init__(message)
         self.field = field
-        self.code = code
+        self.code: ErrorCode = code
 
 
 class InternalError(RuntimeError):

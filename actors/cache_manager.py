@@ -23,6 +23,7 @@ from shoal.actors.messages import (
     SchedulerMsg,
     Shutdown,
 )
+from shoal.actors.replies import answer
 from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
 from shoal.cache.kv import KVCache
 from shoal.results import InternalError
@@ -54,19 +55,16 @@ class CacheManager:
                 self.scheduler.put(self.plan(req))
             case CheckIntegrity(reply=reply):
                 error = self.check(loud=reply is None and self.strict)
-                if reply is not None and not reply.done():
-                    reply.set_result(error)
+                if reply is not None:
+                    answer(reply, error)
             case CacheStats(reply=reply):
-                if not reply.done():
-                    reply.set_result(self.kv.stats())
+                answer(reply, self.kv.stats())
             case FlushCache(reply=reply):
                 # Only ever sent while no request holds anything (the scheduler's idle
                 # predicate, docs/architecture.md, law 1), so this cannot fail on a live
                 # request.
                 self.kv.flush()
-                error = self.check(loud=False)
-                if not reply.done():
-                    reply.set_result(error)
+                answer(reply, self.check(loud=False))
             case CloseSession(session_id=session_id):
                 self.kv.close_session(session_id)
             case Shutdown():
@@ -131,11 +129,11 @@ class CacheManager:
         try:
             self.kv.check_integrity()
             stats = self.kv.stats()
-            assert stats["free_rows"] == stats["total_rows"], f"leaked rows: {stats}"
-            assert stats["request_pages"] == 0, f"leaked request pages: {stats}"
+            assert stats.free_rows == stats.total_rows, f"leaked rows: {stats}"
+            assert stats.request_pages == 0, f"leaked request pages: {stats}"
             # Tree locks may remain only for sessions; check_integrity matched them up.
-            if stats["sessions"] == 0:
-                assert stats["locked_pages"] == 0, f"leaked tree locks: {stats}"
+            if stats.sessions == 0:
+                assert stats.locked_pages == 0, f"leaked tree locks: {stats}"
         except AssertionError as exc:
             log.error("integrity violation while idle: %s", exc)
             if loud:

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -40,7 +40,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shoal.executor")
 
-StepResult = tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]]
+
+class StepResult(NamedTuple):
+    """One step's results on the host, one per sampling sequence in batch order."""
+
+    next_tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob | None, ...]  # empty when no row asked for logprobs
 
 
 @dataclass
@@ -96,14 +101,14 @@ class PendingStep:
                 state.output_ids.append(token)
             self.arrived.notify_all()
         if not self.logprob_rows:
-            return tokens, ()
+            return StepResult(tokens, ())
         chosen, values, ids = (t.tolist() for t in tensors[1:])
         out: list[TokenLogprob | None] = [None] * len(self.states)
         for j, i in enumerate(self.logprob_rows):
             k = self.states[i].sampling.top_logprobs
             top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
             out[i] = TokenLogprob(tokens[i], float(chosen[j]), top)
-        return tokens, tuple(out)
+        return StepResult(tokens, tuple(out))
 
 
 class DeviceState:

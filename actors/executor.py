@@ -33,6 +33,7 @@ from shoal.actors.messages import (
     Shutdown,
     StepDone,
 )
+from shoal.actors.replies import answer
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
 from shoal.results import InternalError
 
@@ -87,9 +88,7 @@ class Executor:
                 self.launcher.submit(self._launch, self.completer, launch, step)
             case LoadWeights(model_path=model_path, reply=reply):
                 loading = self.launcher.submit(self.state.load_weights, model_path)
-                error = await asyncio.wrap_future(loading)
-                if not reply.done():
-                    reply.set_result(error)
+                answer(reply, await asyncio.wrap_future(loading))
             case Shutdown():
                 # Let launched steps finish: they write into the KV pool.
                 pending = [asyncio.wrap_future(f) for f in self.running]
@@ -130,8 +129,8 @@ class Executor:
             # The log has the detail; requests are told only that the step failed.
             self.scheduler.put(StepDone(batch_id, (), error="internal error in the executor"))
         else:
-            tokens, logprobs = done.result()
-            self.scheduler.put(StepDone(batch_id, tokens, logprobs=logprobs))
+            result = done.result()
+            self.scheduler.put(StepDone(batch_id, result.next_tokens, logprobs=result.logprobs))
 
 
 def _resolve(pending: PendingStep, step: Future[StepResult]) -> None:

@@ -1,4 +1,6 @@
 """Every message that crosses a mailbox: frozen msgspec Structs, one tagged union per actor.
+A message that asks for an answer carries a typed `reply` future (what each carries:
+actors/replies.py).
 
 Channels::
 
@@ -12,10 +14,12 @@ Channels::
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from shoal.actors.replies import SchedulerSnapshot, UpdateOutcome
+from shoal.cache.stats import KVStats
 from shoal.params import SamplingParams
 from shoal.results import FinishReason, TokenLogprob
 
@@ -84,7 +88,7 @@ class UpdateWeights(msgspec.Struct, frozen=True, tag=True):
     model_path: str
     abort_all: bool
     weight_version: int | None
-    reply: asyncio.Future[Any]
+    reply: asyncio.Future[UpdateOutcome]
 
 
 class Pause(msgspec.Struct, frozen=True, tag=True):
@@ -92,18 +96,21 @@ class Pause(msgspec.Struct, frozen=True, tag=True):
 
 
 class OpenSession(msgspec.Struct, frozen=True, tag=True):
+    """Open a session; the reply raises RequestError if it cannot be (id in use, too many)."""
+
     session_id: str
     timeout_s: float
     max_tokens: int | None
-    reply: asyncio.Future[Any]
+    reply: asyncio.Future[None]
 
 
 class EndSession(msgspec.Struct, frozen=True, tag=True):
-    """Close a session (deferred until its turn ends); reason "close" or "timeout"."""
+    """Close a session (deferred until its turn ends). A "timeout" never ends a live turn. The
+    reply raises RequestError (session_not_found) if the session is not open."""
 
     session_id: str
-    reason: str = "close"
-    reply: asyncio.Future[Any] | None = None
+    reason: Literal["close", "timeout"] = "close"
+    reply: asyncio.Future[None] | None = None
 
 
 class WriteDone(msgspec.Struct, frozen=True, tag=True):
@@ -150,7 +157,7 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
 
 
 class Snapshot(msgspec.Struct, frozen=True, tag=True):
-    reply: asyncio.Future[Any]
+    reply: asyncio.Future[SchedulerSnapshot]
 
 
 class FlushWhenIdle(msgspec.Struct, frozen=True, tag=True):
@@ -158,7 +165,7 @@ class FlushWhenIdle(msgspec.Struct, frozen=True, tag=True):
 
     flush_id: int
     timeout_s: float
-    reply: asyncio.Future[Any]
+    reply: asyncio.Future[str | None]  # None: flushed; else why not
 
 
 class FlushDeadline(msgspec.Struct, frozen=True, tag=True):
@@ -175,7 +182,7 @@ class Park(msgspec.Struct, frozen=True, tag=True):
     """Retract every request, dropping its KV; answer when no request holds anything and no
     batch is in flight. Used by a weight update during a pause."""
 
-    reply: asyncio.Future[Any]
+    reply: asyncio.Future[None]
 
 
 class Gate(msgspec.Struct, frozen=True, tag=True):
@@ -187,13 +194,13 @@ class Gate(msgspec.Struct, frozen=True, tag=True):
 class Advance(msgspec.Struct, frozen=True, tag=True):
     """While held: plan and launch one step; the reply is the launched batch id or None."""
 
-    reply: asyncio.Future[Any]
+    reply: asyncio.Future[int | None]
 
 
 class Deliver(msgspec.Struct, frozen=True, tag=True):
     """While held: process the oldest result (waiting for one); the reply is its batch id."""
 
-    reply: asyncio.Future[Any]
+    reply: asyncio.Future[int]
 
 
 SchedulerMsg = (
@@ -251,15 +258,21 @@ class PlanRequest(msgspec.Struct, frozen=True, tag=True):
 
 
 class CheckIntegrity(msgspec.Struct, frozen=True, tag=True):
-    reply: asyncio.Future[Any] | None = None
+    """Check the books (the engine is idle); the reply is None or the violation. Without a
+    reply (the scheduler's self-check on becoming idle) a violation is logged, and stops the
+    engine under strict_integrity."""
+
+    reply: asyncio.Future[str | None] | None = None
 
 
 class CacheStats(msgspec.Struct, frozen=True, tag=True):
-    reply: asyncio.Future[Any]
+    reply: asyncio.Future[KVStats]
 
 
 class FlushCache(msgspec.Struct, frozen=True, tag=True):
-    reply: asyncio.Future[Any]
+    """Empty the prefix tree (sent only while idle); the reply is None or what is wrong."""
+
+    reply: asyncio.Future[str | None]
 
 
 class CloseSession(msgspec.Struct, frozen=True, tag=True):
@@ -308,7 +321,7 @@ class LoadWeights(msgspec.Struct, frozen=True, tag=True):
     The reply is None on success or the reason it was refused (old weights stay)."""
 
     model_path: str
-    reply: asyncio.Future[Any]
+    reply: asyncio.Future[str | None]
 
 
 ExecutorMsg = Launch | LoadWeights | Shutdown

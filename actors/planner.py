@@ -35,6 +35,7 @@ from shoal.actors.messages import (
     StepDone,
 )
 from shoal.actors.prefix_sharing import prefixes_in_progress, publishes_due
+from shoal.actors.replies import SchedulerSnapshot
 from shoal.actors.request import Phase, PlannerConfig, Req, finish_reason
 from shoal.results import FinishReason
 
@@ -81,20 +82,24 @@ class Planner:
     def holding(self) -> list[Req]:
         return [r for r in self.reqs.values() if r.row is not None]
 
-    def snapshot(self) -> dict[str, object]:
-        phases: dict[str, list[str]] = {p.value: [] for p in Phase}
-        for r in self.reqs.values():
-            phases[r.phase.value].append(r.rid)
-        return {
-            **phases,
-            "launched_batches": {b: [m.rid for m in seqs] for b, seqs in self.batches.items()},
-            "rows": {r.rid: r.row for r in self.reqs.values() if r.row is not None},
-            "progress": {r.rid: r.num_launched for r in self.reqs.values()},
-            "plan_pending": self.plan_pending,
-            "paused": self.paused,
-            "num_retractions": self.num_retractions,
-            "idle": self.idle,
-        }
+    def snapshot(self) -> SchedulerSnapshot:
+        def phase(p: Phase) -> tuple[str, ...]:
+            return tuple(r.rid for r in self.reqs.values() if r.phase is p)
+
+        return SchedulerSnapshot(
+            waiting=phase(Phase.WAITING),
+            prefill=phase(Phase.PREFILL),
+            running=phase(Phase.RUNNING),
+            retracting=phase(Phase.RETRACTING),
+            finishing=phase(Phase.FINISHING),
+            launched_batches={b: tuple(m.rid for m in ms) for b, ms in self.batches.items()},
+            rows={r.rid: r.row for r in self.reqs.values() if r.row is not None},
+            progress={r.rid: r.num_launched for r in self.reqs.values()},
+            plan_pending=self.plan_pending,
+            paused=self.paused,
+            num_retractions=self.num_retractions,
+            idle=self.idle,
+        )
 
     # ---- events ---------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+
+import msgspec
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
@@ -44,6 +45,7 @@ from shoal.actors.messages import (
     TokenizerMsg,
 )
 from shoal.actors.planner import Planner
+from shoal.actors.replies import answer
 from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
 from shoal.results import InternalError
 
@@ -56,9 +58,9 @@ class StepGate:
     per Deliver; results that arrive meanwhile wait in `results`."""
 
     held: bool = False
-    advances: deque[asyncio.Future[Any]] = field(default_factory=deque)
-    planning: asyncio.Future[Any] | None = None
-    delivers: deque[asyncio.Future[Any]] = field(default_factory=deque)
+    advances: deque[asyncio.Future[int | None]] = field(default_factory=deque)
+    planning: asyncio.Future[int | None] | None = None
+    delivers: deque[asyncio.Future[int]] = field(default_factory=deque)
     results: deque[StepDone] = field(default_factory=deque)
 
 
@@ -83,8 +85,8 @@ class Scheduler:
         self.step = 0
         self.was_idle = True
         self.gate = StepGate()
-        self.flushes: dict[int, tuple[asyncio.Future[Any], asyncio.TimerHandle]] = {}
-        self.parks: list[asyncio.Future[Any]] = []
+        self.flushes: dict[int, tuple[asyncio.Future[str | None], asyncio.TimerHandle]] = {}
+        self.parks: list[asyncio.Future[None]] = []
         self.faults = faults
 
     async def run(self) -> None:
@@ -114,7 +116,7 @@ class Scheduler:
                 self._send(planner.process(StepDone(batch_id, (), error=str(error))))
             case FlushDeadline(flush_id=flush_id) if flush_id in self.flushes:
                 reply, _ = self.flushes.pop(flush_id)
-                _answer(reply, f"not flushed: {error}")
+                answer(reply, f"not flushed: {error}")
             case Plan():
                 raise Fatal("the scheduler could not apply a plan") from error
         self._maybe_plan()
@@ -132,7 +134,7 @@ class Scheduler:
                 if launch is not None:
                     self.executor.put(launch)
                 if self.gate.planning is not None:
-                    _answer(self.gate.planning, launch.batch_id if launch else None)
+                    answer(self.gate.planning, launch.batch_id if launch else None)
                     self.gate.planning = None
             case StepDone() as done:
                 if self.gate.held:
@@ -140,9 +142,8 @@ class Scheduler:
                 else:
                     self._send(planner.process(done))
             case Snapshot(reply=reply):
-                snap = planner.snapshot()
-                snap["held_results"] = [d.batch_id for d in self.gate.results]
-                _answer(reply, snap)
+                held = tuple(d.batch_id for d in self.gate.results)
+                answer(reply, msgspec.structs.replace(planner.snapshot(), held_results=held))
             case FlushWhenIdle(flush_id=flush_id, timeout_s=timeout_s, reply=reply):
                 loop = asyncio.get_running_loop()
                 timer = loop.call_later(timeout_s, self.mailbox.put, FlushDeadline(flush_id))
@@ -150,11 +151,8 @@ class Scheduler:
             case FlushDeadline(flush_id=flush_id):
                 if flush_id in self.flushes:
                     reply, _ = self.flushes.pop(flush_id)
-                    _answer(
-                        reply,
-                        f"not flushed: the engine did not become idle in time "
-                        f"({self._busy_summary()})",
-                    )
+                    busy = planner.snapshot().busy_summary()
+                    answer(reply, f"not flushed: the engine did not become idle in time ({busy})")
             case SetPaused(paused=paused):
                 planner.set_paused(paused)
             case Park(reply=reply):
@@ -174,7 +172,7 @@ class Scheduler:
             case Deliver(reply=reply):
                 self.gate.delivers.append(reply)
 
-    def _send(self, outputs: list[Any]) -> None:
+    def _send(self, outputs: list[Output]) -> None:
         if outputs:
             self.tokenizer.put(Outputs(tuple(outputs)))
         released = self.planner.take_released()
@@ -186,7 +184,7 @@ class Scheduler:
         while gate.delivers and gate.results:
             done = gate.results.popleft()
             self._send(self.planner.process(done))
-            _answer(gate.delivers.popleft(), done.batch_id)
+            answer(gate.delivers.popleft(), done.batch_id)
 
     def _maybe_plan(self) -> None:
         planner = self.planner
@@ -197,7 +195,7 @@ class Scheduler:
             return
         if len(planner.batches) >= self.max_inflight:
             if gate.held:
-                _answer(gate.advances.popleft(), None)  # the pipeline is full
+                answer(gate.advances.popleft(), None)  # the pipeline is full
             return
         request = planner.propose(self.step)
         if request is not None:
@@ -206,7 +204,7 @@ class Scheduler:
             if self.gate.held:
                 self.gate.planning = self.gate.advances.popleft()
         elif self.gate.held:
-            _answer(self.gate.advances.popleft(), None)
+            answer(self.gate.advances.popleft(), None)
 
     def _when_quiet(self) -> None:
         """Serve deferred operations; run the integrity self-check on becoming idle."""
@@ -214,25 +212,15 @@ class Scheduler:
         if self.parks:
             planner.park_all()  # again: an admission in flight when parking began has landed
             if planner.parked:
-                for reply in self.parks:
-                    _answer(reply, None)
+                for parked in self.parks:
+                    answer(parked, None)
                 self.parks.clear()
         idle = planner.idle
         if idle and self.flushes:
-            for reply, timer in self.flushes.values():
+            for flushed, timer in self.flushes.values():
                 timer.cancel()
-                self.cache.put(FlushCache(reply))
+                self.cache.put(FlushCache(flushed))
             self.flushes.clear()
         if idle and not self.was_idle:
             self.cache.put(CheckIntegrity())
         self.was_idle = idle
-
-    def _busy_summary(self) -> str:
-        snap = self.planner.snapshot()
-        counts = {k: len(v) for k, v in snap.items() if isinstance(v, list) and v}
-        return ", ".join(f"{n} {k}" for k, n in counts.items()) or "a batch in flight"
-
-
-def _answer(reply: asyncio.Future[Any], value: Any) -> None:
-    if not reply.done():
-        reply.set_result(value)

@@ -22,6 +22,7 @@ from typing import Any
 from shoal.actors.encode import render_chat
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import CacheMsg, CloseSession, EndSession, Generate, OpenSession
+from shoal.actors.replies import answer, refuse
 from shoal.results import FinishReason, RequestError
 
 
@@ -50,7 +51,7 @@ def turn_input_ids(tokenizer: Any, state: SessionState, gen: Generate) -> list[i
     if gen.text is not None:
         return list(tokenizer.encode(gen.text, add_special_tokens=not state.tokens))
     if not gen.messages:
-        raise ValueError("a turn needs text, input_ids or messages")
+        raise RequestError("a turn needs text, input_ids or messages", "prompt")
     new = list(gen.messages)
     if not state.tokens:
         text = render_chat(tokenizer, new, add_generation_prompt=True)
@@ -58,9 +59,10 @@ def turn_input_ids(tokenizer: Any, state: SessionState, gen: Generate) -> list[i
     before = render_chat(tokenizer, state.messages)
     after = render_chat(tokenizer, state.messages + new, add_generation_prompt=True)
     if not state.messages or not after.startswith(before):
-        raise ValueError(
+        raise RequestError(
             "this session's history cannot be extended with messages (its turns used text or "
-            "input_ids, or the chat template is not incremental): send text or input_ids"
+            "input_ids, or the chat template is not incremental): send text or input_ids",
+            "messages",
         )
     delta = state.closing_text + after[len(before) :]
     return list(tokenizer.encode(delta, add_special_tokens=False))
@@ -109,16 +111,20 @@ class SessionBook:
         self.states: dict[str, SessionState] = {}
         self.turn_of: dict[str, str] = {}  # a live turn's request id -> its session
 
-    def open(self, msg: OpenSession) -> str | None:
-        """None, or why the session cannot be opened."""
+    def open(self, msg: OpenSession) -> None:
+        """Open the session, or refuse the reply with why not."""
         if msg.session_id in self.states:
-            return f"session {msg.session_id!r} is already open"
+            in_use = f"session {msg.session_id!r} is already open"
+            refuse(msg.reply, RequestError(in_use, "session_id"))
+            return
         if len(self.states) >= self.max_sessions:
-            return f"too many open sessions (the cap is {self.max_sessions})"
+            many = f"too many open sessions (the cap is {self.max_sessions})"
+            refuse(msg.reply, RequestError(many, None, "too_many_sessions"))
+            return
         state = SessionState(msg.session_id, msg.timeout_s, msg.max_tokens)
         self.states[msg.session_id] = state
         self.arm_timer(state)
-        return None
+        answer(msg.reply, None)
 
     def turn(self, gen: Generate) -> None:
         assert gen.session_id is not None
@@ -137,14 +143,15 @@ class SessionBook:
         """The whole history plus this turn's input, checked."""
         new = turn_input_ids(self.tokenizer, state, gen)
         if not new:
-            raise ValueError("the turn adds no tokens")
+            raise RequestError("the turn adds no tokens", "prompt")
         ids = state.tokens + new
         self.validate(ids, gen.sampling.max_new_tokens)
         cap = state.max_tokens
         if cap is not None and len(ids) + gen.sampling.max_new_tokens > cap:
-            raise ValueError(
+            raise RequestError(
                 f"the session would reach {len(ids) + gen.sampling.max_new_tokens} tokens, "
-                f"over its max_tokens {cap}"
+                f"over its max_tokens {cap}",
+                "max_new_tokens",
             )
         return ids
 
@@ -187,8 +194,8 @@ class SessionBook:
     def end(self, msg: EndSession) -> None:
         state = self.states.get(msg.session_id)
         if state is None:
-            if msg.reply is not None and not msg.reply.done():
-                msg.reply.set_result(str(not_open(msg.session_id)))
+            if msg.reply is not None:
+                refuse(msg.reply, not_open(msg.session_id))
             return
         if state.turn is None:
             self.close(state, msg)
@@ -203,8 +210,8 @@ class SessionBook:
         for gen in state.queued:
             gen.stream.fail(not_open(state.session_id))
         self.cache.put(CloseSession(state.session_id))
-        if msg is not None and msg.reply is not None and not msg.reply.done():
-            msg.reply.set_result(None)
+        if msg is not None and msg.reply is not None:
+            answer(msg.reply, None)
 
     def arm_timer(self, state: SessionState) -> None:
         loop = asyncio.get_running_loop()

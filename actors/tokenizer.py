@@ -39,6 +39,7 @@ from shoal.actors.messages import (
     UpdateWeights,
     WriteDone,
 )
+from shoal.actors.replies import UpdateOutcome, answer
 from shoal.actors.sessions import SessionBook, SessionState
 from shoal.actors.stops import StopMatcher
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
@@ -48,6 +49,7 @@ from shoal.results import (
     Delta,
     FinishReason,
     InternalError,
+    RequestError,
     RequestStream,
     TokenLogprob,
     Usage,
@@ -122,7 +124,7 @@ class Tokenizer:
                 for rid in rids:
                     self.sessions.released(rid)
             case OpenSession() as opening:
-                _answer(opening.reply, self.sessions.open(opening))
+                self.sessions.open(opening)
             case EndSession() as ending:
                 self.sessions.end(ending)
             case UpdateWeights() as update:
@@ -140,7 +142,7 @@ class Tokenizer:
             case WriteDone(error=error):
                 writer = self.lock.finish(error is None)
                 message = error or f"weights loaded from {writer.model_path}"
-                _answer(writer.reply, (error is None, message, self.lock.version))
+                answer(writer.reply, UpdateOutcome(error is None, message, self.lock.version))
                 for live in self.live.values():  # parked across it: what comes next is new
                     live.weight_version = self.lock.version
                 if not self.paused:
@@ -180,7 +182,7 @@ class Tokenizer:
             case WriteDone():
                 if self.lock.active is not None:
                     writer = self.lock.finish(False)
-                    _answer(writer.reply, (False, str(error), self.lock.version))
+                    answer(writer.reply, UpdateOutcome(False, str(error), self.lock.version))
                 for gen in self.lock.release_queue():
                     self.dispatch(gen)
         self.maybe_write()
@@ -244,7 +246,7 @@ class Tokenizer:
 
     def admit(self, gen: Generate, session: SessionState | None = None) -> None:
         if gen.rid in self.live or gen.rid in self.lock.readers:
-            gen.stream.fail(ValueError(f"request id {gen.rid!r} is already in use"))
+            gen.stream.fail(RequestError(f"request id {gen.rid!r} is already in use", "rid"))
             return
         try:
             ids = self.encode(gen) if session is None else self.sessions.prompt(session, gen)
@@ -325,9 +327,4 @@ class Tokenizer:
         self.lock.queued.clear()
         for writer in (self.lock.active, *self.lock.writers):
             if writer is not None:
-                _answer(writer.reply, (False, str(error), self.lock.version))
-
-
-def _answer(reply: asyncio.Future[Any], value: Any) -> None:
-    if not reply.done():
-        reply.set_result(value)
+                answer(writer.reply, UpdateOutcome(False, str(error), self.lock.version))

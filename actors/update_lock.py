@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
@@ -82,14 +81,14 @@ async def write_weights(
     """The writer's work: park paused requests (if asked), load, flush. None, or why not."""
     loop = asyncio.get_running_loop()
     if park:
-        parked: asyncio.Future[Any] = loop.create_future()
+        parked: asyncio.Future[None] = loop.create_future()
         scheduler.put(Park(parked))
         await parked
-    loaded: asyncio.Future[Any] = loop.create_future()
+    loaded: asyncio.Future[str | None] = loop.create_future()
     executor.put(LoadWeights(writer.model_path, loaded))
-    error: str | None = await loaded
+    error = await loaded
     if error is None:
-        flushed: asyncio.Future[Any] = loop.create_future()
+        flushed: asyncio.Future[str | None] = loop.create_future()
         cache.put(FlushCache(flushed))
         error = await flushed
     return error

@@ -14,6 +14,7 @@ from typing import Any
 
 from shoal.api.engine import Engine
 from shoal.api.http_limits import HttpLimits
+from shoal.api.sampling_wire import add_sampling_flags, sampling_from_args
 from shoal.api.server import Server, ServerOptions
 from shoal.config import EngineOptions
 from shoal.limits import InputLimits
@@ -112,12 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--raw", action="store_true", help="send the text as is instead of as a chat message"
     )
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[])
+    add_sampling_flags(gen, temperature=0.0)  # the terminal's answer: greedy unless asked
     add_engine_options(gen)
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
     server_defaults = ServerOptions()
@@ -181,21 +177,18 @@ async def generate(args: argparse.Namespace) -> int:
             if args.raw
             else {"messages": [{"role": "user", "content": args.prompt}]}
         )
-        stream = engine.generate(
-            **kwargs,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=tuple(args.stop),
-        )
+        stream = engine.generate(**kwargs, sampling=sampling_from_args(args))
         async for delta in stream:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
         done = await stream.result()
         took = time.perf_counter() - ready
         sys.stdout.write("\n")
+        for item in done.logprobs or ():  # --logprobs / --top-logprobs N
+            print(
+                f"[token {item.token_id}: {item.logprob:.4f}; top {list(item.top)}]",
+                file=sys.stderr,
+            )
         print(
             f"[{done.finish_reason}; {done.usage.completion_tokens} tokens in {took:.2f}s "
             f"({done.usage.completion_tokens / max(took, 1e-9):.1f} tok/s); "

@@ -34,16 +34,17 @@ from shoal.actors.messages import (
     Snapshot,
     UpdateWeights,
 )
+from shoal.actors.replies import SchedulerSnapshot, UpdateOutcome
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.wiring import Actors, cpu_kernels, start_actors
+from shoal.api.sampling_wire import SAMPLING_FIELDS, sampling_from
 from shoal.api.session import Session
+from shoal.cache.stats import KVStats
 from shoal.config import EngineOptions, Resolved, resolve, resolve_device
 from shoal.kernels.loader import LoadedModel, default_cache_dir, load_model
 from shoal.limits import check_prompt_size
 from shoal.params import SamplingParams
 from shoal.results import EngineDeadError, InternalError, RequestError, RequestStream
-
-SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 
 
 class UpdateResult(msgspec.Struct, frozen=True):
@@ -144,21 +145,23 @@ class Engine:
         session_id: str | None = None,
         **sampling_fields: Any,
     ) -> RequestStream:
-        """Start one request. Sampling is a SamplingParams or its fields as keywords.
+        """Start one request. Sampling is a SamplingParams or its fields as keywords (a field
+        not given: its declared default).
 
-        Raises ValueError at once for bad sampling values; a prompt that does not fit the
-        context surfaces as ValueError from the stream.
+        Validates the sampling here, once for every door (the HTTP routes, the websocket and
+        the command line come through here): ValueError at once for a bad value (RequestError
+        or LimitExceeded, `field` naming it); a prompt that does not fit the context surfaces
+        as ValueError from the stream.
         """
-        unknown = set(sampling_fields) - SAMPLING_FIELDS
+        unknown = set(sampling_fields) - set(SAMPLING_FIELDS)
         if unknown:
             raise TypeError(f"unknown sampling option(s): {sorted(unknown)}")
         if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
             raise ValueError("give exactly one of prompt, input_ids or messages")
         check_prompt_size(self.limits, prompt, messages)
-        if sampling is None:
-            sampling = _sampling_from(sampling_fields)
-        elif sampling_fields:
-            sampling = msgspec.structs.replace(sampling, **sampling_fields)
+        if sampling is None or sampling_fields:
+            given = {} if sampling is None else msgspec.structs.asdict(sampling)
+            sampling = sampling_from({**given, **sampling_fields})
         sampling.validate(self.loaded.config.vocab_size if self.loaded else None, self.limits)
         actors = self.actors
         rid = rid if rid is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -182,26 +185,23 @@ class Engine:
         session_id: str | None = None,
     ) -> Session:
         """Open a streaming session; idle past timeout_s it is closed. max_tokens caps its
-        whole history. ValueError if it cannot be opened (id in use, too many sessions)."""
+        whole history. RequestError if it cannot be opened (a bad option, id in use, too many
+        sessions: code "too_many_sessions")."""
         if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+            raise RequestError(f"timeout_s must be > 0, got {timeout_s}", "timeout_s")
         if max_tokens is not None and max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+            raise RequestError(f"max_tokens must be >= 2, got {max_tokens}", "max_tokens")
         session_id = session_id or f"session-{uuid.uuid4().hex}"
-        reply = self._future()
+        reply: asyncio.Future[None] = self._future()
         self.actors.tokenizer_box.put(OpenSession(session_id, timeout_s, max_tokens, reply))
-        error = await reply
-        if error is not None:
-            raise ValueError(error)
+        await reply  # raises the refusal
         return Session(self, session_id)
 
     async def close_session(self, session_id: str) -> None:
         """Close a session (after its live turn ends). RequestError if it is not open."""
-        reply = self._future()
+        reply: asyncio.Future[None] = self._future()
         self.actors.tokenizer_box.put(EndSession(session_id, "close", reply))
-        error = await reply
-        if error is not None:
-            raise RequestError(error, "session_id", "session_not_found")
+        await reply  # raises RequestError, code "session_not_found"
 
     # ---- lifecycle operations (docs/architecture.md, "Weight updates, cache flush and pause")
 
@@ -215,7 +215,7 @@ class Engine:
         cache. New requests wait meanwhile; in-flight ones finish first (or are aborted with
         abort_all_requests; or, while paused, are parked and continue on the new weights).
         A bad checkpoint leaves the old weights serving: success False and the reason."""
-        reply = self._future()
+        reply: asyncio.Future[UpdateOutcome] = self._future()
         self.actors.tokenizer_box.put(
             UpdateWeights(str(model_path), abort_all_requests, weight_version, reply)
         )
@@ -229,7 +229,7 @@ class Engine:
         """Empty the prefix cache once the engine is idle (docs/architecture.md, law 1),
         waiting up to timeout_s; if it does not become idle in time, refuse and change
         nothing."""
-        reply = self._future()
+        reply: asyncio.Future[str | None] = self._future()
         self.actors.tokenizer_box.put(FlushWhenIdle(next(self._ids), timeout_s, reply))
         try:
             error = await reply
@@ -260,40 +260,36 @@ class Engine:
 
     async def advance(self) -> int | None:
         """Plan and launch one step; the launched batch id, or None if nothing to launch."""
-        reply = self._future()
+        reply: asyncio.Future[int | None] = self._future()
         self.actors.tokenizer_box.put(Advance(reply))
-        result: int | None = await reply
-        return result
+        return await reply
 
     async def deliver(self) -> int:
         """Process the oldest launched batch's result (waiting for it); its batch id."""
-        reply = self._future()
+        reply: asyncio.Future[int] = self._future()
         self.actors.tokenizer_box.put(Deliver(reply))
-        result: int = await reply
-        return result
+        return await reply
 
     def _future(self) -> asyncio.Future[Any]:
         return asyncio.get_running_loop().create_future()
 
     # ---- introspection ---------------------------------------------------------------------
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> SchedulerSnapshot:
         """Where every request is: waiting / prefill / running / finishing, launched batches."""
-        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        reply: asyncio.Future[SchedulerSnapshot] = self._future()
         self.actors.tokenizer_box.put(Snapshot(reply))
-        result: dict[str, Any] = await reply
-        return result
+        return await reply
 
-    async def cache_stats(self) -> dict[str, int]:
-        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    async def cache_stats(self) -> KVStats:
+        reply: asyncio.Future[KVStats] = self._future()
         self.actors.cache_box.put(CacheStats(reply))
-        result: dict[str, int] = await reply
-        return result
+        return await reply
 
     async def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Wait until no request is anywhere in the engine (docs/architecture.md, law 1)."""
         deadline = time.monotonic() + timeout_s
-        while not (await self.snapshot())["idle"]:
+        while not (await self.snapshot()).idle:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine not idle after {timeout_s}s")
             await asyncio.sleep(0.005)
@@ -301,17 +297,8 @@ class Engine:
     async def check_integrity(self) -> None:
         """Raise AssertionError if a page, row or lock reference leaked (engine idle)."""
         await self.wait_idle()
-        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        reply: asyncio.Future[str | None] = self._future()
         self.actors.cache_box.put(CheckIntegrity(reply))
         error = await reply
         if error is not None:
             raise AssertionError(error)
-
-
-def _sampling_from(fields: dict[str, Any]) -> SamplingParams:
-    if isinstance(fields.get("stop"), str):
-        fields = {**fields, "stop": (fields["stop"],)}
-    try:
-        return msgspec.convert(fields, SamplingParams)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid sampling option: {exc}") from None

@@ -6,6 +6,10 @@
 `ApiError` carries it from wherever a handler finds the problem to the error middleware, which
 also turns aiohttp's own errors (404, 405, 413) and any bug into this shape. Bad input is a 4xx,
 never a 5xx: clients (the openai package among them) retry 5xx answers.
+
+What the engine refuses arrives as a RequestError (or a LimitExceeded) carrying a `code` and a
+`field`: `refused` answers it with the status of its code (STATUS_OF, 400 for the rest), the
+code itself and the field in the door's name. No status or field is read from message text.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from shoal.results import EngineDeadError, InternalError
+from shoal.limits import LimitExceeded
+from shoal.results import EngineDeadError, InternalError, RequestError
 
 log = logging.getLogger("shoal.http")
 
@@ -50,6 +55,13 @@ _CODES = {
 
 # Retry-After (seconds) on answers a client should retry later: saturated, or not serving.
 RETRY_AFTER_S = {429: 1, 503: 5}
+
+# The status of each refusal's code (results.ErrorCode) that is not a plain 400.
+STATUS_OF: dict[str, int] = {
+    "session_not_found": 404,
+    "session_busy": 409,
+    "too_many_sessions": 429,
+}
 
 
 class ErrorBody(msgspec.Struct, frozen=True):
@@ -116,17 +128,31 @@ def from_validation(exc: msgspec.ValidationError) -> ApiError:
     return bad_request(f"invalid request body{where}: {message}", path or None)
 
 
-def from_engine(exc: BaseException, prompt_param: str) -> ApiError:
-    """Map what an engine request can raise onto 400 / 503 / 500."""
+def refused(
+    exc: RequestError | LimitExceeded, param: str | None, message: str | None = None
+) -> ApiError:
+    """The answer to what the engine refused: the status of its code, the code, `param` (the
+    field in the door's name) and its message (or `message`, the same spoken in that name)."""
+    text = str(exc) if message is None else message
+    return ApiError(STATUS_OF.get(exc.code, 400), text, param=param, code=exc.code)
+
+
+def from_engine(
+    exc: BaseException, prompt_param: str, session_param: str = "session_id"
+) -> ApiError:
+    """Map what an engine request can raise onto 4xx / 503 / 500. A refused request's field
+    is spoken as the door names it: its request id as "rid", its session as `session_param`,
+    any part of its prompt (prompt, messages, max_new_tokens, ...) as `prompt_param`."""
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the engine is not serving: {exc}")
     if isinstance(exc, InternalError):  # its message names the part, never the exception
         return ApiError(500, f"{exc}; the server log has the detail")
-    if isinstance(exc, ValueError):
-        text = str(exc)
-        if "context length" in text:
-            return bad_request(text, prompt_param, "context_length_exceeded")
-        return bad_request(text, "rid" if "request id" in text else prompt_param)
+    if isinstance(exc, RequestError | LimitExceeded):
+        names = {"rid": "rid", "session_id": session_param}
+        field = exc.field
+        return refused(exc, None if field is None else names.get(field, prompt_param))
+    if isinstance(exc, ValueError):  # a refusal without a code: Engine.generate's own checks
+        return bad_request(str(exc), prompt_param)
     log.error("request failed", exc_info=exc)
     return ApiError(500, INTERNAL)
 

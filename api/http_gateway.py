@@ -24,7 +24,7 @@ handler awaits with `job.started()` before it begins its response.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -32,9 +32,10 @@ import msgspec
 
 from shoal.actors.encode import encode_prompt
 from shoal.api.engine import Engine
-from shoal.api.http_errors import ApiError, bad_request, from_engine
+from shoal.api.http_errors import ApiError, bad_request, from_engine, refused
 from shoal.api.http_limits import HttpLimits, api_error
 from shoal.api.metrics import Metrics, RequestTimer
+from shoal.api.sampling_wire import SAMPLING_FIELDS
 from shoal.limits import LimitExceeded, check_prompt_size, check_stops
 from shoal.params import SamplingParams
 from shoal.results import Completion, Delta, RequestError, RequestStream
@@ -129,7 +130,7 @@ class Gateway:
             message = str(exc)
             if exc.field == "messages":
                 message = param + message.removeprefix("messages")
-            raise bad_request(message, param) from None
+            raise refused(exc, param, message) from None
         return self.check_ids(ids, param)
 
     def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
@@ -168,18 +169,14 @@ class Gateway:
             )
         return max_tokens
 
-    def validate(self, sampling: SamplingParams, names: dict[str, str]) -> SamplingParams:
-        """SamplingParams.validate, its message and param spoken in the API's field names."""
-        try:
-            sampling.validate(self.vocab_size, self.input_limits)
-        except ValueError as exc:
-            text = str(exc)
-            field = text.split(" ", 1)[0]
-            base, bracket, index = field.partition("[")
-            name = names.get(base, base) + bracket + index
-            code = exc.code if isinstance(exc, LimitExceeded) else None
-            raise bad_request(name + text[len(field) :], name, code) from None
-        return sampling
+    def _refusal(self, exc: BaseException, prompt_param: str, names: Mapping[str, str]) -> ApiError:
+        """What engine.generate raised, as an ApiError. A sampling field's refusal (Engine.generate
+        validates each request once: SamplingParams.validate) names the field as the body sent
+        it: `names` maps SamplingParams fields to the door's names."""
+        if isinstance(exc, RequestError | LimitExceeded) and exc.field in SAMPLING_FIELDS:
+            name = names.get(exc.field, exc.field)
+            return refused(exc, name, name + str(exc).removeprefix(exc.field))
+        return from_engine(exc, prompt_param)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -190,7 +187,9 @@ class Gateway:
         arrived_at: float,
         prompt_param: str,
         turn: SessionTurn | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> Job:
+        """Start each choice; `names`: the door's names of the sampling fields (refused)."""
         assert turn is None or len(choices) == 1, "a session turn is one request"
         if self.draining:
             raise ApiError(503, "the server is shutting down")
@@ -226,7 +225,7 @@ class Gateway:
         except Exception as exc:
             for stream in streams:
                 stream.abort()
-            raise from_engine(exc, prompt_param) from None
+            raise self._refusal(exc, prompt_param, names or {}) from None
         errors = from_engine if turn is None else turn_error
         job = Job(self, public_id, streams, arrived_at, prompt_param, errors)
         self.jobs[public_id] = job
@@ -377,10 +376,6 @@ async def _record_late(stream: RequestStream, timer: RequestTimer, timeout_s: fl
 
 
 def turn_error(exc: BaseException, prompt_param: str) -> ApiError:
-    """A session's refusals of a turn: not open (never opened, closed or reaped) 404, a turn
-    already in progress 409; anything else as for any request."""
-    if isinstance(exc, RequestError) and exc.code == "session_busy":
-        return ApiError(409, str(exc), param="session_params.id", code=exc.code)
-    if isinstance(exc, RequestError) and exc.code == "session_not_found":
-        return ApiError(404, str(exc), param="session_params.id", code=exc.code)
-    return from_engine(exc, prompt_param)
+    """As for any request, the session named as the turn names it: not open (never opened,
+    closed or reaped) 404, a turn already in progress 409 (http_errors.STATUS_OF)."""
+    return from_engine(exc, prompt_param, "session_params.id")

@@ -13,7 +13,6 @@ import time
 import uuid
 from typing import NamedTuple
 
-import msgspec
 from aiohttp import web
 
 from shoal.api.http_body import decode_body, json_response
@@ -28,10 +27,18 @@ from shoal.api.http_native_protocol import (
 )
 from shoal.api.http_sessions import session_turn
 from shoal.api.http_sse import open_sse, send_done, send_error, send_event
-from shoal.params import MAX_TOP_LOGPROBS, SamplingParams
+from shoal.api.sampling_wire import (
+    DEFAULT_SAMPLING,
+    LOGPROBS,
+    NOT_LOGPROBS,
+    sampling_from,
+    wire_names,
+    wire_values,
+)
+from shoal.params import SamplingParams
 from shoal.results import Completion, Delta, TokenLogprob, Usage
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+LOGPROB_NAMES = wire_names("native", fields=LOGPROBS)  # beside sampling_params
 
 
 class NativeRoutes:
@@ -45,23 +52,31 @@ class NativeRoutes:
         arrived_at = time.monotonic()
         body = await decode_body(request, GenerateRequest)
         self._check_sizes(body)
-        prompts = await self._prompts(body)
-        batch = len(prompts) > 1 or isinstance(body.text, list) or _nested(body.input_ids)
+        if (body.text is None) == (body.input_ids is None):
+            raise bad_request("give exactly one of text or input_ids", "text")
+        batch = isinstance(body.text, list) or _nested(body.input_ids)
+        turn = self._turn(body, batch)
+        if turn is None:
+            prompts = await self._prompts(body)
+        else:  # its session encodes it, and checks it against the whole history
+            prompts = [("text" if turn.text is not None else "input_ids", None)]
         rids = self._rids(body, len(prompts), batch)
         settings = self._settings(body, len(prompts))
-        turn = self._turn(body, prompts, batch)
         choices: list[Choice] = []
         for (name, ids), rid, native in zip(prompts, rids, settings, strict=True):
-            choices.append((ids, self._sampling(body, native, len(ids), name), rid))
+            num_prompt = None if ids is None else len(ids)
+            choices.append((ids or [], self._sampling(body, native, num_prompt, name), rid))
         if body.stream and batch:
             raise bad_request("stream is supported for one prompt, not a batch", "stream")
         public_id = rids[0] if not batch else f"batch-{uuid.uuid4().hex}"
         prompt_param = prompts[0][0].split("[")[0]
-        async with self.gateway.submit(public_id, choices, arrived_at, prompt_param, turn) as job:
+        names = {**wire_names("native", "sampling_params.", NOT_LOGPROBS), **LOGPROB_NAMES}
+        submit = self.gateway.submit(public_id, choices, arrived_at, prompt_param, turn, names)
+        async with submit as job:
             if body.stream:
                 if turn is not None:
                     await job.started()  # a refused turn answers 404 / 409, not a stream
-                return await self._stream(request, body, job, len(prompts[0][1]), arrived_at)
+                return await self._stream(request, body, job, len(choices[0][0]), arrived_at)
             completions = await job.results()
         for completion in completions:
             self._check_finished(completion)
@@ -126,15 +141,14 @@ class NativeRoutes:
         one = isinstance(given, NativeSampling)
         for i, native in enumerate(settings):
             where = "sampling_params." if one else f"sampling_params[{i}]."
-            gateway.check_stops(native.stop, native.stop_token_ids, where)
+            stops = wire_values(native, "native", ("stop", "stop_token_ids"))
+            gateway.check_stops(stops.get("stop"), stops.get("stop_token_ids"), where)
         texts = [body.text] if isinstance(body.text, str) else body.text or []
         for i, text in enumerate(texts):
             name = "text" if isinstance(body.text, str) else f"text[{i}]"
             gateway.check_prompt_size(text, None, name)
 
-    async def _prompts(self, body: GenerateRequest) -> list[tuple[str, list[int]]]:
-        if (body.text is None) == (body.input_ids is None):
-            raise bad_request("give exactly one of text or input_ids", "text")
+    async def _prompts(self, body: GenerateRequest) -> list[tuple[str, list[int] | None]]:
         gateway = self.gateway
         if isinstance(body.text, str):
             return [("text", await gateway.encode_text(body.text, "text"))]
@@ -157,16 +171,18 @@ class NativeRoutes:
             for i, t in enumerate(nested)
         ]
 
-    def _turn(
-        self, body: GenerateRequest, prompts: list[tuple[str, list[int]]], batch: bool
-    ) -> SessionTurn | None:
+    def _turn(self, body: GenerateRequest, batch: bool) -> SessionTurn | None:
         if body.session_params is None:
             return None
         if batch:
             raise bad_request("a session turn is one prompt, not a batch", "session_params")
         if isinstance(body.text, str):
+            if not body.text:
+                raise bad_request("text must not be empty", "text")
             return session_turn(body.session_params, text=body.text)
-        return session_turn(body.session_params, input_ids=prompts[0][1])
+        flat = [t for t in body.input_ids or [] if isinstance(t, int)]
+        ids = self.gateway.check_ids(flat, "input_ids")
+        return session_turn(body.session_params, input_ids=ids)
 
     def _rids(self, body: GenerateRequest, count: int, batch: bool) -> list[str]:
         rid = body.rid
@@ -190,36 +206,28 @@ class NativeRoutes:
         return list(given)
 
     def _sampling(
-        self, body: GenerateRequest, native: NativeSampling, num_prompt: int, prompt_param: str
+        self,
+        body: GenerateRequest,
+        native: NativeSampling,
+        num_prompt: int | None,
+        prompt_param: str,
     ) -> SamplingParams:
-        top = body.top_logprobs_num or 0
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise bad_request(
-                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
-                "top_logprobs_num",
+        """The fields of sampling_params, and the logprob pair beside it (api/sampling_wire.py).
+        max_new_tokens not given: the declared default, capped at the room a prompt of
+        num_prompt tokens leaves (as SGLang); None (a session turn): the declared default."""
+        values = wire_values(native, "native", NOT_LOGPROBS) | wire_values(body, "native", LOGPROBS)
+        if native.sampling_seed is not None:
+            values.setdefault("seed", native.sampling_seed)
+        if num_prompt is not None:
+            max_tokens = values.get("max_new_tokens")
+            if max_tokens is None:
+                room = max(1, self.gateway.context_length - num_prompt)
+                max_tokens = min(DEFAULT_SAMPLING.max_new_tokens, room)
+            field = "sampling_params.max_new_tokens"
+            values["max_new_tokens"] = self.gateway.budget(
+                num_prompt, max_tokens, field, prompt_param
             )
-        max_tokens = native.max_new_tokens
-        max_tokens = DEFAULT_MAX_NEW_TOKENS if max_tokens is None else max_tokens
-        if native.max_new_tokens is None:
-            max_tokens = min(max_tokens, max(1, self.gateway.context_length - num_prompt))
-        field = "sampling_params.max_new_tokens"
-        max_new = self.gateway.budget(num_prompt, max_tokens, field, prompt_param)
-        fields = {
-            k: v
-            for k, v in msgspec.structs.asdict(native).items()
-            if v is not None and k in SamplingParams.__struct_fields__
-        }
-        if isinstance(native.stop, str):
-            fields["stop"] = (native.stop,)
-        if native.sampling_seed is not None and native.seed is None:
-            fields["seed"] = native.sampling_seed
-        fields.update(max_new_tokens=max_new, logprobs=bool(body.return_logprob), top_logprobs=top)
-        try:
-            sampling = msgspec.convert(fields, SamplingParams)
-        except msgspec.ValidationError as exc:
-            raise bad_request(f"invalid sampling_params: {exc}", "sampling_params") from None
-        names = {f: f"sampling_params.{f}" for f in SamplingParams.__struct_fields__}
-        return self.gateway.validate(sampling, names)
+        return sampling_from(values)
 
     # ---- response --------------------------------------------------------------------------
 
@@ -239,10 +247,11 @@ class NativeRoutes:
             c.weight_version,
             time.monotonic() - arrived_at,
         )
-        if body.return_logprob:
+        wanted = wire_values(body, "native", LOGPROBS)  # return_logprob, top_logprobs_num
+        if wanted.get("logprobs"):
             items = logprobs or ()
             meta.output_token_logprobs = [(t.logprob, t.token_id, None) for t in items]
-            if body.top_logprobs_num:
+            if wanted.get("top_logprobs"):
                 meta.output_top_logprobs = [[(lp, i, None) for i, lp in t.top] for t in items]
         return GenerateResponse(c.text, list(c.token_ids), meta)
 

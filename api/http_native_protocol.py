@@ -14,30 +14,11 @@ finish_reason is {"type": "stop", "matched": <stop string or token id>},
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-
-class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """SGLang's sampling_params; a misspelt field is a 400, not silently ignored."""
-
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None  # accepted; the detokenizer decides
-    seed: int | None = None
-    sampling_seed: int | None = None
+from shoal.api.sampling_wire import LOGPROBS, NOT_LOGPROBS, wire_struct
 
 
 class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -50,16 +31,39 @@ class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     replace: bool | None = None
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True):
+class NativeExtras(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's sampling_params beyond SamplingParams' fields; a misspelt field is a 400, not
+    silently ignored."""
+
+    spaces_between_special_tokens: bool | None = None  # accepted; the detokenizer decides
+    sampling_seed: int | None = None  # seed's other name; seed wins
+
+
+class GenerateFields(msgspec.Struct, kw_only=True):
     text: str | list[str] | None = None
     input_ids: list[int | list[int]] | None = None
-    sampling_params: NativeSampling | list[NativeSampling] | None = None
     rid: str | list[str] | None = None
     stream: bool | None = None
-    return_logprob: bool | None = None
-    top_logprobs_num: int | None = None
     logprob_start_len: int | None = None  # accepted; only output logprobs are reported
     session_params: SessionParams | None = None
+
+
+# The SamplingParams fields (api/sampling_wire.py): the logprob pair beside sampling_params
+# (return_logprob, top_logprobs_num), every other one in it. mypy sees the bases alone.
+if TYPE_CHECKING:
+    _NativeSampling = NativeExtras
+    _GenerateLogprobs = GenerateFields
+else:
+    _NativeSampling = wire_struct("NativeSamplingFields", "native", NativeExtras, NOT_LOGPROBS)
+    _GenerateLogprobs = wire_struct("GenerateLogprobs", "native", GenerateFields, LOGPROBS)
+
+
+class NativeSampling(_NativeSampling, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's sampling_params."""
+
+
+class GenerateRequest(_GenerateLogprobs, kw_only=True):
+    sampling_params: NativeSampling | list[NativeSampling] | None = None
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

@@ -10,8 +10,9 @@ new input as an ordinary request carrying `session_params`, then close.
 A turn of a session that is not open (never opened, closed, or reaped after timeout_s idle)
 answers 404 code "session_not_found"; a turn while another streams answers 409 code
 "session_busy" (streamed or not: a streaming turn's response starts only once it is admitted).
-A session turn is one prompt with one choice (a batch or n > 1: 400). Its max_tokens defaults
-to TURN_MAX_TOKENS (the server learns the history's length only when the turn is admitted).
+A session turn is one prompt with one choice (a batch or n > 1: 400). The door neither encodes
+it nor sizes its max_tokens (not given: SamplingParams' default): the session does both,
+against the whole history, when the turn is admitted.
 Closing is idempotent: a session already gone answers the same. Sessions opened here are the
 client's: they are not closed when the server stops (they time out). The websocket
 (ws_sessions) keeps one session per connection instead and closes it with the connection.
@@ -25,13 +26,11 @@ import msgspec
 from aiohttp import web
 
 from shoal.api.http_body import decode_body, json_response
-from shoal.api.http_errors import ApiError, bad_request, from_engine
+from shoal.api.http_errors import ApiError, bad_request, from_engine, refused
 from shoal.api.http_gateway import Gateway, SessionTurn
 from shoal.api.http_limits import check_id
 from shoal.api.http_native_protocol import SessionParams
 from shoal.results import RequestError
-
-TURN_MAX_TOKENS = 128  # a session turn's default max_tokens / max_new_tokens
 
 
 class OpenSessionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -72,9 +71,7 @@ class SessionRoutes:
         check_id(body.session_id, self.gateway.limits, "session_id")
         try:
             await self.gateway.engine.close_session(body.session_id)
-        except RequestError as exc:  # not open: never opened, closed or reaped
-            raise ApiError(404, str(exc), param="session_id", code=exc.code) from None
-        except Exception as exc:
+        except Exception as exc:  # not open (never opened, closed or reaped): 404
             raise from_engine(exc, "session_id") from None
         return json_response(CloseSessionResponse(body.session_id, True))
 
@@ -89,12 +86,8 @@ async def open_session(gateway: Gateway, timeout_s: float | None, max_tokens: in
         options["timeout_s"] = timeout_s
     try:
         session = await gateway.engine.open_session(**options)
-    except ValueError as exc:
-        text = str(exc)
-        if text.startswith("too many"):
-            raise ApiError(429, text, code="too_many_sessions") from None
-        field = text.split(" ", 1)[0]
-        raise bad_request(text, field if field in options else None) from None
+    except RequestError as exc:  # a bad option (400), or too many sessions open (429)
+        raise refused(exc, exc.field) from None
     except Exception as exc:
         raise from_engine(exc, "session_id") from None
     return session.id

@@ -18,7 +18,6 @@ gauges (running, waiting, KV usage, prefix-cache hit rate) are read from the eng
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,10 +28,11 @@ from prometheus_client import (
     generate_latest,
 )
 
-from shoal.results import Completion
+from shoal.actors.replies import SchedulerSnapshot
+from shoal.cache.stats import KVStats
+from shoal.results import FINISH_REASONS, Completion
 
 CONTENT_TYPE = exposition.CONTENT_TYPE_LATEST
-FINISH_REASONS = ("stop", "length", "abort", "error")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -108,15 +108,15 @@ class Metrics:
         self.num_cached_tokens += usage.cached_tokens
         self.e2e.observe(e2e_s)
 
-    def render(self, snapshot: dict[str, Any], cache: dict[str, int]) -> bytes:
+    def render(self, snapshot: SchedulerSnapshot, cache: KVStats) -> bytes:
         """The exposition text, gauges refreshed from a fresh snapshot and cache stats."""
-        self.running.set(len(snapshot["prefill"]) + len(snapshot["running"]))
-        self.waiting.set(len(snapshot["waiting"]) + len(snapshot["retracting"]))
-        total = cache["total_pages"]
+        self.running.set(len(snapshot.prefill) + len(snapshot.running))
+        self.waiting.set(len(snapshot.waiting) + len(snapshot.retracting))
+        total = cache.total_pages
         self.total_pages.set(total)
-        self.free_pages.set(cache["free_pages"])
-        self.evictable_pages.set(cache["evictable_pages"])
-        held = total - cache["free_pages"] - cache["evictable_pages"]
+        self.free_pages.set(cache.free_pages)
+        self.evictable_pages.set(cache.evictable_pages)
+        held = total - cache.free_pages - cache.evictable_pages
         self.kv_usage.set(held / total if total else 0.0)
         prompt = self.num_prompt_tokens
         self.hit_rate.set(self.num_cached_tokens / prompt if prompt else 0.0)

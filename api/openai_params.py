@@ -1,6 +1,8 @@
 """From an OpenAI request body to engine inputs: messages, prompts, SamplingParams, usage.
 
-Everything here raises ApiError 400 naming the OpenAI field; nothing touches the engine.
+Everything here raises ApiError 400 naming the OpenAI field; nothing touches the engine. The
+sampling values are validated once, by Engine.generate; the gateway names a refused one as the
+body did (OpenAISampling.names).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from shoal.api.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    OpenAIFields,
     PromptTokensDetails,
-    SamplingFields,
     UsageInfo,
 )
-from shoal.params import MAX_TOP_LOGPROBS, SamplingParams
+from shoal.api.sampling_wire import sampling_from, wire_names, wire_values
+from shoal.params import SamplingParams
 from shoal.results import Completion
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -47,19 +50,20 @@ def check_n(n: int | None, max_n: int) -> int:
     return n
 
 
-def check_sizes(gateway: Gateway, body: SamplingFields) -> None:
+def check_sizes(gateway: Gateway, body: OpenAIFields) -> None:
     """Every counted dimension of the body, before anything reads or encodes it: 400 naming
     the field past its limit (docs/limits.md)."""
     limits = gateway.limits
+    stops = wire_values(body, "chat", ("stop", "stop_token_ids"))  # named alike on both routes
     check_count(len(body.logit_bias or ()), limits.max_logit_bias, "logit_bias", "max_logit_bias")
     check_id(body.model, limits, "model")
     check_id(body.user, limits, "user")
     if body.session_params is not None:
         check_id(body.session_params.id, limits, "session_params.id")
-    gateway.check_stops(body.stop, body.stop_token_ids)
+    gateway.check_stops(stops.get("stop"), stops.get("stop_token_ids"))
 
 
-def refuse_unsupported(body: SamplingFields) -> None:
+def refuse_unsupported(body: OpenAIFields) -> None:
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if isinstance(body, ChatCompletionRequest):
@@ -146,55 +150,33 @@ async def encode_prompts(
     return out
 
 
-def chat_logprobs_wanted(body: ChatCompletionRequest) -> tuple[bool, int]:
-    top = body.top_logprobs or 0
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise bad_request(
-            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs"
-        )
-    if top and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-    return bool(body.logprobs), top
+class OpenAISampling:
+    """An OpenAI body's sampling fields in SamplingParams' terms (api/sampling_wire.py), the
+    names they were sent by (to name a refused one), and the logprobs the answer reports."""
 
+    def __init__(self, body: OpenAIFields) -> None:
+        chat = isinstance(body, ChatCompletionRequest)
+        door = "chat" if chat else "completions"
+        self.values = wire_values(body, door)
+        self.names = wire_names(door)
+        if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+            self.values["max_new_tokens"] = body.max_completion_tokens  # the newer name wins
+            self.names["max_new_tokens"] = "max_completion_tokens"
+        if chat and self.values.get("top_logprobs") and not self.values.get("logprobs"):
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        if not chat and "top_logprobs" in self.values:  # any completions logprobs asks for them
+            self.values["logprobs"] = True
+        self.logprobs = (bool(self.values.get("logprobs")), self.values.get("top_logprobs", 0))
 
-def completion_logprobs_wanted(body: CompletionRequest) -> tuple[bool, int]:
-    if body.logprobs is None:
-        return False, 0
-    if not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_request(
-            f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs"
-        )
-    return True, body.logprobs
-
-
-def sampling_params(
-    gateway: Gateway,
-    body: SamplingFields,
-    max_new_tokens: int,
-    max_field: str,
-    logprobs: tuple[bool, int],
-) -> SamplingParams:
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    sampling = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=_or(body.min_tokens, 0),
-        temperature=_or(body.temperature, 1.0),
-        top_p=_or(body.top_p, 1.0),
-        top_k=_or(body.top_k, -1),
-        min_p=_or(body.min_p, 0.0),
-        repetition_penalty=_or(body.repetition_penalty, 1.0),
-        frequency_penalty=_or(body.frequency_penalty, 0.0),
-        presence_penalty=_or(body.presence_penalty, 0.0),
-        seed=body.seed,
-        stop=stop,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=_or(body.ignore_eos, False),
-        skip_special_tokens=_or(body.skip_special_tokens, True),
-        logprobs=logprobs[0],
-        top_logprobs=logprobs[1],
-    )
-    names = {"max_new_tokens": max_field, "min_new_tokens": "min_tokens"}
-    return gateway.validate(sampling, names)
+    def sampling(self, gateway: Gateway, num_prompt: int | None, prompt: str) -> SamplingParams:
+        """For a prompt of num_prompt tokens, max_tokens not given is all the room it leaves;
+        None (a session turn, encoded by its session): the declared default."""
+        values = dict(self.values)
+        if num_prompt is not None:
+            max_tokens = values.get("max_new_tokens")
+            field = self.names["max_new_tokens"]
+            values["max_new_tokens"] = gateway.budget(num_prompt, max_tokens, field, prompt)
+        return sampling_from(values)
 
 
 def for_choice(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -213,7 +195,3 @@ def usage(completions: Sequence[Completion], n: int) -> UsageInfo:
         cached += min(c.usage.cached_tokens for c in group)
         generated += sum(c.usage.completion_tokens for c in group)
     return UsageInfo(prompt, generated, prompt + generated, PromptTokensDetails(cached))
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value

@@ -8,11 +8,12 @@ rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from shoal.api.http_native_protocol import SessionParams
+from shoal.api.sampling_wire import wire_struct
 
 # ---- requests ---------------------------------------------------------------------------------
 
@@ -36,47 +37,39 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """What /v1/chat/completions and /v1/completions share."""
+class OpenAIFields(msgspec.Struct, kw_only=True):
+    """What /v1/chat/completions and /v1/completions share beside the sampling fields."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    # extras (vLLM / SGLang spellings)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    skip_special_tokens: bool | None = None
     session_params: SessionParams | None = None  # chat: the messages are the turn's new ones
 
 
-class ChatCompletionRequest(SamplingFields, kw_only=True):
+# Every SamplingParams field, in OpenAI's spelling (vLLM's and SGLang's for the extras): see
+# api/sampling_wire.py. mypy sees the base alone; the handlers read the fields by wire_values.
+if TYPE_CHECKING:
+    _ChatSampling = OpenAIFields
+    _CompletionSampling = OpenAIFields
+else:
+    _ChatSampling = wire_struct("ChatSampling", "chat", OpenAIFields)
+    _CompletionSampling = wire_struct("CompletionSampling", "completions", OpenAIFields)
+
+
+class ChatCompletionRequest(_ChatSampling, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer max_tokens; it wins
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     response_format: ResponseFormat | None = None
 
 
-class CompletionRequest(SamplingFields, kw_only=True):
+class CompletionRequest(_CompletionSampling, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists
     prompt: str | list[str | int | list[int]]
-    logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None

@@ -20,21 +20,19 @@ from aiohttp import web
 from shoal.api.http_body import decode_body, json_response
 from shoal.api.http_errors import ApiError, bad_request
 from shoal.api.http_gateway import Choice, Gateway, Job, SessionTurn
-from shoal.api.http_sessions import TURN_MAX_TOKENS, session_turn
+from shoal.api.http_sessions import session_turn
 from shoal.api.http_sse import open_sse, send_done, send_error, send_event
 from shoal.api.openai_formats import ChatFormat, Format, TextFormat
 from shoal.api.openai_logprobs import TokenBytes
 from shoal.api.openai_params import (
-    chat_logprobs_wanted,
+    OpenAISampling,
     chat_messages,
     check_model,
     check_n,
     check_sizes,
-    completion_logprobs_wanted,
     encode_prompts,
     for_choice,
     refuse_unsupported,
-    sampling_params,
     usage,
 )
 from shoal.api.openai_protocol import (
@@ -42,7 +40,7 @@ from shoal.api.openai_protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
-    SamplingFields,
+    OpenAIFields,
 )
 from shoal.results import Completion, Delta
 
@@ -79,22 +77,21 @@ class OpenAIRoutes:
         model = check_model(body.model, self.model_names)
         refuse_unsupported(body)
         messages = chat_messages(gateway, body.messages)
-        ids = await gateway.encode_messages(messages)
-        max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
-        if max_tokens is None:
-            max_tokens, field = body.max_tokens, "max_tokens"
-        turn = None
-        if body.session_params is not None:
+        wire = OpenAISampling(body)
+        turn, ids, num_prompt = None, [], None
+        if body.session_params is None:
+            ids = await gateway.encode_messages(messages)
+            num_prompt = len(ids)
+        else:  # its session encodes the turn and checks it against the whole history
             turn = session_turn(body.session_params, body.n or 1, messages=messages)
-            max_tokens = TURN_MAX_TOKENS if max_tokens is None else max_tokens
-        max_new = gateway.budget(len(ids), max_tokens, field, "messages")
-        logprobs = chat_logprobs_wanted(body)
-        sampling = sampling_params(gateway, body, max_new, field, logprobs)
+        sampling = wire.sampling(gateway, num_prompt, "messages")
         n = check_n(body.n, self.max_n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = [(ids, for_choice(sampling, i), f"{rid}-{i}") for i in range(n)]
-        fmt = ChatFormat(rid, int(time.time()), model, logprobs, self.tokens)
-        return await self._answer(request, body, rid, choices, n, fmt, arrived_at, "messages", turn)
+        fmt = ChatFormat(rid, int(time.time()), model, wire.logprobs, self.tokens)
+        return await self._answer(
+            request, body, rid, choices, n, fmt, arrived_at, "messages", wire.names, turn
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrived_at = time.monotonic()
@@ -107,34 +104,37 @@ class OpenAIRoutes:
             raise bad_request(message, "session_params")
         gateway = self.gateway
         prompts = await encode_prompts(gateway, body.prompt)
-        logprobs = completion_logprobs_wanted(body)
+        wire = OpenAISampling(body)
         n = check_n(body.n, self.max_n)
         rid = f"cmpl-{uuid.uuid4().hex}"
         choices: list[Choice] = []
         for name, ids in prompts:
-            max_new = gateway.budget(len(ids), body.max_tokens, "max_tokens", name)
-            sampling = sampling_params(gateway, body, max_new, "max_tokens", logprobs)
+            sampling = wire.sampling(gateway, len(ids), name)
             choices += [
                 (ids, for_choice(sampling, i), f"{rid}-{len(choices) + i}") for i in range(n)
             ]
-        fmt = TextFormat(rid, int(time.time()), model, logprobs, self.tokens)
-        return await self._answer(request, body, rid, choices, n, fmt, arrived_at, "prompt")
+        fmt = TextFormat(rid, int(time.time()), model, wire.logprobs, self.tokens)
+        return await self._answer(
+            request, body, rid, choices, n, fmt, arrived_at, "prompt", wire.names
+        )
 
     # ---- answering ---------------------------------------------------------------------------
 
     async def _answer(
         self,
         request: web.Request,
-        body: SamplingFields,
+        body: OpenAIFields,
         rid: str,
         choices: list[Choice],
         n: int,
         fmt: Format,
         arrived_at: float,
         prompt_param: str,
+        names: dict[str, str],
         turn: SessionTurn | None = None,
     ) -> web.StreamResponse:
-        async with self.gateway.submit(rid, choices, arrived_at, prompt_param, turn) as job:
+        submit = self.gateway.submit(rid, choices, arrived_at, prompt_param, turn, names)
+        async with submit as job:
             if body.stream:
                 if turn is not None:
                     await job.started()  # a refused turn answers 404 / 409, not a stream

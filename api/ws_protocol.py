@@ -3,10 +3,11 @@ tagged by "type", decoded and encoded by msgspec.
 
 client                                             server
 {"type": "open", "timeout_s"?, "max_tokens"?}  ->  {"type": "opened", "session_id"}
-{"type": "turn", one of "text" | "input_ids"   ->  {"type": "delta", "text", "token_ids"} ...
- | "messages" (only the new ones), sampling        {"type": "done", "finish_reason", "usage":
- fields: max_tokens / max_new_tokens,               {"prompt_tokens", "completion_tokens",
- temperature, top_p, top_k, seed, stop, ...}         "cached_tokens"}, "message"?}
+{"type": "turn", one of "text" | "input_ids"   ->  {"type": "delta", "text", "token_ids",
+ | "messages" (only the new ones), and every       "logprobs"?} ...
+ SamplingParams field by its name (max_tokens:     {"type": "done", "finish_reason", "usage":
+ max_new_tokens's OpenAI name), e.g.                {"prompt_tokens", "completion_tokens",
+ temperature, top_p, seed, stop, logprobs}          "cached_tokens"}, "message"?}
 {"type": "cancel"}                             ->  the live turn's "done", finish_reason "abort"
 {"type": "close"}                              ->  {"type": "closed", "session_id"}
 anything wrong                                 ->  {"type": "error", "message", "code", "param"}
@@ -16,10 +17,13 @@ A misspelt field is an error, as in the native route's sampling_params.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from shoal.api.openai_protocol import ChatMessage
-from shoal.results import FinishReason
+from shoal.api.sampling_wire import wire_struct
+from shoal.results import FinishReason, TokenLogprob
 
 # ---- client -> server -------------------------------------------------------------------------
 
@@ -33,25 +37,18 @@ class Open(_ClientMessage, frozen=True, forbid_unknown_fields=True, tag="open"):
     max_tokens: int | None = None  # a cap on the whole history
 
 
-class Turn(_ClientMessage, frozen=True, forbid_unknown_fields=True, tag="turn"):
+# Every SamplingParams field, as declared (api/sampling_wire.py); mypy sees the base alone.
+if TYPE_CHECKING:
+    _TurnSampling = _ClientMessage
+else:
+    _TurnSampling = wire_struct("TurnSampling", "websocket", _ClientMessage, frozen=True)
+
+
+class Turn(_TurnSampling, frozen=True, forbid_unknown_fields=True, tag="turn"):
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     max_tokens: int | None = None  # the OpenAI spelling of max_new_tokens
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
 
 
 class Cancel(_ClientMessage, frozen=True, forbid_unknown_fields=True, tag="cancel"):
@@ -75,9 +72,10 @@ class Opened(_ServerMessage, frozen=True, tag="opened"):
     session_id: str
 
 
-class TurnDelta(_ServerMessage, frozen=True, tag="delta"):
+class TurnDelta(_ServerMessage, frozen=True, omit_defaults=True, tag="delta"):
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the turn asks
 
 
 class TurnUsage(msgspec.Struct, frozen=True):

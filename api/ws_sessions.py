@@ -30,10 +30,11 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from shoal.api.http_body import too_deep
 from shoal.api.http_errors import INTERNAL, ApiError, bad_request, from_validation
-from shoal.api.http_gateway import Gateway, Job, SessionTurn
-from shoal.api.http_sessions import TURN_MAX_TOKENS, open_session
+from shoal.api.http_gateway import Choice, Gateway, Job, SessionTurn
+from shoal.api.http_sessions import open_session
 from shoal.api.json_depth import nests_deeper
 from shoal.api.openai_params import chat_messages
+from shoal.api.sampling_wire import sampling_from, wire_names, wire_values
 from shoal.api.session import Session
 from shoal.api.ws_protocol import (
     Cancel,
@@ -52,7 +53,6 @@ from shoal.api.ws_protocol import (
 from shoal.params import SamplingParams
 from shoal.results import Delta, EngineDeadError, RequestError
 
-SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__) & frozenset(Turn.__struct_fields__)
 log = logging.getLogger("shoal.http")
 
 HEARTBEAT_S = 30.0  # ping a quiet client this often; one that does not answer is gone
@@ -187,11 +187,13 @@ class SessionSocket:
                 code="session_busy",
             )
         arrived_at = time.monotonic()
-        self.gateway.check_stops(message.stop, message.stop_token_ids)
-        turn, num_new, prompt_param = await self.turn_input(self.session.id, message)
-        sampling = self.sampling(message, num_new, prompt_param)
+        values = wire_values(message, "websocket")
+        self.gateway.check_stops(values.get("stop"), values.get("stop_token_ids"))
+        turn, prompt_param = self.turn_input(self.session.id, message)
+        sampling, names = self.sampling(message, values)
         rid = f"turn-{uuid.uuid4().hex}"
-        job = self.gateway.submit(rid, [([], sampling, rid)], arrived_at, prompt_param, turn)
+        choices: list[Choice] = [([], sampling, rid)]
+        job = self.gateway.submit(rid, choices, arrived_at, prompt_param, turn, names)
         self.job = job
         task = asyncio.create_task(self.stream(job), name=f"shoal-ws-{rid}")
         self.turns.add(task)
@@ -203,7 +205,8 @@ class SessionSocket:
             try:
                 async for _, event in job.events():
                     if isinstance(event, Delta):
-                        await self.send(TurnDelta(event.text, list(event.token_ids)))
+                        logprobs = None if event.logprobs is None else list(event.logprobs)
+                        await self.send(TurnDelta(event.text, list(event.token_ids), logprobs))
                         continue
                     self.job = None  # before done goes out: the client may answer at once
                     usage = event.usage
@@ -248,36 +251,32 @@ class SessionSocket:
 
     # ---- a turn message into the engine's terms -------------------------------------------
 
-    async def turn_input(self, session_id: str, message: Turn) -> tuple[SessionTurn, int, str]:
-        """The turn, how many tokens its input has (as if first), and its field's name."""
+    def turn_input(self, session_id: str, message: Turn) -> tuple[SessionTurn, str]:
+        """The turn, and its input field's name. Counted and measured here; the session
+        encodes it and checks it against the whole history."""
         given = [n for n in ("text", "input_ids", "messages") if getattr(message, n) is not None]
         if len(given) != 1:
             raise bad_request("a turn needs exactly one of text, input_ids or messages", "text")
         gateway = self.gateway
         if message.text is not None:
-            num_new = len(await gateway.encode_text(message.text, "text"))
-            return SessionTurn(session_id=session_id, text=message.text), num_new, "text"
+            if not message.text:
+                raise bad_request("text must not be empty", "text")
+            gateway.check_prompt_size(message.text, None, "text")
+            return SessionTurn(session_id=session_id, text=message.text), "text"
         if message.input_ids is not None:
             ids = gateway.check_ids(message.input_ids, "input_ids")
-            return SessionTurn(session_id=session_id, input_ids=ids), len(ids), "input_ids"
+            return SessionTurn(session_id=session_id, input_ids=ids), "input_ids"
         messages = chat_messages(gateway, message.messages or [])
-        num_new = len(await gateway.encode_messages(messages))  # also: the template takes them
-        return SessionTurn(session_id=session_id, messages=messages), num_new, "messages"
+        return SessionTurn(session_id=session_id, messages=messages), "messages"
 
-    def sampling(self, message: Turn, num_new: int, prompt_param: str) -> SamplingParams:
-        fields: dict[str, Any] = {
-            name: getattr(message, name)
-            for name in SAMPLING_FIELDS
-            if getattr(message, name) is not None
-        }
-        field = "max_new_tokens"
+    def sampling(
+        self, message: Turn, values: dict[str, Any]
+    ) -> tuple[SamplingParams, dict[str, str]]:
+        """The turn's SamplingParams (api/sampling_wire.py), and the names its fields were sent
+        by; max_tokens is max_new_tokens's OpenAI name."""
+        names = wire_names("websocket")
         if message.max_tokens is not None:
-            if message.max_new_tokens not in (None, message.max_tokens):
+            if values.get("max_new_tokens", message.max_tokens) != message.max_tokens:
                 raise bad_request("give max_tokens or max_new_tokens, not both", "max_tokens")
-            fields[field], field = message.max_tokens, "max_tokens"
-        if isinstance(message.stop, str):
-            fields["stop"] = (message.stop,)
-        max_new = fields.get("max_new_tokens", TURN_MAX_TOKENS)
-        fields["max_new_tokens"] = self.gateway.budget(num_new, max_new, field, prompt_param)
-        sampling = msgspec.convert(fields, SamplingParams)
-        return self.gateway.validate(sampling, {"max_new_tokens": field})
+            values["max_new_tokens"], names["max_new_tokens"] = message.max_tokens, "max_tokens"
+        return sampling_from(values), names

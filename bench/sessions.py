@@ -116,7 +116,7 @@ async def run(loaded: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         for engine in engines.all:
             await engine.check_integrity()
             stats = await engine.cache_stats()
-            assert stats["sessions"] == stats["locked_pages"] == 0, stats
+            assert stats.sessions == stats.locked_pages == 0, stats
     lines.append({"mismatches": mismatches})
     return lines
 

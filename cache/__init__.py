@@ -9,6 +9,7 @@ Files::
     lru.py     LazyHeap        eviction queue keyed by a logical clock
     kv.py      KVCache         the composition, one owner per page, Admission
     session_kv.py SessionKV    KV kept by sessions between turns (a part of KVCache)
+    stats.py   KVStats         the accounting KVCache.stats() reports
 """
 
 from .kv import Admission, KVCache
@@ -16,11 +17,13 @@ from .node import IntegrityError, Node
 from .pages import PageAllocator
 from .radix import RadixTree
 from .rows import RowTable, RowWrite
+from .stats import KVStats
 
 __all__ = [
     "Admission",
     "IntegrityError",
     "KVCache",
+    "KVStats",
     "Node",
     "PageAllocator",
     "RadixTree",

@@ -9,7 +9,8 @@ Interface (what the engine's cache manager calls)::
     cache.release(rid, computed_tokens)      # finished/aborted/retracted; caches computed KV
     cache.evict(num_pages)                   -> int   # pages evicted from the tree
     cache.flush()                            # only when no request is live
-    cache.holds(rid), cache.can_admit_pages(n), cache.stats(), cache.check_integrity()
+    cache.holds(rid), cache.can_admit_pages(n), cache.check_integrity()
+    cache.stats()                            -> KVStats (stats.py)
 
 Page ownership of one live request's row (page_size 4, prompt of 11 tokens,
 reserve 14; the tree already held the first 8 tokens)::
@@ -44,6 +45,7 @@ from .pages import PageAllocator
 from .radix import RadixTree
 from .rows import RowTable, RowWrite
 from .session_kv import SessionKV
+from .stats import KVStats
 
 __all__ = ["Admission", "KVCache"]
 
@@ -115,20 +117,20 @@ class KVCache:
         """Whether ``num_pages`` new pages could be had, evicting if needed."""
         return self.allocator.num_free + self.tree.evictable_pages >= num_pages
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "total_pages": self.allocator.num_total,
-            "free_pages": self.allocator.num_free,
-            "evictable_pages": self.tree.evictable_pages,
-            "locked_pages": self.tree.locked_pages,
-            "request_pages": self._request_pages,
-            "session_pages": self.num_session_pages,
-            "sessions": len(self.sessions),
-            "sessions_reclaimed": self.sessions.num_reclaimed,
-            "total_rows": self.rows.num_total,
-            "free_rows": self.rows.num_free,
-            "cached_tokens": self.tree.total_pages * self.page_size,
-        }
+    def stats(self) -> KVStats:
+        return KVStats(
+            total_pages=self.allocator.num_total,
+            free_pages=self.allocator.num_free,
+            evictable_pages=self.tree.evictable_pages,
+            locked_pages=self.tree.locked_pages,
+            request_pages=self._request_pages,
+            session_pages=self.num_session_pages,
+            sessions=len(self.sessions),
+            sessions_reclaimed=self.sessions.num_reclaimed,
+            total_rows=self.rows.num_total,
+            free_rows=self.rows.num_free,
+            cached_tokens=self.tree.total_pages * self.page_size,
+        )
 
     # ---- request lifecycle ----------------------------------------------------
 

@@ -106,7 +106,7 @@ async def make_engine(tiny_model: LoadedModel) -> AsyncIterator[EngineFactory]:
             if engine.dead_reason is None:
                 await engine.check_integrity()
                 stats = await engine.cache_stats()
-                assert stats["free_rows"] == stats["total_rows"]
-                assert stats["request_pages"] == 0 and stats["locked_pages"] == 0
+                assert stats.free_rows == stats.total_rows
+                assert stats.request_pages == 0 and stats.locked_pages == 0
         finally:
             await engine.close()

@@ -1,5 +1,6 @@
 """Unit tests for cache/kv.py: admit / extend / release / flush and page ownership."""
 
+import msgspec
 import pytest
 
 from shoal.cache.kv import Admission, KVCache
@@ -23,12 +24,8 @@ def closes(cache: KVCache) -> None:
     cache.check_integrity()
     s = cache.stats()
     assert (
-        s["free_pages"]
-        + s["evictable_pages"]
-        + s["locked_pages"]
-        + s["request_pages"]
-        + s["session_pages"]
-        == s["total_pages"]
+        s.free_pages + s.evictable_pages + s.locked_pages + s.request_pages + s.session_pages
+        == s.total_pages
     )
 
 
@@ -56,7 +53,7 @@ def test_admit_release_readmit_hits_the_prefix(ps: int) -> None:
     assert not cache.holds("a")
     assert cache.num_evictable_pages == full and cache.num_request_pages == 0
     assert cache.num_free_pages == 32 - full  # a partial last page came back
-    assert cache.stats()["cached_tokens"] == full * ps
+    assert cache.stats().cached_tokens == full * ps
     closes(cache)
 
     adm2 = cache.admit("b", prompt + [7] * ps, reserve_tokens=len(prompt) + ps)
@@ -221,7 +218,7 @@ def test_flush_requires_idle_and_frees_everything() -> None:
         cache.flush()
     cache.release("a", [1, 2, 3])
     cache.flush()
-    assert cache.num_free_pages == 8 and cache.stats()["cached_tokens"] == 0
+    assert cache.num_free_pages == 8 and cache.stats().cached_tokens == 0
     adm = cache.admit("b", [1, 2, 3], 3)
     assert adm is not None and adm.num_cached_tokens == 0
     closes(cache)
@@ -258,7 +255,7 @@ def test_capacity_and_double_admit_assert() -> None:
 
 def test_stats_and_can_admit_pages() -> None:
     cache = make(num_pages=10, page_size=4, num_rows=3)
-    assert cache.stats() == {
+    assert msgspec.structs.asdict(cache.stats()) == {  # also the keys /get_server_info shows
         "total_pages": 10,
         "free_pages": 10,
         "evictable_pages": 0,

@@ -133,7 +133,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_rid += 1
         expected = self.expected_cached(prompt)
         before = cache.stats()
-        could = before["free_rows"] > 0 and cache.can_admit_pages(ceil_div(reserve, ps))
+        could = before.free_rows > 0 and cache.can_admit_pages(ceil_div(reserve, ps))
         adm = cache.admit(rid, prompt, reserve)
         if adm is None:
             assert not could, "admit refused though a row and the pages were there"
@@ -259,7 +259,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             cached = data.draw(st.booleans(), label="cache on drain")
             self.cache.release(rid, req.seq[: req.prompt_len] if cached else None)
         self.cache.flush()
-        assert self.cache.num_free_pages == self.cache.stats()["total_pages"]
+        assert self.cache.num_free_pages == self.cache.stats().total_pages
         self.known = []
         self.evicted_seen = self.cache.tree.num_evicted_pages
 
@@ -271,11 +271,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         self.cache.check_integrity()
         s = self.cache.stats()
-        assert (
-            s["free_pages"] + s["evictable_pages"] + s["locked_pages"] + s["request_pages"]
-            == s["total_pages"]
-        )
-        assert s["free_rows"] + len(self.live) == s["total_rows"]
+        assert s.free_pages + s.evictable_pages + s.locked_pages + s.request_pages == s.total_pages
+        assert s.free_rows + len(self.live) == s.total_rows
         assert all(self.cache.holds(rid) for rid in self.live)
 
 

@@ -22,21 +22,21 @@ def test_a_turn_keeps_full_pages_locked_and_the_tail_page_as_its_own() -> None:
     assert kv.extend("t1", 13) is not None  # decoded three tokens
     kv.release("t1", history, session="s")
     stats = kv.stats()
-    assert stats["locked_pages"] == 3 and stats["session_pages"] == 1
-    assert stats["request_pages"] == 0 and stats["free_rows"] == 4
+    assert stats.locked_pages == 3 and stats.session_pages == 1
+    assert stats.request_pages == 0 and stats.free_rows == 4
     kv.check_integrity()
 
     turn = [*history, 50, 51, 52]
     got = kv.admit("t2", turn, len(turn), session="s")
     assert got is not None and got.num_cached_tokens == 13  # the partial page reused too
-    assert kv.stats()["session_pages"] == 0 and kv.session_tokens("s") is None
+    assert kv.stats().session_pages == 0 and kv.session_tokens("s") is None
     kv.check_integrity()
     kv.release("t2", turn, session="s")
     assert kv.session_tokens("s") == tuple(turn)
     kv.close_session("s")
     stats = kv.stats()
-    assert stats["locked_pages"] == stats["session_pages"] == 0
-    assert stats["free_pages"] + stats["evictable_pages"] == stats["total_pages"]
+    assert stats.locked_pages == stats.session_pages == 0
+    assert stats.free_pages + stats.evictable_pages == stats.total_pages
     kv.check_integrity()
 
 
@@ -52,7 +52,7 @@ def test_rollback_restores_the_previous_turn() -> None:
     kv.release("t2", history, session="s")  # aborted: back to the last completed turn
     assert kv.session_tokens("s") == tuple(history)
     assert kv.sessions.get("s").tail_page == tail_before
-    assert kv.stats()["request_pages"] == 0
+    assert kv.stats().request_pages == 0
     kv.check_integrity()
     again = kv.admit("t3", [*history, 70], 14, session="s")
     assert again is not None and again.num_cached_tokens == 13
@@ -66,7 +66,7 @@ def test_a_turn_that_does_not_extend_the_history_drops_the_session_kv() -> None:
     other = [99, *history]
     got = kv.admit("t2", other, len(other), session="s")
     assert got is not None and got.num_cached_tokens == 0
-    assert kv.stats()["session_pages"] == 0
+    assert kv.stats().session_pages == 0
     kv.check_integrity()
     kv.release("t2", None)
     kv.check_integrity()
@@ -78,11 +78,11 @@ def test_pressure_reclaims_idle_sessions_least_recently_used_first() -> None:
         tokens = list(range(start, start + 13))
         kv.admit(name, tokens, 13)
         kv.release(name, tokens, session=name)
-    assert kv.stats()["free_pages"] == 4  # each session keeps 4 pages
+    assert kv.stats().free_pages == 4  # each session keeps 4 pages
     big = list(range(300, 330))  # needs 8 pages: only "old" must give its KV back
     assert kv.admit("big", big, 30) is not None
     assert kv.session_tokens("old") is None and kv.session_tokens("new") is not None
-    assert kv.stats()["sessions_reclaimed"] == 1
+    assert kv.stats().sessions_reclaimed == 1
     kv.check_integrity()
     kv.release("big", None)
     kv.check_integrity()
@@ -94,7 +94,7 @@ def test_flush_drops_session_kv_but_nothing_else() -> None:
     kv.admit("t1", tokens, 13)
     kv.release("t1", tokens, session="s")
     kv.flush()
-    assert kv.stats()["free_pages"] == kv.stats()["total_pages"]
+    assert kv.stats().free_pages == kv.stats().total_pages
     kv.check_integrity()
 
 
@@ -124,4 +124,4 @@ def test_every_turn_reuses_exactly_the_last_completed_history(
         assert kv.session_tokens("s") == tuple(history)
     kv.close_session("s")
     kv.check_integrity()
-    assert kv.stats()["locked_pages"] == 0
+    assert kv.stats().locked_pages == 0

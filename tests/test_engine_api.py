@@ -66,7 +66,7 @@ async def test_bad_sampling_raises_before_anything_is_queued(
     with pytest.raises(ValueError, match=field):
         engine.generate(input_ids=[5, 6, 7], **options)
     snap = await engine.snapshot()
-    assert snap["idle"] and not snap["waiting"]
+    assert snap.idle and not snap.waiting
 
 
 async def test_bad_inputs_end_the_stream_with_a_clear_error(make_engine: EngineFactory) -> None:

@@ -61,7 +61,7 @@ async def test_small_pool_forces_retraction(
     prompts = mixed_prompts(engine.loaded.config.vocab_size)[1:]
     done = await run_all(engine, prompts)
     assert [list(d.token_ids) for d in done] == expect(tiny_reference, prompts)
-    assert (await engine.snapshot())["num_retractions"] > 0
+    assert (await engine.snapshot()).num_retractions > 0
 
 
 async def test_running_cap_forces_queuing(
@@ -76,9 +76,9 @@ async def test_running_cap_forces_queuing(
     seen_waiting = 0
     while not all(s.ended for s in streams):
         snap = await engine.snapshot()
-        holding = len(snap["prefill"]) + len(snap["running"]) + len(snap["finishing"])
+        holding = len(snap.prefill) + len(snap.running) + len(snap.finishing)
         assert holding <= 2
-        seen_waiting = max(seen_waiting, len(snap["waiting"]))
+        seen_waiting = max(seen_waiting, len(snap.waiting))
         await asyncio.sleep(0.002)
     done = await asyncio.gather(*(s.result() for s in streams))
     assert [list(d.token_ids) for d in done] == expect(tiny_reference, prompts)
@@ -104,4 +104,4 @@ async def test_prefix_cache_off_reuses_nothing_and_changes_no_token(
         done = await run_all(engine, prompts)
         assert [list(d.token_ids) for d in done] == expect(tiny_reference, prompts)
         assert all(d.usage.cached_tokens == 0 for d in done)
-    assert (await engine.cache_stats())["cached_tokens"] == 0
+    assert (await engine.cache_stats()).cached_tokens == 0

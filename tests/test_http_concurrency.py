@@ -95,14 +95,12 @@ async def test_50_clients_leaving_mid_stream_leave_nothing_behind(serve: ServeFa
     await asyncio.gather(*(leave_raw(i) if i % 2 else leave_openai(i) for i in range(50)))
     await settle(s)
     snapshot = await s.engine.snapshot()
-    assert snapshot["idle"] and not snapshot["running"] and not snapshot["waiting"]
+    assert snapshot.idle and not snapshot.running and not snapshot.waiting
     after = await s.engine.cache_stats()
-    assert after["free_rows"] == before["free_rows"] == after["total_rows"]
-    assert after["request_pages"] == 0 and after["locked_pages"] == 0
+    assert after.free_rows == before.free_rows == after.total_rows
+    assert after.request_pages == 0 and after.locked_pages == 0
     # aborted requests may leave their KV in the prefix cache: evictable, not held
-    assert after["free_pages"] + after["evictable_pages"] == (
-        before["free_pages"] + before["evictable_pages"]
-    )
+    assert after.free_pages + after.evictable_pages == (before.free_pages + before.evictable_pages)
     aborted = s.server.metrics.requests.labels("abort")._value.get()
     generated = s.server.metrics.generation_tokens._value.get()
     # each was aborted within a few steps of its client leaving (not after its 400 tokens)

@@ -172,7 +172,7 @@ async def test_bad_input_table_then_the_server_is_unharmed(serve: ServeFactory) 
     assert ok.choices[0].finish_reason in ("stop", "length")
     await s.engine.check_integrity()
     snapshot = await s.engine.snapshot()
-    assert snapshot["idle"] and not s.server.gateway.jobs
+    assert snapshot.idle and not s.server.gateway.jobs
 
 
 async def test_the_openai_client_sees_typed_errors_without_retrying(serve: ServeFactory) -> None:

@@ -108,7 +108,7 @@ async def test_metrics_counters_match_the_traffic(serve: ServeFactory) -> None:
     assert value(m, "shoal_kv_cache_usage_ratio") == 0  # idle: nothing held by a request
     assert value(m, "shoal_kv_cache_evictable_pages") > 0  # but the prefix cache keeps pages
     stats = await s.engine.cache_stats()
-    assert value(m, "shoal_kv_cache_total_pages") == stats["total_pages"]
+    assert value(m, "shoal_kv_cache_total_pages") == stats.total_pages
     route = "/v1/chat/completions"
     assert value(m, "shoal_http_requests_total", route=route, status="200") == 5
     assert value(m, "shoal_http_requests_total", route=route, status="400") == 1

@@ -142,7 +142,7 @@ async def test_health_and_info_routes(serve: ServeFactory) -> None:
     stats = await s.engine.cache_stats()
     assert server["engine_options"]["context_length"] == 300
     assert server["resolved"]["context_length"] == 300
-    assert server["total_pages"] == stats["total_pages"]
+    assert server["total_pages"] == stats.total_pages
     assert server["running"] == 0 and server["waiting"] == 0
     assert server["server"]["api_key"] is None and server["server"]["max_n"] >= 1
 

@@ -15,6 +15,7 @@ import pytest
 from test_http_support import Served, ServeFactory, serve, sse_events
 
 from shoal.api.engine import Engine
+from shoal.cache.stats import KVStats
 
 __all__ = ["serve"]
 
@@ -34,14 +35,14 @@ async def stateless(s: Served, ids: list[int], max_new: int) -> list[int]:
     return list(got["output_ids"])
 
 
-async def released(engine: Engine, timeout_s: float = 30.0) -> dict[str, int]:
+async def released(engine: Engine, timeout_s: float = 30.0) -> KVStats:
     """Once the engine is idle and no session holds KV (closing is asynchronous)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
         await engine.wait_idle()
         stats = await engine.cache_stats()
-        if stats["sessions"] == stats["session_pages"] == stats["locked_pages"] == 0:
+        if stats.sessions == stats.session_pages == stats.locked_pages == 0:
             return stats
         assert loop.time() < deadline, f"sessions still hold pages: {stats}"
         await asyncio.sleep(0.01)

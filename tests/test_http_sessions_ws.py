@@ -180,7 +180,7 @@ async def test_ws_a_socket_that_goes_away_closes_its_session(serve: ServeFactory
     await turn(ws, input_ids=list(range(5, 30)), max_new_tokens=4, **GREEDY)
     await s.engine.wait_idle()  # the turn's KV passes to the session when released
     held = await s.engine.cache_stats()
-    assert held["sessions"] == 1 and held["locked_pages"] > 0
+    assert held.sessions == 1 and held.locked_pages > 0
     await ws.send_json({"type": "turn", "input_ids": [40, 41], "max_new_tokens": 500, **GREEDY})
     assert (await receive(ws))["type"] == "delta"
     if how == "dropped":
@@ -188,7 +188,7 @@ async def test_ws_a_socket_that_goes_away_closes_its_session(serve: ServeFactory
     else:
         await ws.close()
     stats = await released(s.engine)
-    assert stats["request_pages"] == 0 and not s.server.gateway.jobs
+    assert stats.request_pages == 0 and not s.server.gateway.jobs
     await s.engine.check_integrity()
     # max_sessions is 1: a new session opens only because the old one is gone.
     again, _ = await open_ws(s)
@@ -238,4 +238,21 @@ async def test_ws_message_turns_match_an_engine_session(serve: ServeFactory) -> 
             messages = [{"role": "user", "content": text}]
             direct = await session.turn(messages=messages, max_new_tokens=6, temperature=0).result()
             assert list(direct.token_ids) == tokens
+    await released(s.engine)
+
+
+async def test_ws_a_turn_asks_for_logprobs_as_every_door_can(serve: ServeFactory) -> None:
+    s = await serve()
+    ws, _ = await open_ws(s)
+    fields = {"max_new_tokens": 4, "logprobs": True, "top_logprobs": 2, **GREEDY}
+    deltas, done = await turn(ws, input_ids=[5, 6, 7], **fields)
+    assert done["type"] == "done", done
+    items = [item for delta in deltas for item in delta["logprobs"]]
+    assert [item["token_id"] for item in items] == tokens_of(deltas)
+    for item in items:  # greedy: the chosen token is the most likely one
+        assert item["logprob"] <= 0 and len(item["top"]) == 2
+        assert item["top"][0][0] == item["token_id"]
+    deltas, _ = await turn(ws, input_ids=[8], max_new_tokens=2, **GREEDY)
+    assert deltas and all("logprobs" not in delta for delta in deltas)  # only when asked
+    await ws.close()
     await released(s.engine)

@@ -16,6 +16,7 @@ from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
 from shoal.actors.device_state import DeviceState
+from shoal.cache.stats import KVStats
 from shoal.results import RequestStream
 
 
@@ -39,7 +40,7 @@ def greedy(**extra: Any) -> dict[str, Any]:
     return {"temperature": 0.0, "ignore_eos": True, **extra}
 
 
-async def baseline(engine: Engine) -> dict[str, int]:
+async def baseline(engine: Engine) -> KVStats:
     await engine.wait_idle()
     return await engine.cache_stats()
 
@@ -146,13 +147,13 @@ async def test_flush_posted_while_a_batch_is_in_flight_waits_for_idle(
     engine = await make_engine(page_size=4)
     ids = prompt(21, 7)
     await engine.generate(input_ids=ids, max_new_tokens=3, **greedy()).result()  # warm cache
-    assert (await engine.cache_stats())["cached_tokens"] > 0
+    assert (await engine.cache_stats()).cached_tokens > 0
     engine.hold()
     stream = engine.generate(input_ids=ids, max_new_tokens=3, **greedy())
     assert await engine.advance() is not None
     snap = await engine.snapshot()
     # The window: a batch launched, its result not processed, every queue empty.
-    assert snap["launched_batches"] and not snap["waiting"] and not snap["prefill"]
+    assert snap.launched_batches and not snap.waiting and not snap.prefill
     flush = asyncio.create_task(engine.flush_cache(timeout_s=30))
     await asyncio.sleep(0.1)
     assert not flush.done()  # it did not run inside the window
@@ -162,7 +163,7 @@ async def test_flush_posted_while_a_batch_is_in_flight_waits_for_idle(
     result = await flush
     assert result.success, result.message
     stats = await engine.cache_stats()
-    assert stats["cached_tokens"] == 0 and stats["free_pages"] == stats["total_pages"]
+    assert stats.cached_tokens == 0 and stats.free_pages == stats.total_pages
 
 
 async def test_flush_that_times_out_refuses_and_loses_nothing(
@@ -198,13 +199,13 @@ async def test_chunked_request_keeps_its_row_with_the_table_full(
     while not long_stream.ended or not all(s.ended for s in streams):
         launched = await engine.advance()
         snap = await engine.snapshot()
-        rows = snap["rows"]
+        rows = snap.rows
         if long_stream.rid in rows:
             long_rows.add(rows[long_stream.rid])
             others = [rid for rid, row in rows.items() if rid != long_stream.rid]
             assert all(rows[rid] != rows[long_stream.rid] for rid in others)
-            chunks += long_stream.rid in snap["prefill"] or snap["progress"][long_stream.rid] > 0
-        if launched is not None or snap["launched_batches"]:
+            chunks += long_stream.rid in snap.prefill or snap.progress[long_stream.rid] > 0
+        if launched is not None or snap.launched_batches:
             await engine.deliver()
     engine.release()
     assert len(long_rows) == 1 and chunks >= 4
@@ -222,19 +223,19 @@ async def run_to(engine: Engine, rid: str, stage: str) -> None:
     """Step the held engine until request `rid` is at `stage`."""
     for _ in range(50):
         snap = await engine.snapshot()
-        in_flight = any(rid in rids for rids in snap["launched_batches"].values())
-        if stage == "waiting" and rid in snap["waiting"]:
+        in_flight = any(rid in rids for rids in snap.launched_batches.values())
+        if stage == "waiting" and rid in snap.waiting:
             return
-        chunked = rid in snap["prefill"] and snap["progress"][rid] > 0
+        chunked = rid in snap.prefill and snap.progress[rid] > 0
         if stage == "mid-chunk" and chunked and not in_flight:
             return
-        if stage == "launched" and rid in snap["running"] and in_flight:
+        if stage == "launched" and rid in snap.running and in_flight:
             return
-        if stage == "decoding" and rid in snap["running"] and not in_flight:
+        if stage == "decoding" and rid in snap.running and not in_flight:
             return
-        if stage == "finished" and rid in snap["finishing"] and not in_flight:
+        if stage == "finished" and rid in snap.finishing and not in_flight:
             return
-        if snap["launched_batches"]:
+        if snap.launched_batches:
             await engine.deliver()  # waits for the result (max_inflight is 1 here)
         elif await engine.advance() is None:
             break
@@ -253,7 +254,7 @@ async def test_abort_at_every_stage_releases_everything(
     target = engine.generate(input_ids=prompt(14, 2), max_new_tokens=max_new, **greedy())
     if stage != "waiting":
         while not blocker.ended:
-            if (await engine.snapshot())["launched_batches"]:
+            if (await engine.snapshot()).launched_batches:
                 await engine.deliver()
             else:
                 await engine.advance()
@@ -264,9 +265,9 @@ async def test_abort_at_every_stage_releases_everything(
     assert done.finish_reason == ("length" if stage == "finished" else "abort")
     await blocker.result()
     end = await baseline(engine)
-    assert end["free_rows"] == start["free_rows"]
-    assert end["request_pages"] == end["locked_pages"] == 0
-    assert end["free_pages"] + end["evictable_pages"] == start["free_pages"]
+    assert end.free_rows == start.free_rows
+    assert end.request_pages == end.locked_pages == 0
+    assert end.free_pages + end.evictable_pages == start.free_pages
 
 
 # ---- pause / continue ---------------------------------------------------------------------
@@ -284,11 +285,11 @@ async def test_pause_holds_work_and_continue_resumes_it(
     await asyncio.sleep(0.05)
     queued = engine.generate(input_ids=ids, max_new_tokens=5, **greedy())
     snap = await engine.snapshot()
-    before = snap["progress"][running.rid]
+    before = snap.progress[running.rid]
     await asyncio.sleep(0.1)
     snap = await engine.snapshot()
-    assert snap["paused"] and snap["progress"][running.rid] == before
-    assert not snap["launched_batches"] and not queued.ended
+    assert snap.paused and snap.progress[running.rid] == before
+    assert not snap.launched_batches and not queued.ended
     engine.continue_generation()
     assert list((await running.result()).token_ids) == tiny_reference.greedy(ids, 60, True)
     assert list((await queued.result()).token_ids) == tiny_reference.greedy(ids, 5, True)
@@ -317,7 +318,7 @@ async def test_update_during_pause_keeps_requests_which_continue_on_new_weights(
     stream = await paused_after(engine, ids, 5)
     await asyncio.sleep(0.05)
     snap = await engine.snapshot()
-    while snap["launched_batches"]:
+    while snap.launched_batches:
         await asyncio.sleep(0.01)
         snap = await engine.snapshot()
     result = await engine.update_weights_from_disk(other_folder)
@@ -359,7 +360,7 @@ async def test_continue_during_a_paused_update_waits_for_the_new_weights(
     engine.continue_generation()
     await asyncio.sleep(0.2)  # room for a wrong re-admission
     snap = await engine.snapshot()
-    assert not snap["rows"] and not snap["launched_batches"], snap
+    assert not snap.rows and not snap.launched_batches, snap
     release.set()
     result = await update
     assert result.success, result.message

@@ -223,7 +223,7 @@ def test_abort_at_every_stage_releases_everything(stage: str) -> None:
     sim = Sim(chunk_size=4, max_inflight=1 if stage == "running" else 2, num_rows=1)
     sim.add("blocker", [3] * 6, max_new_tokens=3)
     sim.add("a", list(range(3, 30)), max_new_tokens=6)
-    free_pages = sim.kv.stats()["free_pages"]
+    free_pages = sim.kv.stats().free_pages
     target = {
         "waiting": Phase.WAITING,
         "prefill": Phase.PREFILL,
@@ -252,9 +252,9 @@ def test_abort_at_every_stage_releases_everything(stage: str) -> None:
     assert finishes == (["length"] if stage == "finishing" else ["abort"])
     assert "a" in sim.released
     stats = sim.kv.stats()
-    assert stats["free_rows"] == stats["total_rows"]
-    assert stats["request_pages"] == stats["locked_pages"] == 0
-    assert stats["free_pages"] + stats["evictable_pages"] == free_pages
+    assert stats.free_rows == stats.total_rows
+    assert stats.request_pages == stats.locked_pages == 0
+    assert stats.free_pages + stats.evictable_pages == free_pages
 
 
 def test_out_of_pages_retracts_the_youngest_and_tokens_survive() -> None:
@@ -383,4 +383,4 @@ def test_abort_while_the_admission_is_in_flight(admits: bool) -> None:
     assert [o.finish for o in sim.outputs["a"]] == ["abort"]
     assert sim.released == ["a"]
     stats = sim.kv.stats()
-    assert stats["free_rows"] == stats["total_rows"] and stats["request_pages"] == 0
+    assert stats.free_rows == stats.total_rows and stats.request_pages == 0

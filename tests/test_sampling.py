@@ -1,9 +1,16 @@
-"""kernels/sampling.py: greedy limits, seeded reproducibility, penalties, and the sampled law."""
+"""kernels/sampling.py: greedy limits, seeded reproducibility, penalties, and the sampled law.
+
+EXAMPLES holds a valid value, not the default, for every SamplingParams field:
+tests/test_sampling_doors.py sends them all through every door (OpenAI, /generate, the
+websocket, the command line, Engine.generate, Session.turn). A new field needs one here.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -11,6 +18,25 @@ from shoal.kernels.sampling import SamplingRow, compute_logprobs, mix_seed, samp
 from shoal.params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+EXAMPLES: dict[str, Any] = {
+    "max_new_tokens": 3,
+    "min_new_tokens": 1,
+    "temperature": 0.5,
+    "top_k": 4,
+    "top_p": 0.9,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "frequency_penalty": 0.2,
+    "presence_penalty": 0.3,
+    "seed": 7,
+    "stop": ("zzqq",),
+    "stop_token_ids": (3,),
+    "ignore_eos": True,
+    "skip_special_tokens": False,
+    "logprobs": True,
+    "top_logprobs": 2,
+}
 
 
 def row(
@@ -25,6 +51,14 @@ def row(
 def random_logits(batch: int, vocab: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return (torch.randn(batch, vocab, generator=generator) * 3).to(device)
+
+
+def test_every_field_has_an_example_other_than_its_default() -> None:
+    fields = msgspec.structs.fields(SamplingParams)
+    assert set(EXAMPLES) == {f.name for f in fields}, "give the new field a value in EXAMPLES"
+    for info in fields:
+        assert EXAMPLES[info.name] != info.default, info.name
+    SamplingParams(**EXAMPLES).validate(vocab_size=512)
 
 
 def test_mix_seed_is_a_63_bit_hash() -> None:

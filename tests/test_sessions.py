@@ -10,13 +10,14 @@ import pytest
 from conftest import EngineFactory, Reference
 
 from shoal import Engine
+from shoal.cache.stats import KVStats
 
 
 def greedy(n: int) -> dict[str, object]:
     return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
 
 
-async def released(engine: Engine) -> dict[str, int]:
+async def released(engine: Engine) -> KVStats:
     await engine.wait_idle()
     return await engine.cache_stats()
 
@@ -46,7 +47,7 @@ async def test_thirty_turns_equal_stateless_requests_on_the_full_history(
             history += new + list(done.token_ids)
     assert cached == sorted(cached) and cached[-1] > 100
     stats = await released(engine)
-    assert stats["session_pages"] == 0 and stats["locked_pages"] == 0
+    assert stats.session_pages == 0 and stats.locked_pages == 0
 
 
 async def test_an_aborted_turn_rolls_back_and_the_next_turn_is_correct(
@@ -94,20 +95,19 @@ async def test_close_during_a_turn_waits_for_it_then_releases_everything(
     with pytest.raises(ValueError, match="not open"):
         await session.turn(input_ids=[5], **greedy(2)).result()
     end = await released(engine)
-    assert end["session_pages"] == end["locked_pages"] == end["request_pages"] == 0
-    assert end["free_pages"] + end["evictable_pages"] == start["free_pages"]
+    assert end.session_pages == end.locked_pages == end.request_pages == 0
+    assert end.free_pages + end.evictable_pages == start.free_pages
 
 
 async def test_an_idle_session_is_reaped_after_its_timeout(make_engine: EngineFactory) -> None:
     engine = await make_engine(page_size=4)
     session = await engine.open_session(timeout_s=0.2)
     await session.turn(input_ids=list(range(5, 20)), **greedy(4)).result()
-    assert (await released(engine))["session_pages"] + (await engine.cache_stats())[
-        "locked_pages"
-    ] > 0
+    kept = await released(engine)
+    assert kept.session_pages + (await engine.cache_stats()).locked_pages > 0
     await asyncio.sleep(0.5)
     stats = await engine.cache_stats()
-    assert stats["session_pages"] == stats["locked_pages"] == 0
+    assert stats.session_pages == stats.locked_pages == 0
     with pytest.raises(ValueError, match="not open"):
         await session.turn(input_ids=[5], **greedy(2)).result()
 
@@ -176,5 +176,5 @@ async def test_sessions_under_memory_pressure_with_other_traffic(
 
     await asyncio.gather(*(converse(i) for i in range(8)), traffic(), traffic())
     stats = await released(engine)
-    assert stats["session_pages"] == stats["locked_pages"] == 0
-    assert stats["sessions_reclaimed"] > 0  # the pool really was too small to keep them all
+    assert stats.session_pages == stats.locked_pages == 0
+    assert stats.sessions_reclaimed > 0  # the pool really was too small to keep them all

@@ -180,6 +180,6 @@ async def test_random_operations_against_a_running_server(
     await served.engine.wait_idle()
     await served.engine.check_integrity()
     end = await served.engine.cache_stats()
-    assert end["free_rows"] == start["free_rows"]
-    assert end["request_pages"] == end["locked_pages"] == 0
-    assert end["free_pages"] + end["evictable_pages"] == start["free_pages"]
+    assert end.free_rows == start.free_rows
+    assert end.request_pages == end.locked_pages == 0
+    assert end.free_pages + end.evictable_pages == start.free_pages
