@@ -5,10 +5,11 @@
     rms_norm       csrc/elementwise.cpp    RMSNorm of rows, in one op
     add_rms_norm                           the residual add and the next RMSNorm, in one op
     rope                                   q and k rotated in place, in one op
-    int8_linear    csrc/linear.cpp         x w.T + b with int8 weights in blocks of 32
-                                           (`quantization="int8"`, quant.py)
-    f32_linear                             x w.T + b for a few rows, float32 weights
+    silu_mul                               silu(gate) * up of the fused gate_up, in one op
+    f32_linear     csrc/linear.cpp         x w.T + b for a few rows, float32 weights
                                            (`PackedLinear` at a few rows, linear.py)
+    q8_linear      csrc/block_linear.cpp   x w.T + b with weights in int8 or 4-bit blocks of
+    q4_linear                              32, x in int16 (`quantization="int8"`, quant.py)
 
 They are what `attention="cpu"` (the default on the CPU in float32) runs: the decode attention
 here, prompt chunks through the torch reference, and the element-wise ops through
@@ -33,7 +34,10 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp")
+SOURCES = tuple(
+    CSRC / name
+    for name in ("paged_decode.cpp", "elementwise.cpp", "linear.cpp", "block_linear.cpp")
+)
 
 # torch's CPU capability -> compiler flags. CPU_CAPABILITY selects ATen's vector type
 # (at::vec::Vectorized) as torch's own kernels are built for that capability; no contraction
@@ -76,8 +80,10 @@ class CpuKernels:
     rms_norm: Any
     add_rms_norm: Any
     rope: Any
-    int8_linear: Any
+    silu_mul: Any
     f32_linear: Any
+    q8_linear: Any
+    q4_linear: Any
 
 
 def capability() -> str:
@@ -87,11 +93,18 @@ def capability() -> str:
 
 def load_cpu_kernels(cache_dir: Path) -> CpuKernels:
     """The ops, built into `cache_dir` the first time (KernelUnavailable if they cannot be)."""
-    if not hasattr(torch.ops.shoal_cpu, "f32_linear"):
+    if not hasattr(torch.ops.shoal_cpu, "q4_linear"):
         build(cache_dir)
     ops = torch.ops.shoal_cpu
     return CpuKernels(
-        ops.paged_decode, ops.rms_norm, ops.add_rms_norm, ops.rope, ops.int8_linear, ops.f32_linear
+        ops.paged_decode,
+        ops.rms_norm,
+        ops.add_rms_norm,
+        ops.rope,
+        ops.silu_mul,
+        ops.f32_linear,
+        ops.q8_linear,
+        ops.q4_linear,
     )
 
 
@@ -114,5 +127,5 @@ def build(cache_dir: Path) -> None:
         )
     except Exception as error:  # the builder raises whatever the compiler or ninja did
         raise KernelUnavailable(f"the CPU kernels could not be built: {error}") from error
-    if not hasattr(torch.ops.shoal_cpu, "f32_linear"):
+    if not hasattr(torch.ops.shoal_cpu, "q4_linear"):
         raise KernelUnavailable(f"the CPU kernels built in {folder} registered no op")

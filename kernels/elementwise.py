@@ -5,8 +5,10 @@ compiled CPU kernels (cpu_kernels.py), one op each where torch takes five or six
     add_rms_norm(h, delta, w)   (h + delta, rms_norm(h + delta, w)): the residual add fused
                                 with the next norm; the compiled form adds into h in place
     rope(x, cos, sin)           x: [T, H, D] rotated; the compiled form rotates x in place
+    silu_mul(gate_up)           silu(gate) * up of the fused [T, 2I] projection, [T, I]
 
-The compiled forms are bit-equal to the reference for RoPE and the residual add, and within
+The compiled forms are bit-equal to the reference for RoPE, SiLU-and-multiply and the residual
+add, and within
 the last bit for RMSNorm (another summation order of the squares; tests/test_cpu_kernels.py).
 """
 
@@ -30,6 +32,8 @@ class Elementwise(Protocol):
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
 
 class TorchElementwise:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,6 +47,10 @@ class TorchElementwise:
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(x, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class CompiledElementwise:
@@ -66,6 +74,11 @@ class CompiledElementwise:
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         self.kernels.rope(x, cos, sin)
         return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+        self.kernels.silu_mul(gate_up, out)
+        return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -203,8 +203,7 @@ class LlamaModel:
             attention.store(kv.k[layer_id], kv.v[layer_id], k, v)
             attn = attention.attend(q, kv.k[layer_id], kv.v[layer_id], self.scale)
             h, x = ops.add_rms_norm(h, layer.o(attn.reshape(-1, q_size)), layer.post_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            mlp = layer.down(F.silu(gate) * up)
+            mlp = layer.down(ops.silu_mul(layer.gate_up(x)))
             if layer_id + 1 < len(layers):  # the residual add, fused with the next layer's norm
                 h, x = ops.add_rms_norm(h, mlp, layers[layer_id + 1].input_norm, eps)
             else:

@@ -1,41 +1,73 @@
-"""int8 linears for `quantization="int8"` (CPU): int8 weights in blocks of 32, float32 activations.
+"""Block-quantized linears for `quantization="int8"` (CPU): weights in blocks of 32 along K,
+activations quantized per block of 32 at each call.
 
-What is quantized how (y = x w.T + b, w: [N, K]):
-    weight      int8, symmetric, in blocks of 32 along K with one float32 scale each (the
-                block's largest |w| maps to 127; GGUF's Q8_0 with a float32 scale), quantized
-                once at construction and again at each `load`: 1.125 bytes per weight.
-    activation  float32, as in the float model: nothing about x is rounded.
+What is quantized how (y = x w.T + b, w: [N, K]), chosen per weight at each load:
+    weight, Q4  4-bit with a float32 scale d and minimum m a block (w = q * d + m, GGUF's Q4_1),
+                taken only where it is exact: a weight dequantized from a Q4_1 GGUF (the
+                bundled SmolLM2's projections) is stored as it came, 0.625 bytes a weight.
+    weight, Q8  otherwise int8, symmetric, with a float32 scale a block (the block's largest
+                |w| maps to 127; GGUF's Q8_0): 1.125 bytes a weight.
+    activation  int16 per row and block of 32 (the block's largest |x| maps to 32767), in the
+                kernel at each call: off by at most 1.5e-5 of its block's largest value.
     out         float32, bias added in float32.
 
-The kernel is `int8_linear` in csrc/linear.cpp (built with the other CPU kernels,
-cpu_kernels.py): each weight becomes `q * scale` in float32, multiplied and summed in float32.
-It is for the few-row steps that are bound by reading the weights: all of SmolLM2's
-projections and its lm_head (2 threads, this 2-core AVX2 EPYC, bench/README.md) took 9-13 ms
-at one row against 27-30 ms for oneDNN's float32, 13-16 ms against 35 at 4 rows, 44 against 55
-at 16; at 64 rows and more it computes at 0.75-0.8x oneDNN's speed (the conversion costs).
-
-Why weights only, per block (bench/quality.py, 2,711 teacher-forced predictions on SmolLM2):
-the earlier per-channel weights with activations in two 7-bit passes of an fbgemm GEMM reached
-97.3% top-1 agreement and ran at 0.2-0.6x float32 at one row; one-pass int8 activations
-missed 97% (94.1% at best, rotated); float activations keep the error at the weights' alone.
+The kernels are `q4_linear` and `q8_linear` in csrc/block_linear.cpp (built with the other CPU
+kernels, cpu_kernels.py): each block's product is summed exactly in int32, then scaled by both
+scales in float32. The bundled SmolLM2 decodes through them at one row in ~2/3 of the time the
+earlier float-activation int8 kernel took, and as exactly as float32 bar the activations' 15
+bits (bench/README.md; 8-bit activations lost 3% of its top-1 agreement with float32).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-BLOCK = 32  # weights per scale, along K (the kernel's kBlock)
-_LEVELS = 127
+BLOCK = 32  # weights per scale, along K (the kernels' kBlock)
+_Q8_LEVELS = 127
+_Q4_LEVELS = 15
 _MIN_SCALE = 1e-12  # a block of zeros still needs a positive scale
+MANY_ROWS = 32  # from here on the kernels dequantize and use torch's GEMM (their kManyRows)
+
+
+@dataclass(frozen=True)
+class Q8Blocks:
+    q: torch.Tensor  # int8 [N, B * 32], zero past K
+    d: torch.Tensor  # float32 [N, B]
+    in_features: int
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        torch.ops.shoal_cpu.q8_linear(x, self.q, self.d, bias, out)
+
+    def dequantize(self) -> torch.Tensor:
+        out = torch.empty(self.q.shape[0], self.in_features)
+        torch.ops.shoal_cpu.q8_dequantize(self.q, self.d, out)
+        return out
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    q: torch.Tensor  # uint8 [N, B * 16]: byte j of a block holds k = j (low), j + 16 (high)
+    d: torch.Tensor  # float32 [N, B]
+    m: torch.Tensor  # float32 [N, B]
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        torch.ops.shoal_cpu.q4_linear(x, self.q, self.d, self.m, bias, out)
+
+    def dequantize(self) -> torch.Tensor:
+        out = torch.empty(self.q.shape[0], self.q.shape[1] * 2)
+        torch.ops.shoal_cpu.q4_dequantize(self.q, self.d, self.m, out)
+        return out
 
 
 class Int8Linear:
-    """y = x @ w.T + b with w int8 in blocks of 32 along K, x and y float32."""
+    """y = x @ w.T + b with w in Q4 or Q8 blocks of 32 along K, x and y float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if weight.device.type != "cpu":
             raise ValueError(f"quantization int8 runs on the CPU only, got {weight.device}")
-        if not hasattr(torch.ops.shoal_cpu, "int8_linear"):
+        if not hasattr(torch.ops.shoal_cpu, "q4_linear"):
             raise ValueError(
                 "quantization int8 needs the compiled CPU kernels, and they are not loaded "
                 "(kernels/cpu_kernels.py: load_cpu_kernels)"
@@ -46,37 +78,60 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, self.in_features).float()
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.float().contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
-        torch.ops.shoal_cpu.int8_linear(rows, self.weight, self.scales, self.bias, out)
-        return out.view(*shape[:-1], self.out_features).to(x.dtype)
+        self.blocks.run(rows, self.bias, out)
+        y = out.view(*shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Quantize a weight of this linear's shape (also a weight update)."""
         assert tuple(weight.shape) == (self.out_features, self.in_features), weight.shape
-        self.weight, self.scales = quantize_blocks(weight.detach().float())
+        weight = weight.detach().float()
+        self.blocks: Q4Blocks | Q8Blocks = exact_q4_blocks(weight) or q8_blocks(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the kernel multiplies by (for tests)."""
-        return dequantize_blocks(self.weight, self.scales)
+        return self.blocks.dequantize()
 
 
-def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [N, K] and float32 scales [N, ceil(K / 32)]: w ~ q * scale of its block."""
+def q8_blocks(weight: torch.Tensor) -> Q8Blocks:
+    """int8 blocks of 32 along K, each within half a step of its scale of w."""
     n, k = weight.shape
-    blocks = -(-k // BLOCK)
-    padded = torch.zeros(n, blocks * BLOCK)
+    grouped = _padded(weight).view(n, -1, BLOCK)
+    d = (grouped.abs().amax(dim=2) / _Q8_LEVELS).clamp_min(_MIN_SCALE)
+    q = torch.round(grouped / d.unsqueeze(2)).clamp_(-_Q8_LEVELS, _Q8_LEVELS).to(torch.int8)
+    return Q8Blocks(q.view(n, -1).contiguous(), d.contiguous(), k)
+
+
+def exact_q4_blocks(weight: torch.Tensor) -> Q4Blocks | None:
+    """The weight as Q4_1 blocks if that gives back every value to the bit, else None.
+
+    A weight dequantized from Q4_1 is q * d + m with q in 0..15 and d a float16; GGUF's
+    quantizer puts each block's minimum at q = 0 and its maximum at 15, so m is the minimum,
+    (max - min) / 15 rounds back to d in float16, and that finds q again."""
+    n, k = weight.shape
+    if k % BLOCK:
+        return None
+    grouped = weight.view(n, -1, BLOCK)
+    m = grouped.amin(dim=2)
+    d = ((grouped.amax(dim=2) - m) / _Q4_LEVELS).half().float()
+    if not bool(torch.isfinite(d).all()):
+        return None
+    step = torch.where(d > 0, d, torch.ones_like(d)).unsqueeze(2)
+    q = torch.round((grouped - m.unsqueeze(2)) / step).clamp_(0, _Q4_LEVELS)
+    if not torch.equal(q * d.unsqueeze(2) + m.unsqueeze(2), grouped):
+        return None
+    q = q.to(torch.uint8)
+    packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
+    return Q4Blocks(packed.reshape(n, -1).contiguous(), d.contiguous(), m.contiguous())
+
+
+def _padded(weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    padded = torch.zeros(n, -(-k // BLOCK) * BLOCK)
     padded[:, :k] = weight
-    grouped = padded.view(n, blocks, BLOCK)
-    scales = (grouped.abs().amax(dim=2) / _LEVELS).clamp_min(_MIN_SCALE)
-    q = torch.round(grouped / scales.unsqueeze(2)).clamp_(-_LEVELS, _LEVELS).to(torch.int8)
-    return q.view(n, blocks * BLOCK)[:, :k].contiguous(), scales.contiguous()
-
-
-def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """q * scale of its block, in float32 [N, K], as the kernel forms each weight."""
-    block_of = torch.arange(q.shape[1]) // BLOCK
-    return q.float() * scales[:, block_of]
+    return padded

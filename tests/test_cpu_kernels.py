@@ -163,6 +163,11 @@ def test_elementwise_ops_equal_the_reference(kernels: CpuKernels, rows: int) -> 
     expected = reference.rope(qk.clone(), cos[positions], sin[positions])
     assert torch.equal(compiled.rope(qk, cos[positions], sin[positions]), expected)
     assert torch.equal(qkv[:, : heads * dim].view(rows, heads, dim), expected)  # in place
+    # SiLU-and-multiply: torch's formula on the same vector exp, bit-equal; 100 wide ends in
+    # a part vector, done in scalars by both.
+    for inter in (1536, 100):
+        gate_up = torch.randn(rows, 2 * inter, generator=gen) * 4
+        assert torch.equal(compiled.silu_mul(gate_up), reference.silu_mul(gate_up))
 
 
 def test_elementwise_ops_refuse_what_they_cannot_read(kernels: CpuKernels) -> None:
@@ -173,6 +178,8 @@ def test_elementwise_ops_refuse_what_they_cannot_read(kernels: CpuKernels) -> No
         kernels.rms_norm(x.double(), torch.ones(64), 1e-5, torch.empty(4, 64))
     with pytest.raises(RuntimeError, match="cos and sin"):
         kernels.rope(torch.randn(4, 2, 64), torch.ones(3, 64), torch.ones(3, 64))
+    with pytest.raises(RuntimeError, match=r"gate_up must be \[T, 2I\]"):
+        kernels.silu_mul(torch.randn(4, 63), torch.empty(4, 32))
 
 
 async def test_the_engine_decodes_with_the_kernel_as_with_the_reference(

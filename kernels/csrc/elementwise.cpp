@@ -4,10 +4,13 @@
 //   rms_norm(x, w, eps, out)                out = x * rsqrt(mean(x^2) + eps) * w        [T, C]
 //   add_rms_norm(h, delta, w, eps, out)     h += delta; out = rms_norm(h)  (h in place)
 //   rope(x, cos, sin)                       x = x * cos + rotate_half(x) * sin in place  [T, H, D]
+//   silu_mul(gate_up, out)                  out = silu(gate) * up, gate_up = [gate | up]  [T, 2I]
 //
 // Float32 only. RoPE is bit-equal to Hugging Face's formula (separate multiplies and an add, no
 // fused multiply-add: the build passes -ffp-contract=off); RMSNorm sums the squares in another
-// order than torch, so it may differ in the last bit. tests/test_cpu_kernels.py checks both.
+// order than torch, so it may differ in the last bit. silu_mul is torch's own formula on
+// ATen's vector type (x / (1 + exp(-x)), the same exp), so bit-equal too. tests/test_cpu_kernels.py
+// checks them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -134,6 +137,31 @@ void rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
+  check_rows(gate_up, "gate_up");
+  check_rows(out, "out");
+  const int64_t inter = out.size(1);
+  TORCH_CHECK(gate_up.size(1) == 2 * inter && gate_up.size(0) == out.size(0),
+              "silu_mul: gate_up must be [T, 2I] for out [T, I]");
+  const float* gu = gate_up.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t gu_stride = gate_up.stride(0), out_stride = out.stride(0);
+  const Vec one(1.f);
+  at::parallel_for(0, out.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = gu + r * gu_stride;
+      const float* up = gate + inter;
+      float* row = out_data + r * out_stride;
+      int64_t i = 0;
+      for (; i + Vec::size() <= inter; i += Vec::size()) {
+        const Vec x = Vec::loadu(gate + i);
+        ((x / (one + x.neg().exp())) * Vec::loadu(up + i)).store(row + i);
+      }
+      for (; i < inter; ++i) row[i] = (gate[i] / (1.f + std::exp(-gate[i]))) * up[i];
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
@@ -143,4 +171,5 @@ TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
       "-> ()",
       &add_rms_norm);
   m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope);
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()", &silu_mul);
 }
