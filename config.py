@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import UnionType
+from typing import Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -12,38 +14,80 @@ from shoal.kernels.linear import LinearKind, packing_available
 from shoal.limits import InputLimits
 
 DEFAULT_LIMITS = InputLimits()
+T = TypeVar("T")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def option(default: T, says: str) -> T:
+    """A field of EngineOptions: its default and the one line that says what it sets."""
+    return field(default=default, metadata={"says": says})
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
-    """What a user may set. Zero / None means "pick for me"."""
+    """What a user may set. None means "pick for me". Each field says in one line what it sets:
+    the CLI's flags are made from the fields (api/engine_flags.py) and README's table lists
+    each with that line (tests/test_engine_flags.py checks both)."""
 
-    page_size: int = 16
-    kv_cache_tokens: int = 32768
-    max_running_requests: int = 64
-    chunk_size: int = 512
-    max_batch_tokens: int = 2048
-    # Prompt tokens a step that also decodes may take (0: up to max_batch_tokens). Lower:
-    # steadier inter-token latency under load, newcomers' first token a little later.
-    max_mixed_prefill_tokens: int = 128
-    max_inflight: int = 2
-    context_length: int | None = None
-    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # CUDA when available
-    attention: str = "auto"  # triton on CUDA; on CPU the compiled kernels (float32)
-    quantization: str | None = None  # "int8": int8 weights in blocks, float32 activations (CPU)
-    cuda_graph_max_batch: int = 128  # decode batches up to this replay CUDA graphs; 0 = off
-    num_threads: int | None = None
-    seed: int | None = None
-    strict_integrity: bool = False
-    prefix_cache: bool = True
-    max_sessions: int = 256
+    page_size: int = option(16, "tokens a page of the KV cache holds")
+    kv_cache_tokens: int = option(32768, "tokens the KV cache holds, all requests together")
+    max_running_requests: int = option(64, "requests running at once (rows of a batch)")
+    chunk_size: int = option(512, "prompt tokens one request may prefill in a step")
+    max_batch_tokens: int = option(2048, "tokens one step may run, prompts and decodes together")
+    max_mixed_prefill_tokens: int = option(
+        128,
+        "prompt tokens a step that also decodes may take (0: up to max_batch_tokens); lower: "
+        "steadier inter-token latency under load, a newcomer's first token a little later",
+    )
+    max_inflight: int = option(2, "batches launched ahead of their results (1: no overlap)")
+    context_length: int | None = option(
+        None, "tokens a request may hold, prompt and output (unset: the model's)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", "weights and KV (auto: bfloat16 on CUDA, float32 on CPU)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "where the model runs (auto: CUDA when torch sees a device)"
+    )
+    attention: Literal["auto", "torch", "triton", "cpu"] = option(
+        "auto",
+        "attention kernels (auto: triton on CUDA; on the CPU in float32 cpu, C++ decode "
+        "attention and element-wise ops compiled on first use, torch when no compiler is found; "
+        "else torch, the reference)",
+    )
+    quantization: Literal["int8"] | None = option(
+        None,
+        "int8: weights in blocks of 32 (a GGUF's Q4_1 kept as its 4-bit blocks, else int8), "
+        "activations rounded to int16 (CPU; not token-exact, quality in bench/README.md); unset: "
+        "the model's dtype",
+    )
+    cuda_graph_max_batch: int = option(
+        128, "decode batches up to this size replay CUDA graphs (0: off)"
+    )
+    num_threads: int | None = option(None, "torch's CPU threads (unset: torch's choice)")
+    seed: int | None = option(
+        None, "the random source of requests that give no seed (unset: the OS)"
+    )
+    strict_integrity: bool = option(
+        False,
+        "an integrity violation found when idle raises instead of being logged (tests turn it on)",
+    )
+    prefix_cache: bool = option(
+        True, "keep computed KV in the radix tree for later prompts to reuse"
+    )
+    max_sessions: int = option(256, "sessions open at once (more are refused)")
     # input limits every door shares, the Python API included (limits.py, docs/limits.md)
-    max_stop_strings: int = DEFAULT_LIMITS.max_stop_strings
-    max_stop_chars: int = DEFAULT_LIMITS.max_stop_chars
-    max_stop_token_ids: int = DEFAULT_LIMITS.max_stop_token_ids
-    max_prompt_chars: int = DEFAULT_LIMITS.max_prompt_chars
-    max_messages: int = DEFAULT_LIMITS.max_messages
+    max_stop_strings: int = option(DEFAULT_LIMITS.max_stop_strings, "stop strings per request")
+    max_stop_chars: int = option(DEFAULT_LIMITS.max_stop_chars, "characters per stop string")
+    max_stop_token_ids: int = option(
+        DEFAULT_LIMITS.max_stop_token_ids, "stop token ids per request"
+    )
+    max_prompt_chars: int = option(
+        DEFAULT_LIMITS.max_prompt_chars,
+        "characters of a text prompt, or of all the chat messages together",
+    )
+    max_messages: int = option(DEFAULT_LIMITS.max_messages, "chat messages per request or turn")
 
     def input_limits(self) -> InputLimits:
         return InputLimits(**{name: getattr(self, name) for name in InputLimits.__struct_fields__})
@@ -60,30 +104,30 @@ class EngineOptions:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_mixed_prefill_tokens < 0:
-            raise ValueError(
-                f"max_mixed_prefill_tokens must be >= 0, got {self.max_mixed_prefill_tokens}"
-            )
-        if self.cuda_graph_max_batch < 0:
-            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            choices = ["auto", *sorted(DTYPES)]
-            raise ValueError(f"dtype must be one of {choices}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda", "auto"):
-            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(
-                f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
-            )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        for name in ("max_mixed_prefill_tokens", "cuda_graph_max_batch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                *most, last = ["unset" if value is None else str(value) for value in allowed]
+                listed = f"{', '.join(most)} or {last}" if most else last
+                raise ValueError(f"{name} must be {listed}, got {getattr(self, name)!r}")
 
 
-QUANTIZATIONS = (None, "int8")
+def choices(kind: object) -> tuple[object, ...]:
+    """The values a Literal annotation allows, None among them for `Literal[...] | None`; ()
+    for an open type."""
+    if get_origin(kind) is Literal:
+        return get_args(kind)
+    if get_origin(kind) in (Union, UnionType):
+        [part] = [part for part in get_args(kind) if part is not type(None)]
+        return (*get_args(part), None) if get_origin(part) is Literal else ()
+    return ()
 
-ATTENTIONS = ("auto", "torch", "triton", "cpu")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OPTION_TYPES: dict[str, object] = get_type_hints(EngineOptions)
+CHOICES = {name: choices(kind) for name, kind in OPTION_TYPES.items() if choices(kind)}
+assert set(CHOICES["dtype"]) == {"auto", *DTYPES}
 
 
 @dataclass(frozen=True)

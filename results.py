@@ -19,7 +19,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
 
 # What kind of refusal a RequestError is: the HTTP layer answers each with a status of its own
-# (api/http_errors.py, STATUS_OF), never by reading the message. The OpenAI codes for limits
+# (api/http/errors.py, STATUS_OF), never by reading the message. The OpenAI codes for limits
 # (limits.py) are among them.
 ErrorCode = Literal[
     "invalid_value",  # a field's value breaks its rule

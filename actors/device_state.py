@@ -26,10 +26,10 @@ import torch
 
 from shoal.actors.messages import Launch
 from shoal.kernels.batch import AttentionBackend, BatchShape
-from shoal.kernels.checkpoint import CheckpointError
-from shoal.kernels.config import ModelConfig
-from shoal.kernels.loader import checkpoint_folder, load_weights, read_model_config
-from shoal.kernels.model import KVPool, LlamaModel
+from shoal.kernels.loading.checkpoint import CheckpointError
+from shoal.kernels.loading.loader import checkpoint_folder, load_weights, read_model_config
+from shoal.kernels.models.kv_pool import KVPool
+from shoal.kernels.models.llama import LlamaModel
 from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
 from shoal.kernels.streams import HostResult, StepStreams, to_device, to_device_many
 from shoal.params import SamplingParams
@@ -178,10 +178,10 @@ class DeviceState:
         try:
             folder = checkpoint_folder(model_path)
             other = read_model_config(folder)
-            if _shape_of(other) != _shape_of(config):
+            if other.architecture() != config.architecture():
                 return (
                     "the checkpoint has a different architecture: "
-                    f"{_shape_of(other)} instead of {_shape_of(config)}"
+                    f"{other.architecture()} instead of {config.architecture()}"
                 )
             weights = load_weights(folder, config, dtype=self.model.dtype)
             self.streams.synchronize()
@@ -294,18 +294,3 @@ class DeviceState:
                     outputs = tuple(s.output_ids)
             rows.append(SamplingRow(s.sampling, s.seed, s.prompt_ids, outputs, s.num_sampled))
         return rows
-
-
-def _shape_of(config: ModelConfig) -> dict[str, int | bool]:
-    names = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "tie_word_embeddings",
-        "attention_bias",
-    )
-    return {name: getattr(config, name) for name in names}

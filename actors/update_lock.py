@@ -1,94 +1,147 @@
-"""The model-update reader/writer lock, owned by the tokenizer actor (docs/architecture.md,
-"Lifecycle laws", law 2).
+"""The model-update reader/writer lock of the tokenizer actor (docs/architecture.md,
+"Lifecycle laws", law 2, and "Weight updates, cache flush and pause").
 
     reader   one per admitted request, from admission until the scheduler reports that the
              cache manager released everything it held (not merely its last token sent)
     writer   one weight update at a time, in arrival order; while any writer waits or works,
              new requests queue here and are admitted when the last writer is done
+    pause    the engine's pause as the caller asked it; a writer may start while paused
+             requests hold KV (it parks them first), and then a resume waits for it
 
 So when a writer starts, no request holds a row, a page or a place in any batch (unless the
 engine is paused, where the scheduler parks them first), and the flush after the load
-cannot fail.
+cannot fail; and requests parked by a writer run again only after its load and flush, so none
+holds pages or reads KV of the old weights when the flush lands.
+
+The lock owns its sets and is asked; it sends nothing. Its owner turns the answers into
+messages:
+
+    if lock.defer(gen): ...             # queued behind a writer
+    lock.enter(rid) / lock.leave(rids)  # a reader from admission until Released
+    lock.request(update)                # a writer joins the line
+    start = lock.next_writer()          # (writer, park) to run now, or None
+    writer = lock.done(success)         # it finished: version bumped on success
+    if lock.may_resume(): ...           # the scheduler may run unpaused
+    for gen in lock.release_queue(): ...
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
-from dataclasses import dataclass, field
 
-from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import (
-    CacheMsg,
-    ExecutorMsg,
-    FlushCache,
-    Generate,
-    LoadWeights,
-    Park,
-    SchedulerMsg,
-    UpdateWeights,
-)
+from shoal.actors.messages import Generate, UpdateWeights
 
 
-@dataclass
 class UpdateLock:
-    readers: set[str] = field(default_factory=set)
-    writers: deque[UpdateWeights] = field(default_factory=deque)
-    active: UpdateWeights | None = None
-    queued: deque[Generate] = field(default_factory=deque)
-    version: int = 0
+    def __init__(self) -> None:
+        self._readers: set[str] = set()
+        self._writers: deque[UpdateWeights] = deque()  # waiting, in arrival order
+        self._active: UpdateWeights | None = None  # at work: parking, loading, flushing
+        self._queued: deque[Generate] = deque()  # arrived while a writer waits or works
+        self._paused = False
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        """The weight version serving now: a reader admitted now reports it."""
+        return self._version
 
     @property
     def writing(self) -> bool:
         """A writer waits or works: new requests must queue."""
-        return self.active is not None or bool(self.writers)
+        return self._active is not None or bool(self._writers)
 
-    def next_writer(self, paused: bool) -> tuple[UpdateWeights, bool] | None:
-        """The writer to start now and whether it must park paused requests first."""
-        if self.active is not None or not self.writers:
-            return None
-        if self.readers and not paused:
-            return None
-        self.active = self.writers.popleft()
-        return self.active, bool(self.readers)
+    # ---- readers ---------------------------------------------------------------------------
 
-    def finish(self, success: bool) -> UpdateWeights:
-        writer = self.active
-        assert writer is not None
-        self.active = None
-        if success:
-            self.version = (
-                writer.weight_version if writer.weight_version is not None else (self.version + 1)
-            )
-        return writer
+    def defer(self, gen: Generate) -> bool:
+        """Queue a new request behind the writers if any waits or works; whether it did."""
+        if not self.writing:
+            assert not self._queued, "requests queued with no writer left to wait for"
+            return False
+        self._queued.append(gen)
+        return True
+
+    def enter(self, rid: str) -> None:
+        """An admitted request becomes a reader."""
+        assert rid not in self._readers, rid
+        self._readers.add(rid)
+
+    def leave(self, rids: tuple[str, ...]) -> None:
+        """These requests hold nothing anywhere any more (Released)."""
+        self._readers.difference_update(rids)
+
+    def is_reader(self, rid: str) -> bool:
+        return rid in self._readers
+
+    def take_queued(self, rid: str) -> Generate | None:
+        """Take a request out of the queue (aborted or failed before its admission)."""
+        for gen in self._queued:
+            if gen.rid == rid:
+                self._queued.remove(gen)
+                return gen
+        return None
 
     def release_queue(self) -> list[Generate]:
-        """Requests that waited for the writers, once none is left."""
+        """Requests that waited for the writers, once none is left; they leave the lock."""
         if self.writing:
             return []
-        out = list(self.queued)
-        self.queued.clear()
+        out = list(self._queued)
+        self._queued.clear()
         return out
 
+    # ---- writers ---------------------------------------------------------------------------
 
-async def write_weights(
-    writer: UpdateWeights,
-    park: bool,
-    scheduler: Mailbox[SchedulerMsg],
-    executor: Mailbox[ExecutorMsg],
-    cache: Mailbox[CacheMsg],
-) -> str | None:
-    """The writer's work: park paused requests (if asked), load, flush. None, or why not."""
-    loop = asyncio.get_running_loop()
-    if park:
-        parked: asyncio.Future[None] = loop.create_future()
-        scheduler.put(Park(parked))
-        await parked
-    loaded: asyncio.Future[str | None] = loop.create_future()
-    executor.put(LoadWeights(writer.model_path, loaded))
-    error = await loaded
-    if error is None:
-        flushed: asyncio.Future[str | None] = loop.create_future()
-        cache.put(FlushCache(flushed))
-        error = await flushed
-    return error
+    def request(self, update: UpdateWeights) -> None:
+        """A weight update joins the line of writers."""
+        self._writers.append(update)
+
+    def withdraw(self, update: UpdateWeights) -> None:
+        """A writer that failed to join (its message failed) leaves the line, if in it."""
+        if update in self._writers:
+            self._writers.remove(update)
+
+    def next_writer(self) -> tuple[UpdateWeights, bool] | None:
+        """The writer to start now, and whether it must park paused requests first: the next
+        in line once no reader is left, or at once while paused (the readers are parked)."""
+        if self._active is not None or not self._writers:
+            return None
+        if self._readers and not self._paused:
+            return None
+        self._active = self._writers.popleft()
+        return self._active, bool(self._readers)
+
+    def done(self, success: bool) -> UpdateWeights | None:
+        """The writer at work finished (None if none was); on success the version moves to
+        the one it asked for, or the next."""
+        writer = self._active
+        if writer is None:
+            return None
+        self._active = None
+        if success:
+            asked = writer.weight_version
+            self._version = asked if asked is not None else self._version + 1
+        return writer
+
+    # ---- pause -----------------------------------------------------------------------------
+
+    def set_paused(self, paused: bool) -> None:
+        """The caller paused or resumed the engine."""
+        self._paused = paused
+
+    def may_resume(self) -> bool:
+        """The scheduler may run unpaused now: no pause is asked, and no writer is at work. A
+        writer at work may have parked the requests it found; they stay parked until its load
+        and flush are done (test_continue_during_a_paused_update_waits_for_the_new_weights)."""
+        return not self._paused and self._active is None
+
+    # ---- the end ---------------------------------------------------------------------------
+
+    def abandon(self) -> tuple[list[Generate], list[UpdateWeights]]:
+        """The engine stops: every queued request and every writer, at work or waiting, leave
+        the lock for their owner to fail."""
+        queued = list(self._queued)
+        writers = [w for w in (self._active, *self._writers) if w is not None]
+        self._queued.clear()
+        self._writers.clear()
+        self._active = None
+        return queued, writers

@@ -38,8 +38,9 @@ from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise
-from shoal.kernels.loader import LoadedModel
-from shoal.kernels.model import KVPool, LlamaModel
+from shoal.kernels.loading.loader import LoadedModel
+from shoal.kernels.models.kv_pool import KVPool
+from shoal.kernels.models.registry import family_of
 from shoal.results import EngineDeadError
 
 log = logging.getLogger("shoal")
@@ -114,7 +115,7 @@ def attention_backend(
     name: str, page_size: int, num_kv_heads: int, kernels: CpuKernels | None
 ) -> AttentionBackend:
     if name == "triton":
-        from shoal.kernels.triton_attention import TritonAttention  # needs the triton package
+        from shoal.kernels.triton.attention import TritonAttention  # needs the triton package
 
         return TritonAttention(page_size, num_kv_heads)
     return TorchAttention(page_size, None if kernels is None else kernels.paged_decode)
@@ -142,7 +143,7 @@ def start_actors(
         max_pages_per_row=layout.max_pages_per_row,
     )
     compiled = kernels if resolved.attention == "cpu" else None  # int8 may load them alone
-    model = LlamaModel(
+    model = family_of(config.model_type).model(
         config,
         loaded.weights,
         resolved.dtype,

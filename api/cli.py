@@ -9,100 +9,32 @@ import signal
 import sys
 import time
 from collections.abc import Coroutine, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from shoal.api.engine import Engine
-from shoal.api.http_limits import HttpLimits
+from shoal.api.engine_flags import add_engine_flags, engine_options
+from shoal.api.http.limits import HttpLimits
+from shoal.api.http.server import Server, ServerOptions
 from shoal.api.sampling_wire import add_sampling_flags, sampling_from_args
-from shoal.api.server import Server, ServerOptions
-from shoal.config import EngineOptions
-from shoal.limits import InputLimits
 
-INPUT_LIMITS = InputLimits.__struct_fields__  # --max-stop-strings ... on every command
 HTTP_LIMITS = HttpLimits.__struct_fields__  # --max-json-depth ... on serve
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineOptions()
+def add_engine_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """--model (a path: its own handling), then a flag per EngineOptions field."""
     parser.add_argument(
         "--model",
         default=None,
         help="HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--page-size", type=int, default=defaults.page_size)
-    parser.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens)
-    parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
-    parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
-    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
-    parser.add_argument(
-        "--max-mixed-prefill-tokens",
-        type=int,
-        default=defaults.max_mixed_prefill_tokens,
-        help="prompt tokens a step that also decodes may take (0: up to --max-batch-tokens)",
-    )
-    parser.add_argument("--max-inflight", type=int, default=defaults.max_inflight)
-    parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument(
-        "--dtype",
-        default=defaults.dtype,
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and KV (auto: bfloat16 on CUDA, float32 on CPU)",
-    )
-    parser.add_argument(
-        "--device",
-        default=defaults.device,
-        choices=["auto", "cpu", "cuda"],
-        help="auto: CUDA when torch sees a device",
-    )
-    parser.add_argument(
-        "--attention",
-        default=defaults.attention,
-        choices=["auto", "torch", "triton", "cpu"],
-        help="auto: the Triton kernels on CUDA; on the CPU in float32 the compiled kernels "
-        "(cpu: decode attention and element-wise ops, built on first use); else the torch "
-        "reference",
-    )
-    parser.add_argument(
-        "--cuda-graph-max-batch",
-        type=int,
-        default=defaults.cuda_graph_max_batch,
-        help="decode batches up to this size replay CUDA graphs (0: off)",
-    )
-    parser.add_argument(
-        "--quantization",
-        default=defaults.quantization,
-        choices=["int8"],
-        help="int8: weights int8 in blocks of 32, activations float32 (CPU; not token-exact, "
-        "quality in bench/README.md); unset: the model's dtype",
-    )
-    parser.add_argument("--num-threads", type=int, default=None)
-    limits = parser.add_argument_group("input limits, every door (docs/limits.md)")
-    for name in INPUT_LIMITS:
-        flag = "--" + name.replace("_", "-")
-        limits.add_argument(flag, type=int, default=getattr(defaults, name))
+    add_engine_flags(parser, command)
 
 
-def engine_from_args(args: argparse.Namespace, **extra: Any) -> Engine:
-    return Engine(
-        args.model,
-        page_size=args.page_size,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_running_requests=args.max_running_requests,
-        chunk_size=args.chunk_size,
-        max_batch_tokens=args.max_batch_tokens,
-        max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
-        max_inflight=args.max_inflight,
-        context_length=args.context_length,
-        dtype=args.dtype,
-        device=args.device,
-        attention=args.attention,
-        cuda_graph_max_batch=args.cuda_graph_max_batch,
-        quantization=args.quantization,
-        num_threads=args.num_threads,
-        **{name: getattr(args, name) for name in INPUT_LIMITS},
-        **extra,
-    )
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """The engine the flags ask for: EngineOptions built in one place (engine_options)."""
+    return Engine(args.model, **asdict(engine_options(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--raw", action="store_true", help="send the text as is instead of as a chat message"
     )
     add_sampling_flags(gen, temperature=0.0)  # the terminal's answer: greedy unless asked
-    add_engine_options(gen)
+    add_engine_options(gen, "generate")
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
     server_defaults = ServerOptions()
     serve.add_argument("--host", default=server_defaults.host)
@@ -159,12 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queued-requests", type=int, default=server_defaults.max_queued_requests
     )
     serve.add_argument("--max-n", type=int, default=server_defaults.max_n)
-    serve.add_argument("--seed", type=int, default=None)
     http_limits = serve.add_argument_group("input limits, HTTP (docs/limits.md)")
     for name in HTTP_LIMITS:
         flag = "--" + name.replace("_", "-")
         http_limits.add_argument(flag, type=int, default=getattr(server_defaults, name))
-    add_engine_options(serve)
+    add_engine_options(serve, "serve")
     return parser
 
 
@@ -217,7 +148,7 @@ async def serve(args: argparse.Namespace) -> int:
         **{name: getattr(args, name) for name in HTTP_LIMITS},
     )
     options.validate()
-    engine = engine_from_args(args, seed=args.seed)
+    engine = engine_from_args(args)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

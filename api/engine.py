@@ -41,7 +41,7 @@ from shoal.api.sampling_wire import SAMPLING_FIELDS, sampling_from
 from shoal.api.session import Session
 from shoal.cache.stats import KVStats
 from shoal.config import EngineOptions, Resolved, resolve, resolve_device
-from shoal.kernels.loader import LoadedModel, default_cache_dir, load_model
+from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model
 from shoal.limits import check_prompt_size
 from shoal.params import SamplingParams
 from shoal.results import EngineDeadError, InternalError, RequestError, RequestStream
@@ -246,7 +246,7 @@ class Engine:
 
     @property
     def weight_version(self) -> int:
-        return self.actors.tokenizer.lock.version
+        return self.actors.tokenizer.weight_version
 
     # ---- stepping, for deterministic tests ------------------------------------------------
 

@@ -31,7 +31,7 @@ from bench_format import machine
 
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import Attention, BatchShape
-from shoal.kernels.triton_attention import TritonAttention
+from shoal.kernels.triton.attention import TritonAttention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 

@@ -269,7 +269,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from shoal.config import EngineOptions, resolve_device
-    from shoal.kernels.loader import load_model
+    from shoal.kernels.loading.loader import load_model
 
     options: dict[str, Any] = {
         "device": args.device,

@@ -33,8 +33,9 @@ from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import load_cpu_kernels
 from shoal.kernels.linear import LinearKind
-from shoal.kernels.loader import LoadedModel, default_cache_dir, load_model
-from shoal.kernels.model import KVPool, LlamaModel
+from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model
+from shoal.kernels.models.kv_pool import KVPool
+from shoal.kernels.models.llama import LlamaModel
 
 TEXT = Path(__file__).resolve().parent / "quality_text.txt"
 PAGE_SIZE = 16

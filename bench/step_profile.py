@@ -18,7 +18,8 @@ The buckets are the profiler's self-CPU times over the profiled steps, divided b
 number of steps; step_ms is the wall time of an unprofiled step (the median of `--steps`).
 Works on any revision whose LlamaModel takes (config, weights, dtype, device) — the linear
 kind is passed only when asked for, and the attention is the torch reference unless `--attention
-cpu` is asked for — so the same script gives "before" and "after".
+cpu` is asked for, and the model is imported from where the revision has it — so the same
+script gives "before" and "after".
 """
 
 from __future__ import annotations
@@ -66,15 +67,20 @@ def bucket_of(op_name: str) -> str:
 
 def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
     from shoal.kernels.attention import TorchAttention
-    from shoal.kernels.loader import load_model
-    from shoal.kernels.model import KVPool, LlamaModel
+    from shoal.kernels.loading.loader import load_model
+
+    try:
+        from shoal.kernels.models.kv_pool import KVPool
+        from shoal.kernels.models.llama import LlamaModel
+    except ImportError:  # revisions before kernels/models/
+        from shoal.kernels.model import KVPool, LlamaModel  # type: ignore[no-redef]
 
     loaded = load_model(None)
     cpu = torch.device("cpu")
     extra = () if kind is None else (kind,)
     if kind == "int8" or attention == "cpu":  # int8 linears are compiled too
         from shoal.kernels.cpu_kernels import load_cpu_kernels
-        from shoal.kernels.loader import default_cache_dir
+        from shoal.kernels.loading.loader import default_cache_dir
 
         load_cpu_kernels(default_cache_dir())
     model = LlamaModel(loaded.config, loaded.weights, torch.float32, cpu, *extra)
@@ -84,7 +90,7 @@ def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
     if attention == "cpu":  # the compiled kernels: decode attention and element-wise ops
         from shoal.kernels.cpu_kernels import load_cpu_kernels
         from shoal.kernels.elementwise import CompiledElementwise
-        from shoal.kernels.loader import default_cache_dir
+        from shoal.kernels.loading.loader import default_cache_dir
 
         kernels = load_cpu_kernels(default_cache_dir())
         model.elementwise = CompiledElementwise(kernels)

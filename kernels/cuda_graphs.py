@@ -21,9 +21,10 @@ import bisect
 import torch
 
 from shoal.kernels.batch import BatchShape
-from shoal.kernels.model import KVPool, LlamaModel
+from shoal.kernels.models.kv_pool import KVPool
+from shoal.kernels.models.llama import LlamaModel
 from shoal.kernels.streams import to_device
-from shoal.kernels.triton_attention import DecodePart, TritonBatch, decode_splits, slot_mapping_of
+from shoal.kernels.triton.attention import DecodePart, TritonBatch, decode_splits, slot_mapping_of
 
 
 def capture_sizes(max_batch: int) -> list[int]:

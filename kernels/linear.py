@@ -5,9 +5,9 @@
     packed   PackedLinear   CPU, float32          oneDNN's matmul on the weight in its blocked
                                                   layout (packed at load); up to 4 rows a
                                                   compiled kernel on the plain weight
-    int8     (quant.py)     CPU, opt-in           int8 weights in blocks of 32 along K (a scale
-                                                  each), float32 activations, a compiled kernel
-                                                  (csrc/linear.cpp)
+    int8     (quant.py)     CPU, opt-in           weights in 4-bit or int8 blocks of 32 along K,
+                                                  activations rounded to int16, compiled kernels
+                                                  (csrc/block_linear.cpp)
 
 `Linear.load` takes a new weight of the same shape (a weight update): a dense linear copies it
 into the tensor it already holds (a captured CUDA graph keeps reading that tensor); a packed one

@@ -22,9 +22,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from shoal.kernels.triton_decode import _decode_merge_kernel, _decode_partial_kernel
-from shoal.kernels.triton_extend import _extend_kernel
-from shoal.kernels.triton_store import _store_kv_kernel
+from shoal.kernels.triton.decode import _decode_merge_kernel, _decode_partial_kernel
+from shoal.kernels.triton.extend import _extend_kernel
+from shoal.kernels.triton.store import _store_kv_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 

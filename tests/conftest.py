@@ -22,7 +22,7 @@ torch.set_num_threads(2)
 from tiny_model import make_tiny_model_folder  # noqa: E402
 
 from shoal.api.engine import Engine  # noqa: E402
-from shoal.kernels.loader import LoadedModel, load_model  # noqa: E402
+from shoal.kernels.loading.loader import LoadedModel, load_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

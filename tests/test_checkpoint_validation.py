@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from test_http_support import ServeFactory, serve
 
 from shoal import Engine
-from shoal.kernels.checkpoint import CheckpointError, read_header
-from shoal.kernels.loader import load_model
+from shoal.kernels.loading.checkpoint import CheckpointError, read_header
+from shoal.kernels.loading.loader import load_model
 
 __all__ = ["serve"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.config import EngineOptions, resolve
+from shoal.config import CHOICES, EngineOptions, resolve
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,15 @@ from shoal.config import EngineOptions, resolve
 def test_bad_options_name_the_field(options: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineOptions(**options).validate()  # type: ignore[arg-type]
+
+
+def test_a_closed_set_is_its_fields_literal() -> None:
+    with pytest.raises(ValueError, match="device must be auto, cpu or cuda, got 'tpu'"):
+        EngineOptions(device="tpu").validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="quantization must be int8 or unset, got 'int4'"):
+        EngineOptions(quantization="int4").validate()  # type: ignore[arg-type]
+    for value in CHOICES["attention"]:
+        EngineOptions(attention=value).validate()  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the resolution without CUDA")

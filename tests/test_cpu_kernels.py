@@ -21,7 +21,7 @@ from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import CpuKernels, DecodeKernel, KernelUnavailable, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise, TorchElementwise
 from shoal.kernels.linear import FEW_ROWS, PackedLinear
-from shoal.kernels.loader import LoadedModel, default_cache_dir
+from shoal.kernels.loading.loader import LoadedModel, default_cache_dir
 from shoal.kernels.rope import cos_sin_table, inv_frequencies
 from shoal.params import SamplingParams
 

@@ -16,7 +16,7 @@ from conftest import EngineFactory, Reference
 from test_engine_parity import expect, mixed_prompts, run_all
 
 from shoal.api.engine import Engine
-from shoal.kernels.loader import LoadedModel, load_model
+from shoal.kernels.loading.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.gpu
 

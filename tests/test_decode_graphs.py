@@ -18,9 +18,10 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 from shoal.actors.device_state import DeviceState
 from shoal.actors.messages import Launch, RowInit, RowWriteMsg, SeqChunk
 from shoal.kernels.cuda_graphs import DecodeGraphs, capture_sizes
-from shoal.kernels.loader import LoadedModel
-from shoal.kernels.model import KVPool, LlamaModel
-from shoal.kernels.triton_attention import TritonAttention
+from shoal.kernels.loading.loader import LoadedModel
+from shoal.kernels.models.kv_pool import KVPool
+from shoal.kernels.models.llama import LlamaModel
+from shoal.kernels.triton.attention import TritonAttention
 from shoal.params import SamplingParams
 
 PAGE_SIZE = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.actors.replies import SchedulerSnapshot
-from shoal.api.http_errors import STATUS_OF, from_engine, refused
+from shoal.api.http.errors import STATUS_OF, from_engine, refused
 from shoal.limits import TOO_LONG, LimitExceeded
 from shoal.results import ERROR_CODES, FINISH_REASONS, ErrorCode, RequestError
 

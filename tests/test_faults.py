@@ -209,3 +209,26 @@ async def test_a_fatal_failure_ends_every_stream_and_health_says_why(
     assert "cache manager" in message and "Injected" not in message
     async with s.http.post(s.url + "/generate", json={"input_ids": PROMPT}) as resp:
         assert resp.status == 503
+
+
+async def test_a_resume_that_waited_for_a_failed_write_done_still_goes_through(
+    make_engine: EngineFactory, tiny_folder: Path
+) -> None:
+    """continue_generation during a paused update waits for the writer's end (UpdateLock.
+    may_resume); when handling that end fails, its recovery ends the writer the same way, so
+    the parked request runs again rather than staying paused for ever."""
+    engine = await make_engine()
+    stream = engine.generate(input_ids=PROMPT, max_new_tokens=24, ignore_eos=True)
+    async for _ in stream:
+        break
+    engine.pause_generation()
+    engine.faults.arm("tokenizer", "WriteDone")
+    update = asyncio.create_task(engine.update_weights_from_disk(tiny_folder))
+    await asyncio.sleep(0)  # UpdateWeights is in the mailbox: the writer starts, paused
+    engine.continue_generation()
+    result = await asyncio.wait_for(update, STEP_TIMEOUT_S)
+    assert not result.success and "tokenizer" in result.message
+    done = await asyncio.wait_for(stream.result(), STEP_TIMEOUT_S)
+    assert done.finish_reason == "length" and len(done.token_ids) == 24
+    assert engine.faults.fired == [("tokenizer", "WriteDone")]
+    await engine.check_integrity()

@@ -1,4 +1,4 @@
-"""What a request must show before a handler runs (api/http_guard.py): a browser page on
+"""What a request must show before a handler runs (api/http/guard.py): a browser page on
 another origin cannot drive the server, form and text bodies are refused, the lifecycle routes
 can need an admin key, and slow or oversized requests are cut off.
 """
@@ -15,7 +15,7 @@ import pytest
 from test_http_support import Served, ServeFactory, chat, serve
 
 from shoal.api.cli import build_parser
-from shoal.api.server import ServerOptions
+from shoal.api.http.server import ServerOptions
 
 __all__ = ["serve"]
 

@@ -20,9 +20,9 @@ import pytest
 from test_http_sessions import GREEDY, released
 from test_http_support import MODEL, Served, ServeFactory, serve
 
-from shoal.api import http_gateway
 from shoal.api.cli import build_parser
-from shoal.api.server import ServerOptions
+from shoal.api.http import gateway as http_gateway
+from shoal.api.http.server import ServerOptions
 
 __all__ = ["serve"]
 

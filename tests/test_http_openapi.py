@@ -7,9 +7,9 @@ from typing import Any
 import msgspec
 from test_http_support import ServeFactory, serve
 
-from shoal.api.http_guard import ADMIN_ROUTES
-from shoal.api.openapi import document
-from shoal.api.openapi_operations import OPERATIONS
+from shoal.api.http.guard import ADMIN_ROUTES
+from shoal.api.http.openapi import document
+from shoal.api.http.openapi_operations import OPERATIONS
 
 __all__ = ["serve"]
 

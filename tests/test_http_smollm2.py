@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from shoal.api.engine import Engine
-from shoal.api.server import Server, ServerOptions
+from shoal.api.http.server import Server, ServerOptions
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ import pytest
 from conftest import EngineFactory
 
 from shoal.api.engine import Engine
-from shoal.api.server import Server, ServerOptions
+from shoal.api.http.server import Server, ServerOptions
 
 MODEL = "tiny"
 SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerOptions)}

@@ -15,15 +15,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_model import BOS_ID, CHAT_TEMPLATE, EOS_ID, make_tiny_model_folder
 
-from shoal.kernels.config import ModelConfig
-from shoal.kernels.gguf_convert import MARKER_NAME, hf_name, unpermute_rope_rows
-from shoal.kernels.loader import (
+from shoal.kernels.loading.config import ModelConfig
+from shoal.kernels.loading.gguf_convert import MARKER_NAME, hf_name, unpermute_rope_rows
+from shoal.kernels.loading.loader import (
     bundled_model_path,
     expected_weight_shapes,
     load_model,
     read_model_config,
     resolve_model_folder,
 )
+from shoal.kernels.models.llama import LLAMA
+from shoal.kernels.models.registry import family_of, supported_model_types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -280,6 +282,16 @@ def test_config_qwen2_and_mistral() -> None:
 def test_config_rejects_what_we_do_not_run(overrides: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_config(_hf_dict(**overrides))
+
+
+def test_the_registry_names_each_family_and_refuses_the_rest() -> None:
+    for model_type in ("llama", "mistral", "qwen2"):
+        config = ModelConfig.from_hf_config(_hf_dict(model_type=model_type))
+        assert family_of(config.model_type) is LLAMA
+        assert config.architecture()["model_type"] == model_type
+    assert supported_model_types() == ("llama", "mistral", "qwen2")
+    with pytest.raises(ValueError, match='"gpt2" is not supported; supported: llama, mistral'):
+        family_of("gpt2")
 
 
 # --- GGUF conversion on a tiny GGUF written here ------------------------------------------
@@ -567,7 +579,7 @@ def test_bundled_tokenizer_matches_transformers_gguf_tokenizer(smollm2) -> None:
 def test_bundled_second_load_is_fast(smollm2, bundled_cache: Path) -> None:
     script = (
         "import time; t = time.perf_counter(); from pathlib import Path; "
-        "from shoal.kernels.loader import load_model; i = time.perf_counter(); "
+        "from shoal.kernels.loading.loader import load_model; i = time.perf_counter(); "
         f"m = load_model(cache_dir=Path({str(bundled_cache)!r})); e = time.perf_counter(); "
         "print(f'{i - t:.2f} {e - i:.2f} {e - t:.2f}')"
     )

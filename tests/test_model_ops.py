@@ -8,8 +8,8 @@ import torch
 
 from shoal.kernels.elementwise import rms_norm
 from shoal.kernels.linear import LinearKind
-from shoal.kernels.loader import LoadedModel
-from shoal.kernels.model import LlamaModel
+from shoal.kernels.loading.loader import LoadedModel
+from shoal.kernels.models.llama import LlamaModel
 from shoal.kernels.rope import apply_rope
 
 

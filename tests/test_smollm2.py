@@ -11,7 +11,7 @@ import pytest
 from conftest import Reference
 
 from shoal.api.engine import Engine
-from shoal.kernels.loader import LoadedModel, load_model
+from shoal.kernels.loading.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,9 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
-from shoal.kernels.triton_attention import TritonAttention, decode_splits
-from shoal.kernels.triton_decode import decode_attention_triton
-from shoal.kernels.triton_store import store_kv_triton
+from shoal.kernels.triton.attention import TritonAttention, decode_splits
+from shoal.kernels.triton.decode import decode_attention_triton
+from shoal.kernels.triton.store import store_kv_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

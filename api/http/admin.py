@@ -1,0 +1,180 @@
+"""Operator routes: health, model and server info, aborts, Prometheus metrics.
+
+    GET  /health            200 while the process and its engine are alive (no API key needed)
+    GET  /health_generate   a one-token generation through the scheduler; answered at once
+                            when tokens were produced within the last `recent_s` seconds
+    GET  /get_model_info    model_path, served name, weight_version, context length, vocab
+    GET  /get_server_info   resolved config plus live accounting (running, waiting, pages, ...)
+    POST /abort_request     {"rid": "..."} or {"abort_all": true} -> {"aborted": N}
+    GET  /metrics           Prometheus text format
+
+The engine's lifecycle operations (flush_cache, update_weights_from_disk, pause / continue
+generation) are in http_lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from shoal import __name__ as package_name
+from shoal.api.http.body import decode_body, json_response
+from shoal.api.http.errors import ApiError, bad_request, from_engine
+from shoal.api.http.gateway import Gateway
+from shoal.api.http.limits import check_id
+from shoal.api.http.metrics import CONTENT_TYPE, Metrics
+from shoal.api.http.native_protocol import AbortRequest
+from shoal.params import SamplingParams
+
+HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+class AdminRoutes:
+    def __init__(
+        self,
+        gateway: Gateway,
+        metrics: Metrics,
+        model_names: list[str],
+        server_settings: dict[str, Any],
+        health_timeout_s: float,
+        recent_s: float = 5.0,
+    ) -> None:
+        self.gateway = gateway
+        self.engine = gateway.engine
+        self.metrics = metrics
+        self.model_names = model_names
+        self.server_settings = server_settings
+        self.health_timeout_s = health_timeout_s
+        self.recent_s = recent_s
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/health", self.health),
+            web.get("/health_generate", self.health_generate),
+            web.get("/get_model_info", self.model_info),
+            web.get("/get_server_info", self.server_info),
+            web.post("/abort_request", self.abort_request),
+            web.get("/metrics", self.prometheus),
+        ]
+
+    @property
+    def weight_version(self) -> int:
+        try:
+            return self.engine.weight_version
+        except Exception as exc:
+            raise from_engine(exc, "") from None
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.dead_reason is not None:
+            raise ApiError(503, f"the engine is dead: {self.engine.dead_reason}")
+        return json_response({"status": "ok"})
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """Healthy if tokens are flowing; otherwise prove it with a one-token generation."""
+        if time.monotonic() - self.metrics.last_token_at < self.recent_s:
+            return json_response({"status": "ok", "checked": "recent tokens"})
+        rid = f"health-{uuid.uuid4().hex}"
+        try:
+            stream = self.engine.generate(input_ids=[0], sampling=HEALTH_SAMPLING, rid=rid)
+        except Exception as exc:
+            raise from_engine(exc, "input_ids") from None
+        async with stream:
+            try:
+                done = await asyncio.wait_for(stream.result(), self.health_timeout_s)
+            except TimeoutError:
+                raise ApiError(
+                    503, f"no token from the scheduler within {self.health_timeout_s}s"
+                ) from None
+            except Exception as exc:
+                raise from_engine(exc, "input_ids") from None
+        if done.finish_reason not in ("stop", "length"):
+            raise ApiError(503, f"health generation ended with {done.finish_reason}")
+        return json_response({"status": "ok", "checked": "generation"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        loaded = self.engine.loaded
+        assert loaded is not None
+        return json_response(
+            {
+                "model_path": str(loaded.path),
+                "served_model_name": self.model_names[0],
+                "weight_version": self.weight_version,
+                "context_length": self.gateway.context_length,
+                "max_position_embeddings": loaded.config.max_position_embeddings,
+                "vocab_size": loaded.config.vocab_size,
+                "is_generation": True,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        resolved = engine.resolved
+        loaded = engine.loaded
+        assert resolved is not None and loaded is not None
+        try:
+            snapshot = await engine.snapshot()
+            cache = await engine.cache_stats()
+        except Exception as exc:
+            raise from_engine(exc, "") from None
+        return json_response(
+            {
+                "version": _version(),
+                "model_path": str(loaded.path),
+                "served_model_name": self.model_names[0],
+                "weight_version": self.weight_version,
+                "engine_options": dataclasses.asdict(engine.options),
+                "resolved": {
+                    "context_length": resolved.context_length,
+                    "dtype": str(resolved.dtype).removeprefix("torch."),
+                    "device": str(resolved.device),
+                    **dataclasses.asdict(resolved.cache),
+                },
+                "server": self.server_settings,
+                "startup_s": engine.startup_s,
+                "running": len(snapshot.prefill) + len(snapshot.running),
+                "waiting": len(snapshot.waiting) + len(snapshot.retracting),
+                "finishing": len(snapshot.finishing),
+                "idle": snapshot.idle,
+                "num_retractions": snapshot.num_retractions,
+                "open_http_requests": self.gateway.num_open,
+                "free_pages": cache.free_pages,
+                "total_pages": cache.total_pages,
+                "cached_tokens": cache.cached_tokens,
+                "cache": cache,
+            }
+        )
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await decode_body(request, AbortRequest)
+        if body.abort_all:
+            return json_response({"aborted": self.gateway.abort_all()})
+        if not body.rid:
+            raise bad_request("give rid, or abort_all: true", "rid")
+        check_id(body.rid, self.gateway.limits, "rid")
+        aborted = self.gateway.abort(body.rid)
+        if not aborted:
+            self.engine.abort(body.rid)  # not started over HTTP: let the engine look
+        return json_response({"aborted": aborted})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        try:
+            snapshot = await self.engine.snapshot()
+            cache = await self.engine.cache_stats()
+        except Exception as exc:
+            raise from_engine(exc, "") from None
+        text = self.metrics.render(snapshot, cache)
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package_name)
+    except PackageNotFoundError:
+        return "unknown"

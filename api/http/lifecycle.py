@@ -1,0 +1,101 @@
+"""The routes RL loops call between rollouts (docs/architecture.md, "Weight updates, cache flush
+and pause").
+
+    POST /update_weights_from_disk  {"model_path", "abort_all_requests"?, "weight_version"?}
+                                    200 {"success": true, "message", "weight_version"}, or 400
+                                    with success false and the reason (old weights still serve)
+    POST /flush_cache?timeout=30    200 {"success": true, "message"} once the engine was idle,
+                                    or 409 if it did not become idle in time (nothing changed)
+    POST /pause_generation          new requests queue, running ones keep their KV
+    POST /continue_generation
+
+A refusal carries both `success: false` (what SGLang clients check) and the error shape.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+from aiohttp import web
+
+from shoal.api.engine import Engine
+from shoal.api.http.body import decode_body, json_response
+from shoal.api.http.errors import ErrorBody, bad_request
+from shoal.api.http.limits import HttpLimits, check_chars
+
+DEFAULT_FLUSH_TIMEOUT_S = 30.0
+
+
+class UpdateWeightsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model_path: str
+    abort_all_requests: bool = False
+    weight_version: int | None = None
+
+
+class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
+    success: bool
+    message: str
+    weight_version: int | None = None
+    error: ErrorBody | None = None
+
+
+class LifecycleRoutes:
+    def __init__(self, engine: Engine, limits: HttpLimits | None = None) -> None:
+        self.engine = engine
+        self.limits = limits or HttpLimits()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/update_weights_from_disk", self.update_weights),
+            web.post("/flush_cache", self.flush_cache),
+            web.post("/pause_generation", self.pause),
+            web.post("/continue_generation", self.resume),
+        ]
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        body = await decode_body(request, UpdateWeightsRequest)
+        max_chars = self.limits.max_path_chars
+        check_chars(len(body.model_path), max_chars, "model_path", "max_path_chars")
+        if not body.model_path.strip():
+            raise bad_request("model_path must not be empty", param="model_path")
+        if body.weight_version is not None and body.weight_version < 0:
+            raise bad_request("weight_version must be >= 0", param="weight_version")
+        result = await self.engine.update_weights_from_disk(
+            body.model_path, body.abort_all_requests, body.weight_version
+        )
+        if result.success:
+            return json_response(Outcome(True, result.message, result.weight_version))
+        return refusal(
+            400, result.message, "model_path", "invalid_checkpoint", result.weight_version
+        )
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        raw = request.query.get("timeout", str(DEFAULT_FLUSH_TIMEOUT_S))
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            timeout_s = math.nan
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise bad_request(
+                f"timeout must be a number of seconds >= 0, got {raw!r}", param="timeout"
+            )
+        result = await self.engine.flush_cache(timeout_s)
+        if result.success:
+            return json_response(Outcome(True, result.message))
+        return refusal(409, result.message, "timeout", "engine_busy")
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.engine.pause_generation()
+        return json_response(Outcome(True, "generation paused"))
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.engine.continue_generation()
+        return json_response(Outcome(True, "generation continues"))
+
+
+def refusal(
+    status: int, message: str, param: str, code: str, weight_version: int | None = None
+) -> web.Response:
+    error = ErrorBody(message, "invalid_request_error", param, code)
+    return json_response(Outcome(False, message, weight_version, error), status=status)

@@ -1,0 +1,197 @@
+"""From an OpenAI request body to engine inputs: messages, prompts, SamplingParams, usage.
+
+Everything here raises ApiError 400 naming the OpenAI field; nothing touches the engine. The
+sampling values are validated once, by Engine.generate; the gateway names a refused one as the
+body did (OpenAISampling.names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from shoal.api.http.errors import ApiError, bad_request
+from shoal.api.http.gateway import Gateway
+from shoal.api.http.limits import check_count, check_id
+from shoal.api.http.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    OpenAIFields,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from shoal.api.sampling_wire import sampling_from, wire_names, wire_values
+from shoal.params import SamplingParams
+from shoal.results import Completion
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+SEED_LIMIT = 2**63
+
+
+def check_model(requested: str | None, names: Sequence[str]) -> str:
+    """The served name to answer with; 404 model_not_found for any other name."""
+    if requested is None or requested in names:
+        return names[0]
+    raise ApiError(
+        404,
+        f"the model {requested!r} does not exist: this server serves {names[0]!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def check_n(n: int | None, max_n: int) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= max_n:
+        raise bad_request(f"n must be in [1, {max_n}], got {n}", "n")
+    return n
+
+
+def check_sizes(gateway: Gateway, body: OpenAIFields) -> None:
+    """Every counted dimension of the body, before anything reads or encodes it: 400 naming
+    the field past its limit (docs/limits.md)."""
+    limits = gateway.limits
+    stops = wire_values(body, "chat", ("stop", "stop_token_ids"))  # named alike on both routes
+    check_count(len(body.logit_bias or ()), limits.max_logit_bias, "logit_bias", "max_logit_bias")
+    check_id(body.model, limits, "model")
+    check_id(body.user, limits, "user")
+    if body.session_params is not None:
+        check_id(body.session_params.id, limits, "session_params.id")
+    gateway.check_stops(stops.get("stop"), stops.get("stop_token_ids"))
+
+
+def refuse_unsupported(body: OpenAIFields) -> None:
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools:
+            raise bad_request("tools are not supported", "tools")
+        fmt = body.response_format
+        if fmt is not None and fmt.type != "text":
+            raise bad_request(f"response_format {fmt.type!r} is not supported", "response_format")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise bad_request("echo is not supported", "echo")
+        if body.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if body.best_of is not None and body.best_of != (body.n or 1):
+            raise bad_request("best_of other than n is not supported", "best_of")
+
+
+def chat_messages(gateway: Gateway, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them: role and plain-text content. Counted first
+    (messages, content parts per message), then measured (characters), never encoded here."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    max_messages = gateway.input_limits.max_messages
+    check_count(len(messages), max_messages, "messages", "max_messages")
+    max_parts = gateway.limits.max_content_parts
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            where = f"messages[{i}].content"
+            check_count(len(message.content), max_parts, where, "max_content_parts")
+    out = []
+    for i, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise bad_request(
+                f"messages[{i}].role must be one of {sorted(ROLES)}, got {message.role!r}",
+                f"messages[{i}].role",
+            )
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}].content[{j}]: only text parts are supported, "
+                        f"got type {part.type!r}",
+                        f"messages[{i}].content[{j}]",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": content or ""})
+    gateway.check_prompt_size(None, out, "messages")
+    return out
+
+
+async def encode_prompts(
+    gateway: Gateway, prompt: str | list[str | int | list[int]]
+) -> list[tuple[str, list[int]]]:
+    """(field name, token ids) per prompt: a string, a list of strings, a list of token ids or
+    a list of token-id lists. Every string is measured before any is encoded."""
+    if isinstance(prompt, str):
+        return [("prompt", await gateway.encode_text(prompt, "prompt"))]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    ints = [p for p in prompt if isinstance(p, int)]
+    if len(ints) == len(prompt):
+        return [("prompt", gateway.check_ids(ints, "prompt"))]
+    check_count(len(prompt), gateway.limits.max_prompts, "prompt", "max_prompts")
+    for i, p in enumerate(prompt):
+        if isinstance(p, str) and p:
+            gateway.check_prompt_size(p, None, f"prompt[{i}]")
+    out = []
+    for i, p in enumerate(prompt):
+        name = f"prompt[{i}]"
+        if isinstance(p, str) and isinstance(prompt[0], str):
+            out.append((name, await gateway.encode_text(p, name)))
+        elif isinstance(p, list) and isinstance(prompt[0], list):
+            out.append((name, gateway.check_ids(p, name)))
+        else:
+            raise bad_request(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists (not a mix)",
+                name,
+            )
+    return out
+
+
+class OpenAISampling:
+    """An OpenAI body's sampling fields in SamplingParams' terms (api/sampling_wire.py), the
+    names they were sent by (to name a refused one), and the logprobs the answer reports."""
+
+    def __init__(self, body: OpenAIFields) -> None:
+        chat = isinstance(body, ChatCompletionRequest)
+        door = "chat" if chat else "completions"
+        self.values = wire_values(body, door)
+        self.names = wire_names(door)
+        if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+            self.values["max_new_tokens"] = body.max_completion_tokens  # the newer name wins
+            self.names["max_new_tokens"] = "max_completion_tokens"
+        if chat and self.values.get("top_logprobs") and not self.values.get("logprobs"):
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        if not chat and "top_logprobs" in self.values:  # any completions logprobs asks for them
+            self.values["logprobs"] = True
+        self.logprobs = (bool(self.values.get("logprobs")), self.values.get("top_logprobs", 0))
+
+    def sampling(self, gateway: Gateway, num_prompt: int | None, prompt: str) -> SamplingParams:
+        """For a prompt of num_prompt tokens, max_tokens not given is all the room it leaves;
+        None (a session turn, encoded by its session): the declared default."""
+        values = dict(self.values)
+        if num_prompt is not None:
+            max_tokens = values.get("max_new_tokens")
+            field = self.names["max_new_tokens"]
+            values["max_new_tokens"] = gateway.budget(num_prompt, max_tokens, field, prompt)
+        return sampling_from(values)
+
+
+def for_choice(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of n samples with seed + i, so n seeded choices differ yet are reproducible."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + index) % SEED_LIMIT)
+
+
+def usage(completions: Sequence[Completion], n: int) -> UsageInfo:
+    """Prompt tokens once per prompt (n choices share it), completion tokens for all."""
+    prompt = cached = generated = 0
+    for start in range(0, len(completions), n):
+        group = completions[start : start + n]
+        prompt += group[0].usage.prompt_tokens
+        cached += min(c.usage.cached_tokens for c in group)
+        generated += sum(c.usage.completion_tokens for c in group)
+    return UsageInfo(prompt, generated, prompt + generated, PromptTokensDetails(cached))

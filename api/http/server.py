@@ -1,0 +1,221 @@
+"""The HTTP server: OpenAI-compatible and native routes over one started Engine, on aiohttp.
+
+    async with Engine(model) as engine:
+        async with Server(engine, ServerOptions(port=0)) as server:   # port 0: pick a free one
+            print(server.url)                                       # http://127.0.0.1:43121
+            ...
+
+The server does not own the engine: stopping it aborts every open request (their streams
+end with an error event and `data: [DONE]`), answers 503 to anything new, waits for handlers
+to finish, and leaves the engine running and consistent for its owner to close.
+
+Middlewares, outermost first: HTTP metrics (counts the final status) -> errors (every
+failure in the one error shape) -> draining (503 while stopping) -> origin (403) -> API and
+admin keys (401 / 403) -> JSON content type (415); the last three are http_guard's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from types import TracebackType
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from shoal.api.engine import Engine
+from shoal.api.http.admin import AdminRoutes
+from shoal.api.http.body import BODY_TIMEOUT_S, MAX_JSON_DEPTH
+from shoal.api.http.errors import ApiError, error_middleware
+from shoal.api.http.gateway import Gateway
+from shoal.api.http.guard import Guard, parse_origins
+from shoal.api.http.lifecycle import LifecycleRoutes
+from shoal.api.http.limits import HttpLimits
+from shoal.api.http.metrics import Metrics
+from shoal.api.http.native import NativeRoutes
+from shoal.api.http.openai_routes import OpenAIRoutes
+from shoal.api.http.openapi import OpenAPIRoute
+from shoal.api.http.sessions import SessionRoutes
+from shoal.api.http.ws_sessions import SessionSockets
+
+HTTP_LIMITS = HttpLimits()  # the defaults of the input-limit options below
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the loaded model folder's name
+    max_body_bytes: int = 32 * 2**20  # larger request bodies answer 413
+    max_queued_requests: int = 1024  # open engine requests beyond the running slots: then 429
+    max_n: int = 16  # choices per OpenAI request
+    health_timeout_s: float = 20.0
+    shutdown_timeout_s: float = 10.0
+    # what a request must show and how fast it must arrive (api/http/guard.py)
+    admin_api_key: str | None = None  # then the lifecycle routes need it instead of api_key
+    allowed_origins: tuple[str, ...] = ()  # browser origins besides the server's own; "*": any
+    body_timeout_s: float = 30.0  # a body not fully read by then answers 408
+    header_timeout_s: float = 60.0  # a request head not complete by then: connection closed
+    max_header_bytes: int = 8190  # the request line, and each header line: longer answers 400
+    max_headers: int = 128  # header lines per request: more answer 400
+    # input limits of the HTTP doors (api/http/limits.py, docs/limits.md)
+    max_json_depth: int = HTTP_LIMITS.max_json_depth
+    max_prompts: int = HTTP_LIMITS.max_prompts
+    max_content_parts: int = HTTP_LIMITS.max_content_parts
+    max_id_chars: int = HTTP_LIMITS.max_id_chars
+    max_path_chars: int = HTTP_LIMITS.max_path_chars
+    max_logit_bias: int = HTTP_LIMITS.max_logit_bias
+    max_ws_message_bytes: int = HTTP_LIMITS.max_ws_message_bytes
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(**{name: getattr(self, name) for name in HttpLimits.__struct_fields__})
+
+    def validate(self) -> None:
+        self.http_limits().validate()
+        for name in ("max_body_bytes", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("body_timeout_s", "header_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_header_bytes", "max_headers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.admin_api_key and self.admin_api_key == self.api_key:
+            raise ValueError("admin_api_key must differ from api_key")
+        parse_origins(self.allowed_origins)
+
+    def public(self) -> dict[str, object]:
+        """What /get_server_info may show: everything but the keys."""
+        settings = dataclasses.asdict(self)
+        settings["api_key"] = "<set>" if self.api_key else None
+        settings["admin_api_key"] = "<set>" if self.admin_api_key else None
+        return settings
+
+
+class Server:
+    def __init__(self, engine: Engine, options: ServerOptions | None = None) -> None:
+        self.options = options or ServerOptions()
+        self.options.validate()
+        assert engine.loaded is not None, "start the engine before the server"
+        self.engine = engine
+        self.metrics = Metrics()
+        max_open = engine.options.max_running_requests + self.options.max_queued_requests
+        self.gateway = Gateway(engine, self.metrics, max_open, self.options.http_limits())
+        self.sockets = SessionSockets(self.gateway)
+        path = engine.loaded.path
+        self.model_names = [self.options.served_model_name or path.name, str(path)]
+        self.app = self._build_app()
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.port is not None, "the server is not started"
+        host = self.options.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.options.max_body_bytes,
+            middlewares=[
+                self._count,
+                error_middleware,
+                self._draining,
+                *Guard(
+                    self.options.api_key, self.options.admin_api_key, self.options.allowed_origins
+                ).middlewares(),
+            ],
+        )
+        app[BODY_TIMEOUT_S] = self.options.body_timeout_s
+        app[MAX_JSON_DEPTH] = self.options.max_json_depth
+        app.add_routes(OpenAIRoutes(self.gateway, self.model_names, self.options.max_n).routes())
+        app.add_routes(NativeRoutes(self.gateway).routes())
+        admin = AdminRoutes(
+            self.gateway,
+            self.metrics,
+            self.model_names,
+            self.options.public(),
+            self.options.health_timeout_s,
+        )
+        app.add_routes(admin.routes())
+        app.add_routes(LifecycleRoutes(self.engine, self.gateway.limits).routes())
+        app.add_routes(SessionRoutes(self.gateway).routes())
+        app.add_routes(self.sockets.routes())
+        app.add_routes(OpenAPIRoute(self.options.api_key, self.options.admin_api_key).routes())
+        return app
+
+    # ---- life ------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Listen; return the URL (with the real port when options.port is 0)."""
+        runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,  # a client that goes away cancels its handler
+            shutdown_timeout=self.options.shutdown_timeout_s,
+            access_log=None,
+            # aiohttp closes a connection whose next request head is not complete within
+            # keepalive_timeout of its opening or of its previous answer (also the idle limit)
+            keepalive_timeout=self.options.header_timeout_s,
+            max_line_size=self.options.max_header_bytes,
+            max_field_size=self.options.max_header_bytes,
+            max_headers=self.options.max_headers,
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.options.host, self.options.port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self.runner = runner
+        sockets = [s for s in runner.addresses if isinstance(s, tuple)]
+        self.port = int(sockets[0][1])
+        return self.url
+
+    async def stop(self) -> None:
+        """Abort what is open (streams end with an error event), close the session
+        websockets (and their sessions), then stop listening."""
+        self.gateway.draining = True
+        self.gateway.abort_all()
+        await self.sockets.shutdown(self.options.shutdown_timeout_s)
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            await runner.cleanup()
+        late = list(self.gateway.late)
+        if late:  # the ends of abandoned requests, for the metrics; bounded by the abort
+            await asyncio.wait(late, timeout=self.options.shutdown_timeout_s)
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # ---- middlewares -----------------------------------------------------------------------
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        response = await handler(request)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        self.metrics.http.labels(route, str(response.status)).inc()
+        return response
+
+    @web.middleware
+    async def _draining(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.gateway.draining:
+            raise ApiError(503, "the server is shutting down")
+        return await handler(request)

@@ -1,0 +1,20 @@
+"""The KV cache's tensors: K and V of every layer, one token a slot (pages are the cache
+manager's bookkeeping over these slots; kernels/attention.py reads them)."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.kernels.loading.config import ModelConfig
+
+
+class KVPool:
+    """K and V tensors for every layer: [num_slots, num_kv_heads, head_dim] each."""
+
+    def __init__(
+        self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (num_slots, config.num_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.num_slots = num_slots

@@ -1,0 +1,28 @@
+"""Every model family shoal serves, by the model_type of a checkpoint's config.json.
+
+A new family is one file in this folder (its weights' names and shapes, its forward) and a line
+in FAMILIES (docs/architecture.md, "A model family").
+"""
+
+from __future__ import annotations
+
+from shoal.kernels.loading.checkpoint import CONFIG_NAME, CheckpointError, json_value
+from shoal.kernels.models.family import Family
+from shoal.kernels.models.llama import LLAMA
+
+FAMILIES: tuple[Family, ...] = (LLAMA,)
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(t for family in FAMILIES for t in family.model_types)
+
+
+def family_of(model_type: object) -> Family:
+    """The family serving that model_type; CheckpointError naming the supported ones."""
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    raise CheckpointError(
+        f"{CONFIG_NAME}: model_type {json_value(model_type)} is not supported; "
+        f"supported: {', '.join(supported_model_types())}"
+    )
