@@ -18,8 +18,10 @@ from typing import Any
 
 import msgspec
 
-TOO_MANY = "array_above_max_length"  # OpenAI's codes for the same refusals
-TOO_LONG = "string_above_max_length"
+from shoal.results import ErrorCode, RequestError
+
+TOO_MANY: ErrorCode = "array_above_max_length"  # OpenAI's codes for the same refusals
+TOO_LONG: ErrorCode = "string_above_max_length"
 
 
 class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,14 +40,13 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-class LimitExceeded(ValueError):
-    """An input over a limit. str() starts with the field's name, as every ValueError of
-    SamplingParams.validate does."""
+class LimitExceeded(RequestError):
+    """An input over a limit: a RequestError with its field and OpenAI's code for it. str()
+    starts with the field's name, as every refusal of SamplingParams.validate does."""
 
-    def __init__(self, field: str, message: str, code: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.code = code
+    def __init__(self, field: str, message: str, code: ErrorCode) -> None:
+        super().__init__(message, field, code)
+        self.field: str = field  # always named
 
 
 def check_count(count: int, limit: int, field: str, option: str) -> None:

@@ -7,7 +7,7 @@
 also turns aiohttp's own errors (404, 405, 413) and any bug into this shape. Bad input is a 4xx,
 never a 5xx: clients (the openai package among them) retry 5xx answers.
 
-What the engine refuses arrives as a RequestError (or a LimitExceeded) carrying a `code` and a
+What the engine refuses arrives as a RequestError (a LimitExceeded is one) carrying a `code` and a
 `field`: `refused` answers it with the status of its code (STATUS_OF, 400 for the rest), the
 code itself and the field in the door's name. No status or field is read from message text.
 """
@@ -21,7 +21,6 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from shoal.limits import LimitExceeded
 from shoal.results import EngineDeadError, InternalError, RequestError
 
 log = logging.getLogger("shoal.http")
@@ -128,9 +127,7 @@ def from_validation(exc: msgspec.ValidationError) -> ApiError:
     return bad_request(f"invalid request body{where}: {message}", path or None)
 
 
-def refused(
-    exc: RequestError | LimitExceeded, param: str | None, message: str | None = None
-) -> ApiError:
+def refused(exc: RequestError, param: str | None, message: str | None = None) -> ApiError:
     """The answer to what the engine refused: the status of its code, the code, `param` (the
     field in the door's name) and its message (or `message`, the same spoken in that name)."""
     text = str(exc) if message is None else message
@@ -147,7 +144,7 @@ def from_engine(
         return ApiError(503, f"the engine is not serving: {exc}")
     if isinstance(exc, InternalError):  # its message names the part, never the exception
         return ApiError(500, f"{exc}; the server log has the detail")
-    if isinstance(exc, RequestError | LimitExceeded):
+    if isinstance(exc, RequestError):
         names = {"rid": "rid", "session_id": session_param}
         field = exc.field
         return refused(exc, None if field is None else names.get(field, prompt_param))

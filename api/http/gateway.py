@@ -173,7 +173,7 @@ class Gateway:
         """What engine.generate raised, as an ApiError. A sampling field's refusal (Engine.generate
         validates each request once: SamplingParams.validate) names the field as the body sent
         it: `names` maps SamplingParams fields to the door's names."""
-        if isinstance(exc, RequestError | LimitExceeded) and exc.field in SAMPLING_FIELDS:
+        if isinstance(exc, RequestError) and exc.field in SAMPLING_FIELDS:
             name = names.get(exc.field, exc.field)
             return refused(exc, name, name + str(exc).removeprefix(exc.field))
         return from_engine(exc, prompt_param)
