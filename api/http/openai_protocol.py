@@ -14,6 +14,7 @@ import msgspec
 
 from shoal.api.http.native_protocol import SessionParams
 from shoal.api.sampling_wire import wire_struct
+from shoal.results import FinishReason
 
 # ---- requests ---------------------------------------------------------------------------------
 
@@ -122,7 +123,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: str
+    finish_reason: FinishReason
 
 
 class ChatCompletion(msgspec.Struct):
@@ -143,7 +144,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -159,7 +160,7 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class TextCompletion(msgspec.Struct):
