@@ -118,7 +118,9 @@ def attention_backend(
         from shoal.kernels.triton.attention import TritonAttention  # needs the triton package
 
         return TritonAttention(page_size, num_kv_heads)
-    return TorchAttention(page_size, None if kernels is None else kernels.paged_decode)
+    if kernels is None:
+        return TorchAttention(page_size)
+    return TorchAttention(page_size, kernels.paged_decode, kernels.store_kv)
 
 
 def start_actors(

@@ -44,11 +44,11 @@ BUCKETS: dict[str, tuple[str, ...]] = {
         "_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention",
         "paged_decode",
     ),
-    "kv": ("index_select", "index_copy", "index_put", "_index_put_impl_", "gather"),
+    "kv": ("index_select", "index_copy", "index_put", "_index_put_impl_", "gather", "store_kv"),
     "elementwise": (
         "mul", "add", "sub", "neg", "cat", "silu", "rsqrt", "pow", "mean", "div", "where",
         "copy_", "to", "_to_copy", "embedding", "index", "float", "clone", "fill_", "masked_fill",
-        "rms_norm", "_fused_rms_norm", "add_rms_norm", "rope",  # the last two: shoal_cpu's
+        "rms_norm", "_fused_rms_norm", "add_rms_norm", "rope", "silu_mul",  # last 3: shoal_cpu
     ),
 }  # fmt: skip
 
@@ -94,7 +94,8 @@ def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
 
         kernels = load_cpu_kernels(default_cache_dir())
         model.elementwise = CompiledElementwise(kernels)
-        return model, pool, TorchAttention(PAGE_SIZE, kernels.paged_decode)
+        store = getattr(kernels, "store_kv", None)  # older revisions: torch's index_copy_
+        return model, pool, TorchAttention(PAGE_SIZE, kernels.paged_decode, store)
     return model, pool, TorchAttention(PAGE_SIZE)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.kernels.batch import BatchShape
-from shoal.kernels.cpu_kernels import DecodeKernel
+from shoal.kernels.cpu_kernels import DecodeKernel, StoreKernel
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class AttentionMetadata:
     decodes: tuple[DecodePages, ...]
     extends: tuple[ExtendSeq, ...]
     kernel_decodes: KernelDecodes | None = None  # set: `decodes` is empty
+    store_kernel: StoreKernel | None = None  # compiled store_kv (cpu_kernels.py), else torch's
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +75,10 @@ class AttentionMetadata:
     def store(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        store_kv(k_cache, v_cache, self.slot_mapping, k, v)
+        if self.store_kernel is not None:
+            self.store_kernel(k_cache, v_cache, self.slot_mapping, k, v)
+        else:
+            store_kv(k_cache, v_cache, self.slot_mapping, k, v)
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
@@ -86,9 +90,15 @@ class TorchAttention:
     """The reference backend: gathers each sequence's pages and calls SDPA (any device); with
     a decode kernel (the "cpu" backend), decodes go to the kernel instead."""
 
-    def __init__(self, page_size: int, decode_kernel: DecodeKernel | None = None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        decode_kernel: DecodeKernel | None = None,
+        store_kernel: StoreKernel | None = None,
+    ) -> None:
         self.page_size = page_size
         self.decode_kernel = decode_kernel
+        self.store_kernel = store_kernel
         self.name = "torch" if decode_kernel is None else "cpu"
 
     def prepare(self, page_table: torch.Tensor, shape: BatchShape) -> AttentionMetadata:
@@ -99,6 +109,7 @@ class TorchAttention:
             list(shape.extend_lens),
             self.page_size,
             self.decode_kernel,
+            self.store_kernel,
         )
 
 
@@ -108,6 +119,7 @@ def build_metadata(
     extend_lens: list[int],
     page_size: int,
     decode_kernel: DecodeKernel | None = None,
+    store_kernel: StoreKernel | None = None,
 ) -> AttentionMetadata:
     """page_table_rows: [B, max_pages] page ids of each sequence's row (host tensor).
 
@@ -164,7 +176,7 @@ def build_metadata(
             extends.append(ExtendSeq(token_start, n_new, seq_len, page_ids, mask))
         token_start += n_new
     return AttentionMetadata(
-        slot_mapping, page_size, tuple(decodes), tuple(extends), kernel_decodes
+        slot_mapping, page_size, tuple(decodes), tuple(extends), kernel_decodes, store_kernel
     )
 
 

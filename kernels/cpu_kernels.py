@@ -2,6 +2,7 @@
 
     paged_decode   csrc/paged_decode.cpp   a step's decodes attend, reading K/V in place from
                                            the pages (attention.py's reference gathers them)
+    store_kv                               the new tokens' K and V into their slots, one op
     rms_norm       csrc/elementwise.cpp    RMSNorm of rows, in one op
     add_rms_norm                           the residual add and the next RMSNorm, in one op
     rope                                   q and k rotated in place, in one op
@@ -57,6 +58,17 @@ class KernelUnavailable(RuntimeError):
     """The kernels could not be built or loaded here (no compiler, an unsupported CPU...)."""
 
 
+class StoreKernel(Protocol):
+    def __call__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None: ...
+
+
 class DecodeKernel(Protocol):
     def __call__(
         self,
@@ -77,6 +89,7 @@ class CpuKernels:
     """The loaded ops (signatures in the sources' comments)."""
 
     paged_decode: DecodeKernel
+    store_kv: StoreKernel
     rms_norm: Any
     add_rms_norm: Any
     rope: Any
@@ -93,11 +106,12 @@ def capability() -> str:
 
 def load_cpu_kernels(cache_dir: Path) -> CpuKernels:
     """The ops, built into `cache_dir` the first time (KernelUnavailable if they cannot be)."""
-    if not hasattr(torch.ops.shoal_cpu, "q4_linear"):
+    if not hasattr(torch.ops.shoal_cpu, "store_kv"):
         build(cache_dir)
     ops = torch.ops.shoal_cpu
     return CpuKernels(
         ops.paged_decode,
+        ops.store_kv,
         ops.rms_norm,
         ops.add_rms_norm,
         ops.rope,
@@ -127,5 +141,5 @@ def build(cache_dir: Path) -> None:
         )
     except Exception as error:  # the builder raises whatever the compiler or ninja did
         raise KernelUnavailable(f"the CPU kernels could not be built: {error}") from error
-    if not hasattr(torch.ops.shoal_cpu, "q4_linear"):
+    if not hasattr(torch.ops.shoal_cpu, "store_kv"):
         raise KernelUnavailable(f"the CPU kernels built in {folder} registered no op")

@@ -16,7 +16,7 @@ from shoal.actors.wiring import cpu_kernels
 from shoal.api.engine import Engine
 from shoal.config import EngineOptions, Resolved, resolve
 from shoal.kernels import cpu_kernels as cpu_kernels_module
-from shoal.kernels.attention import TorchAttention
+from shoal.kernels.attention import TorchAttention, store_kv
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import CpuKernels, DecodeKernel, KernelUnavailable, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise, TorchElementwise
@@ -87,6 +87,28 @@ def test_kernel_equals_the_reference(
     expected = reference.attend(q, k_cache, v_cache, dim**-0.5)
     got = fused.attend(q, k_cache, v_cache, dim**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_store_writes_what_index_copy_writes(kernels: CpuKernels) -> None:
+    """Every new token's K and V into its slot, from views of a wider tensor as the model's
+    fused qkv output gives them; a slot given twice keeps the later token, as index_copy_."""
+    gen = torch.Generator().manual_seed(4)
+    kv_heads, dim, slots = 3, 8, 40
+    qkv = torch.randn(6, (4 + 2 * kv_heads) * dim, generator=gen)
+    k = qkv[:, 4 * dim : (4 + kv_heads) * dim].view(6, kv_heads, dim)
+    v = qkv[:, (4 + kv_heads) * dim :].view(6, kv_heads, dim)
+    slot_mapping = torch.tensor([3, 17, 39, 0, 17, 5])
+    caches = [torch.randn(slots, kv_heads, dim, generator=gen) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    store_kv(expected[0], expected[1], slot_mapping, k, v)
+    kernels.store_kv(caches[0], caches[1], slot_mapping, k, v)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    before = [c.clone() for c in caches]
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.store_kv(caches[0], caches[1], torch.tensor([1, 2, 3, 4, 5, slots]), k, v)
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])  # none written
+    with pytest.raises(RuntimeError, match="dense"):
+        kernels.store_kv(caches[0], caches[1], slot_mapping, k.transpose(1, 2), v)
 
 
 def test_bad_indices_are_refused_before_any_read(kernel: DecodeKernel) -> None:

@@ -10,6 +10,12 @@
 //
 // Built by kernels/cpu_kernels.py with torch's extension loader; tests/test_cpu_kernels.py
 // checks it against the gather-and-SDPA reference in kernels/attention.py.
+//
+//   store_kv(k_cache, v_cache, slots, k, v)    k_cache[slots[i]] = k[i], v_cache likewise
+//     k, v   [T, Hkv, D] float32 with dense [Hkv, D] rows (views of the fused qkv output)
+//     slots  [T] int64, each checked before any write
+//
+// is what index_copy_ does twice (a step stores 2 x layers times), in one op a layer.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -178,9 +184,45 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   });
 }
 
+void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+              const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.dim() == 3 && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
+                  v_cache.scalar_type() == at::kFloat,
+              "store_kv: k_cache and v_cache must be contiguous float32 [slots, Hkv, D]");
+  const int64_t row = k_cache.size(1) * k_cache.size(2), num_slots = k_cache.size(0);
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous() && slots.dim() == 1,
+              "store_kv: slots must be contiguous int64 [T]");
+  const int64_t tokens = slots.size(0);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == tokens &&
+                    t->size(1) == k_cache.size(1) && t->size(2) == k_cache.size(2) &&
+                    t->stride(2) == 1 && t->stride(1) == k_cache.size(2),
+                "store_kv: k and v must be float32 [T, Hkv, D] with dense [Hkv, D] rows");
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "store_kv: slot out of range");
+  }
+  float* k_dst = k_cache.data_ptr<float>();
+  float* v_dst = v_cache.data_ptr<float>();
+  const float* k_src = k.data_ptr<float>();
+  const float* v_src = v.data_ptr<float>();
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+  for (int64_t i = 0; i < tokens; ++i) {
+    std::copy_n(k_src + i * k_stride, row, k_dst + slot[i] * row);
+    std::copy_n(v_src + i * v_stride, row, v_dst + slot[i] * row);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
+  m.def(
+      "store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()",
+      &store_kv);
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_ids, Tensor seq_lens, "
       "Tensor token_index, int page_size, float scale, Tensor(a!) out) -> ()",
