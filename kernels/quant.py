@@ -116,7 +116,7 @@ def exact_q4_blocks(weight: torch.Tensor) -> Q4Blocks | None:
     n, k = weight.shape
     if k % BLOCK:
         return None
-    grouped = weight.view(n, -1, BLOCK)
+    grouped = weight.reshape(n, -1, BLOCK)
     m = grouped.amin(dim=2)
     d = ((grouped.amax(dim=2) - m) / _Q4_LEVELS).half().float()
     if not bool(torch.isfinite(d).all()):
