@@ -104,7 +104,7 @@ class EngineOptions:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_mixed_prefill_tokens", "cuda_graph_max_batch"):
+        for name in ("max_mixed_prefill_tokens", "cuda_graph_max_batch", "max_sessions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name, allowed in CHOICES.items():

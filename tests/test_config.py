@@ -17,6 +17,7 @@ from shoal.config import CHOICES, EngineOptions, resolve
         ({"attention": "flash"}, "attention"),
         ({"max_stop_strings": 0}, "max_stop_strings"),
         ({"max_prompt_chars": -1}, "max_prompt_chars"),
+        ({"max_sessions": -1}, "max_sessions"),  # 0 is allowed: no session opens
     ],
 )
 def test_bad_options_name_the_field(options: dict[str, object], field: str) -> None:
