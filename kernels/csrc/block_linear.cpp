@@ -171,7 +171,7 @@ void q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
   const int64_t n = q.size(0), blocks = q.size(1) / kBlock;
   check_tensor("q8_linear", "q", q, at::kChar, {n, blocks * kBlock});
   check_tensor("q8_linear", "d", d, at::kFloat, {n, blocks});
-  const Q8 weights{q.data_ptr<int8_t>(), d.data_ptr<float>(), nullptr, blocks};
+  const Q8 weights{q.data_ptr<int8_t>(), d.data_ptr<float>(), blocks};
   run("q8_linear", weights, n, x.size(1), x, bias, out);
 }
 
@@ -193,7 +193,7 @@ void q8_dequantize(const at::Tensor& q, const at::Tensor& d, const at::Tensor& o
   const int64_t n = q.size(0), blocks = q.size(1) / kBlock;
   check_tensor("q8_dequantize", "q", q, at::kChar, {n, blocks * kBlock});
   check_tensor("q8_dequantize", "d", d, at::kFloat, {n, blocks});
-  dequantize("q8_dequantize", Q8{q.data_ptr<int8_t>(), d.data_ptr<float>(), nullptr, blocks}, n,
+  dequantize("q8_dequantize", Q8{q.data_ptr<int8_t>(), d.data_ptr<float>(), blocks}, n,
              out);
 }
 

@@ -23,7 +23,6 @@ constexpr float kLevels = 32767.f;  // x's largest |value| in a block maps to th
 struct QuantizedRows {
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
-  int64_t blocks = 0;
 };
 
 // One block of 32 floats (a short last block is padded with zeros by the caller).
@@ -68,7 +67,6 @@ inline const QuantizedRows& quantize_rows(const at::Tensor& x, int64_t blocks) {
   rows.q.resize(m * blocks * kBlock);
   rows.scale.resize(m * blocks);
   rows.sum.resize(m * blocks);
-  rows.blocks = blocks;
   const float* data = x.data_ptr<float>();
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
@@ -89,13 +87,13 @@ inline const QuantizedRows& quantize_rows(const at::Tensor& x, int64_t blocks) {
 struct Q8 {
   const int8_t* q;
   const float* d;
-  const float* m;  // unused
   int64_t blocks;
   static constexpr bool kHasMin = false;
   static constexpr int64_t kBlockBytes = 32;
   const char* block(int64_t n, int64_t b) const {
     return reinterpret_cast<const char*>(q) + (n * blocks + b) * kBlockBytes;
   }
+  float min(int64_t, int64_t) const { return 0.f; }
   int16_t at(int64_t n, int64_t b, int i) const { return block(n, b)[i]; }
 #ifdef SHOAL_LINEAR_AVX2
   void unpack(int64_t n, int64_t b, __m256i& low, __m256i& high) const {
@@ -117,6 +115,7 @@ struct Q4 {
   const char* block(int64_t n, int64_t b) const {
     return reinterpret_cast<const char*>(q) + (n * blocks + b) * kBlockBytes;
   }
+  float min(int64_t n, int64_t b) const { return m[n * blocks + b]; }
   int16_t at(int64_t n, int64_t b, int i) const {
     const uint8_t byte = static_cast<uint8_t>(block(n, b)[i % 16]);
     return i < 16 ? (byte & 0x0F) : (byte >> 4);
@@ -135,7 +134,7 @@ struct Q4 {
 template <typename W>
 void dequantize_block(const W& weights, int64_t n, int64_t b, float* row, int64_t len) {
   const float d = weights.d[n * weights.blocks + b];
-  const float m = W::kHasMin ? weights.m[n * weights.blocks + b] : 0.f;
+  const float m = weights.min(n, b);
 #ifdef SHOAL_LINEAR_AVX2
   if (len == kBlock) {
     __m256i halves[2];
