@@ -14,7 +14,6 @@ CheckpointError that names the file and the field, e.g.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +24,11 @@ from shoal.kernels.loading.checkpoint import (
     json_kind,
     json_value,
 )
+from shoal.kernels.loading.fields import ConfigFields
+from shoal.kernels.loading.rope_config import read_rope
 
 # The model_types `ModelConfig.from_hf_config` reads (the Llama family, models/llama.py).
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ARCHITECTURE_FIELDS = (
     "model_type",
     "vocab_size",
@@ -41,8 +41,6 @@ ARCHITECTURE_FIELDS = (
     "tie_word_embeddings",
     "attention_bias",
 )
-MAX_SIZE = 2**31 - 1  # the largest size (vocab, hidden, layers, positions, ...) we accept
-_REQUIRED = object()  # the default of a field that must be present
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,7 @@ class ModelConfig:
         """
         if not isinstance(d, dict):
             raise CheckpointError(f"{CONFIG_NAME}: must be a JSON object, got {json_kind(d)}")
-        fields = _Fields(d, CONFIG_NAME)
+        fields = ConfigFields(d, CONFIG_NAME)
         model_type = fields.text("model_type")
         if model_type not in LLAMA_MODEL_TYPES:
             raise CheckpointError(
@@ -120,7 +118,7 @@ class ModelConfig:
             head_dim = hidden_size // num_heads
         if head_dim % 2 != 0:
             raise CheckpointError(f"{CONFIG_NAME}: head_dim ({head_dim}) must be even for RoPE")
-        rope_theta, rope_scaling = _rope(fields)
+        rope_theta, rope_scaling = read_rope(fields)
 
         max_positions = fields.positive_int("max_position_embeddings", 2048)
         # We implement full attention only. A model whose attention really is windowed
@@ -136,7 +134,7 @@ class ModelConfig:
             )
         attention_bias = model_type == "qwen2"  # q/k/v biases, none on o_proj
         vocab_size = fields.positive_int("vocab_size")
-        generation_fields = _Fields(generation or {}, GENERATION_CONFIG_NAME)
+        generation_fields = ConfigFields(generation or {}, GENERATION_CONFIG_NAME)
         bos, eos = _special_tokens(fields, generation_fields, vocab_size)
         return cls(
             model_type=model_type,
@@ -158,86 +156,8 @@ class ModelConfig:
         )
 
 
-class _Fields:
-    """Typed reads of one JSON object's fields. An absent field takes its default (or is an
-    error without one); null does too where `nullable`, else it is a wrong type."""
-
-    def __init__(self, values: dict[str, Any], file_name: str, prefix: str = "") -> None:
-        self.values = values
-        self.file_name = file_name
-        self.prefix = prefix  # "rope_scaling." for the fields of a nested object
-
-    def has(self, name: str) -> bool:
-        return name in self.values
-
-    def positive_int(self, name: str, default: Any = _REQUIRED) -> int:
-        value = self._get(name, default, False)
-        if not _is_int(value) or not 0 < value <= MAX_SIZE:
-            raise self.error(name, "a positive integer", value)
-        result: int = value
-        return result
-
-    def optional_positive_int(self, name: str) -> int | None:
-        """Absent or null reads as None."""
-        if self.values.get(name) is None:
-            return None
-        return self.positive_int(name)
-
-    def positive_number(self, name: str, default: Any = _REQUIRED) -> float:
-        value = self._get(name, default, False)
-        number = _is_int(value) or isinstance(value, float)
-        if not number or not math.isfinite(value) or value <= 0:
-            raise self.error(name, "a positive number", value)
-        return float(value)
-
-    def flag(self, name: str, default: bool) -> bool:
-        value = self._get(name, default, False)
-        if not isinstance(value, bool):
-            raise self.error(name, "true or false", value)
-        return value
-
-    def text(self, name: str, default: Any = _REQUIRED) -> str:
-        value = self._get(name, default, False)
-        if not isinstance(value, str):
-            raise self.error(name, "a string", value)
-        return value
-
-    def nested(self, name: str) -> dict[str, Any]:
-        """A nested object; absent or null reads as {}."""
-        value = self._get(name, {}, True)
-        if not isinstance(value, dict):
-            raise self.error(name, "an object", value)
-        return value
-
-    def token_ids(self, name: str, vocab_size: int) -> tuple[int, ...]:
-        """A token id or a list of them (absent or null: none), unique, order kept."""
-        value = self._get(name, None, True)
-        ids = [] if value is None else value if isinstance(value, list) else [value]
-        if not all(_is_int(i) and 0 <= i < vocab_size for i in ids):
-            wanted = f"a token id or a list of token ids below vocab_size {vocab_size}"
-            raise self.error(name, wanted, value)
-        return tuple(dict.fromkeys(ids))
-
-    def error(self, name: str, wanted: str, value: object) -> CheckpointError:
-        return CheckpointError(
-            f"{self.file_name}: {self.prefix}{name} must be {wanted}, got {json_value(value)}"
-        )
-
-    def _get(self, name: str, default: Any, nullable: bool) -> Any:
-        if name not in self.values:
-            if default is _REQUIRED:
-                raise CheckpointError(f"{self.file_name}: {self.prefix}{name} is missing")
-            return default
-        value = self.values[name]
-        return default if value is None and nullable and default is not _REQUIRED else value
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _special_tokens(
-    config: _Fields, generation: _Fields, vocab_size: int
+    config: ConfigFields, generation: ConfigFields, vocab_size: int
 ) -> tuple[int | None, tuple[int, ...]]:
     """(bos id or None, eos ids): config.json's, then generation_config.json's."""
     bos_ids = config.token_ids("bos_token_id", vocab_size)
@@ -248,37 +168,3 @@ def _special_tokens(
     eos = config.token_ids("eos_token_id", vocab_size)
     eos += generation.token_ids("eos_token_id", vocab_size)
     return (bos_ids[0] if bos_ids else None), tuple(dict.fromkeys(eos))
-
-
-def _rope(fields: _Fields) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling or None) from either spelling of the RoPE settings."""
-    params = fields.nested("rope_parameters")
-    scaling_name = "rope_scaling" if fields.nested("rope_scaling") else "rope_parameters"
-    scaling = dict(fields.nested("rope_scaling") or params)
-    if fields.has("rope_theta"):
-        theta = fields.positive_number("rope_theta")
-    else:
-        theta = _Fields(params, CONFIG_NAME, "rope_parameters.").positive_number(
-            "rope_theta", 10000.0
-        )
-    scaling.pop("rope_theta", None)
-    kind = scaling.pop("type", None)  # the old key for rope_type
-    scaling.setdefault("rope_type", kind)
-    nested = _Fields(scaling, CONFIG_NAME, f"{scaling_name}.")
-    kind = nested.values["rope_type"]
-    if kind in (None, "default"):
-        return theta, None
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise CheckpointError(
-            f"{CONFIG_NAME}: {scaling_name}.rope_type {json_value(kind)} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    nested.positive_number("factor")
-    if kind == "llama3":
-        low = nested.positive_number("low_freq_factor")
-        if nested.positive_number("high_freq_factor") == low:
-            raise CheckpointError(
-                f"{CONFIG_NAME}: {scaling_name}.high_freq_factor must differ from low_freq_factor"
-            )
-        nested.positive_number("original_max_position_embeddings")
-    return theta, scaling
