@@ -1,8 +1,9 @@
 """The cache manager actor: owns the request-slot table, page allocator and radix tree.
 
-It answers one PlanRequest per step (releases first, then publishes, extensions, then
-admissions in queue order, stopping at the first admission that does not fit) and never one
-message per request.
+It answers one PlanRequest per step (releases first, then publishes, sliding-window trims,
+extensions, then admissions in queue order, stopping at the first admission that does not
+fit) and never one message per request. Trims come before extensions and admissions so that
+the pages they free serve the same plan.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class CacheManager:
             released.append(rel.rid)
         for pub in req.publishes:
             kv.publish(pub.rid, pub.computed_tokens)
+        for trim in req.trims:
+            kv.trim(trim.rid, trim.keep_from_token)
         extended: list[str] = []
         extend_failed: list[str] = []
         for ext in req.extends:

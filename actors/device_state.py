@@ -28,8 +28,8 @@ from shoal.actors.messages import Launch
 from shoal.kernels.batch import AttentionBackend, BatchShape
 from shoal.kernels.loading.checkpoint import CheckpointError
 from shoal.kernels.loading.loader import checkpoint_folder, load_weights, read_model_config
+from shoal.kernels.models.decoder import DecoderModel
 from shoal.kernels.models.kv_pool import KVPool
-from shoal.kernels.models.llama import LlamaModel
 from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
 from shoal.kernels.streams import HostResult, StepStreams, to_device, to_device_many
 from shoal.params import SamplingParams
@@ -118,7 +118,7 @@ class DeviceState:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv: KVPool,
         attention: AttentionBackend,
         num_rows: int,

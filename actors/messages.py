@@ -237,6 +237,14 @@ class PublishReq(msgspec.Struct, frozen=True):
     computed_tokens: tuple[int, ...]
 
 
+class TrimReq(msgspec.Struct, frozen=True):
+    """Sliding window: no launched batch of `rid` and no later query reads a key below
+    `keep_from_token` (page-aligned), so its own pages there are freed (KVCache.trim)."""
+
+    rid: str
+    keep_from_token: int
+
+
 class ExtendReq(msgspec.Struct, frozen=True):
     rid: str
     total_tokens: int
@@ -254,7 +262,8 @@ class PlanRequest(msgspec.Struct, frozen=True, tag=True):
     releases: tuple[ReleaseReq, ...]
     extends: tuple[ExtendReq, ...]
     admits: tuple[AdmitReq, ...]
-    publishes: tuple[PublishReq, ...] = ()  # applied after releases, before extends
+    publishes: tuple[PublishReq, ...] = ()  # applied after releases, before trims
+    trims: tuple[TrimReq, ...] = ()  # applied after publishes, before extends
 
 
 class CheckIntegrity(msgspec.Struct, frozen=True, tag=True):

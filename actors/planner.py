@@ -10,8 +10,10 @@ when every one of these is empty)::
 
 A request holds its row and pages from admission to release (docs/architecture.md, law 3).
 It is released only when no launched batch still reads it (`inflight == 0`); a token sampled
-for a request that already finished is discarded. `tokens` holds the prompt and every output
-received; `pending` counts tokens sampled on the device but not yet received.
+for a request that already finished is discarded. With a sliding window of W keys over every
+layer (`kv_window`), a running request's own pages below the lowest key any of its launched
+or next chunks reads are given back while it runs (`_trims`). `tokens` holds the prompt and
+every output received; `pending` counts tokens sampled on the device but not yet received.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from shoal.actors.messages import (
     RowWriteMsg,
     SeqChunk,
     StepDone,
+    TrimReq,
 )
 from shoal.actors.prefix_sharing import prefixes_in_progress, publishes_due
 from shoal.actors.replies import SchedulerSnapshot
@@ -46,6 +49,7 @@ class Member(NamedTuple):
     rid: str
     samples: bool
     end: int  # its KV is written up to this position once the batch completes
+    start: int  # its first query's position: it reads keys from start - kv_window + 1 on
 
 
 @dataclass
@@ -65,6 +69,8 @@ class Planner:
     stalled: bool = False  # the last plan changed nothing: wait for a result or a request
     paused: bool = False  # schedule nothing new; only releases go on
     admitting: set[str] = field(default_factory=set)  # in the outstanding plan's admits
+    kv_window: int | None = None  # W when every layer attends to the last W keys only
+    trimmed_to: dict[str, int] = field(default_factory=dict)  # trims asked, per holding rid
 
     # ---- questions ------------------------------------------------------------------------
 
@@ -198,6 +204,7 @@ class Planner:
             ExtendReq(r.rid, r.num_launched + 1) for r in self.holding() if self._wants_decode(r)
         ]
         publishes = publishes_due(self.holding(), self.config)
+        trims = self._trims()
         budget = self.config.prefill_budget(len(extends))
         has_prefill = any(r.phase is Phase.PREFILL for r in self.reqs.values())
         admits: list[AdmitReq] = []
@@ -217,10 +224,43 @@ class Planner:
                 admits.append(AdmitReq(rid, tuple(req.tokens), len(req.tokens), req.session_id))
                 budget -= min(len(req.tokens), self.config.chunk_size)
         if not (releases or extends or admits or has_prefill or publishes):
-            return None
+            return None  # nothing launches: the trims are asked for again next time
         self.plan_pending = True
         self.admitting = {a.rid for a in admits}
-        return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits), publishes)
+        for trim in trims:
+            self.trimmed_to[trim.rid] = trim.keep_from_token
+        return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits), publishes, trims)
+
+    def _trims(self) -> tuple[TrimReq, ...]:
+        """Sliding window (docs/architecture.md, law 4): the page-aligned position below
+        which each running request's keys are read by none of its launched batches, nor by
+        the chunk this plan launches (it starts at `num_launched`), nor by any later one.
+
+        A chunk whose first query is at position s reads keys from s - W + 1 on, and every
+        later chunk starts higher, so the bound is min(s) - W + 1 over the request's
+        unprocessed batches (`batches`, up to max_inflight of them) and `num_launched`. A
+        batch leaves `batches` only once its result came back, so the device has finished
+        reading; the freed pages may then serve this plan's extensions and admissions,
+        whose writes run after every earlier launch (one launch order)."""
+        window = self.kv_window
+        if window is None:
+            return ()
+        first = {
+            r.rid: r.num_launched
+            for r in self.holding()
+            if r.phase in (Phase.PREFILL, Phase.RUNNING)
+        }
+        for members in self.batches.values():
+            for m in members:
+                if m.rid in first:
+                    first[m.rid] = min(first[m.rid], m.start)
+        ps = self.config.page_size
+        trims = []
+        for rid, start in first.items():
+            keep_from = max(start - window + 1, 0) // ps * ps
+            if keep_from > self.trimmed_to.get(rid, 0):
+                trims.append(TrimReq(rid, keep_from))
+        return tuple(trims)
 
     def _wants_decode(self, req: Req) -> bool:
         if req.phase is not Phase.RUNNING:
@@ -233,6 +273,7 @@ class Planner:
         retractions = self.num_retractions
         self.pending_writes.extend(plan.writes)
         for rid in plan.released:
+            self.trimmed_to.pop(rid, None)  # a retracted request trims its next row anew
             req = self.reqs[rid]
             if req.phase is Phase.RETRACTING:
                 self._requeue(req)
@@ -285,7 +326,7 @@ class Planner:
                 assert req.num_launched == len(req.tokens) + req.pending - 1
                 seqs.append(SeqChunk(req.row, req.num_launched, 1, None, True))
                 req.num_launched += 1
-                members.append(Member(req.rid, True, req.num_launched))
+                members.append(Member(req.rid, True, req.num_launched, req.num_launched - 1))
                 req.pending += 1
                 req.inflight += 1
         budget = self.config.prefill_budget(len(seqs))
@@ -304,7 +345,7 @@ class Planner:
             seqs.append(
                 SeqChunk(req.row, start, n, tuple(req.tokens[start : start + n]), sample, init)
             )
-            members.append(Member(req.rid, sample, start + n))
+            members.append(Member(req.rid, sample, start + n, start))
             budget -= n
             req.num_launched += n
             req.inflight += 1
@@ -344,13 +385,13 @@ class Planner:
         members = self.batches.pop(done.batch_id)
         self.stalled = False
         if done.error is not None:
-            for rid, _, _ in members:
-                self.reqs[rid].inflight -= 1
+            for member in members:
+                self.reqs[member.rid].inflight -= 1
             return self.fail_all(f"forward failed: {done.error}")
         outputs = []
         tokens = iter(done.next_tokens)
         logprobs = iter(done.logprobs or (None,) * len(done.next_tokens))
-        for rid, samples, end in members:
+        for rid, samples, end, _ in members:
             req = self.reqs[rid]
             req.inflight -= 1
             req.num_computed = max(req.num_computed, end)

@@ -143,9 +143,10 @@ def start_actors(
         page_size=layout.page_size,
         num_rows=layout.num_rows,
         max_pages_per_row=layout.max_pages_per_row,
+        window=config.kv_window,
     )
     compiled = kernels if resolved.attention == "cpu" else None  # int8 may load them alone
-    model = family_of(config.model_type).model(
+    model = family_of(config.model_type).build(
         config,
         loaded.weights,
         resolved.dtype,
@@ -172,7 +173,8 @@ def start_actors(
             eos_token_ids=config.eos_token_ids,
             prefix_cache=options.prefix_cache,
             page_size=layout.page_size,
-        )
+        ),
+        kv_window=config.kv_window,
     )
     tokenizer = Tokenizer(
         loaded.tokenizer,

@@ -10,6 +10,8 @@ HBM-bandwidth roofline (bench/roofline.py).
     python bench/offline.py --peers vllm --vllm-python /path/to/vllm-env/bin/python
     python bench/offline.py --peers --quantization int8   # shoal alone, int8 weights
     python bench/offline.py --model <folder> --smoke   # 4 tiny requests, 1 solo
+    python bench/offline.py --model tiny:mixtral --smoke  # a tiny random model of a family
+    python bench/offline.py --model tiny:mistral --smoke --window-pages 600  # pages it holds
     python bench/offline.py --device cuda --requests 256 --max-running 256 \\
         --kv-cache-tokens 131072 --hf-batch 64 256    # bf16 on the GPU, both systems
     python bench/offline.py --device cuda --requests 0 --decode-batch 1 64 256 \\
@@ -58,6 +60,7 @@ from hf_peer import compare_hf
 from roofline import DecodePlan, decode_line, hbm_gbps_for, measure_decode
 from tqdm import tqdm
 from vllm_peer import OfflineJob, find_python, run_offline
+from window_pages import window_pages
 
 PEERS = ("vllm", "hf")
 
@@ -107,8 +110,10 @@ async def run_engine(
     plan: DecodePlan,
     desc: str,
     out: Path | None,
+    window_tokens: int = 0,
 ) -> float | None:
-    """shoal's throughput line (when there is work) and decode lines; its tok/s or None.
+    """shoal's throughput line (when there is work), decode lines and the page-accounting line
+    (bench/window_pages.py, when `window_tokens`); its tok/s or None.
     `load_s`: the seconds `loaded` took to load, counted in its setup time."""
     from shoal import Engine
 
@@ -120,6 +125,8 @@ async def run_engine(
             tokens, seconds = await run_shoal(engine, work)
             tok_per_s = report("shoal", len(work), tokens, seconds, setup, desc, out)
         await run_decode(engine, plan, desc, out)
+        if window_tokens:
+            await window_pages(engine, window_tokens, desc, out)
     return tok_per_s
 
 
@@ -247,6 +254,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     parser.add_argument("--smoke", action="store_true", help="4 requests of 4-8 + 2-4 tokens")
+    parser.add_argument(
+        "--window-pages",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then one N-token generation, its pages sampled (bench/window_pages.py)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.requests, args.prompt_len, args.output_len = 4, (4, 8), (2, 4)
@@ -264,6 +278,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"--decode-batch {largest} needs --kv-cache-tokens >= {largest * pages * page}"
             )
     return args
+
+
+def model_argument(model: str | None) -> str | None:
+    """`tiny:<family>` builds a tiny random model of that family (tests/tiny_families.py) in a
+    temporary folder, for a smoke run of a family without its checkpoint; else `model` as is."""
+    if model is None or not model.startswith("tiny:"):
+        return model
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_families import FAMILIES, make_family_folder
+
+    family = model.removeprefix("tiny:")
+    if family not in FAMILIES:
+        raise SystemExit(f"--model tiny:<family>: one of {', '.join(sorted(FAMILIES))}")
+    return str(make_family_folder(Path(tempfile.mkdtemp()) / family, family))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,12 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     desc = machine()
 
     began = time.perf_counter()
-    loaded = load_model(args.model, dtype=dtype)
+    loaded = load_model(model_argument(args.model), dtype=dtype)
     load_s = time.perf_counter() - began
     work = workload(
         args.requests, loaded.config.vocab_size, args.seed, args.prompt_len, args.output_len
     )
-    shoal = asyncio.run(run_engine(loaded, load_s, options, work, plan, desc, args.out))
+    shoal = asyncio.run(
+        run_engine(loaded, load_s, options, work, plan, desc, args.out, args.window_pages)
+    )
     if shoal is None:
         return 0
     ratios: dict[str, float] = {}

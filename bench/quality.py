@@ -6,7 +6,7 @@ fixed English text (bench/quality_text.txt, 2,714 tokens), bundled SmolLM2, CPU.
     python bench/quality.py --tokens 512          # the first 512 tokens only
 
 The text is cut into windows of --window tokens, each run from position 0 on an empty KV cache,
-fed to `LlamaModel.forward` --chunk tokens at a time (as the engine prefills); every position
+fed to `DecoderModel.forward` --chunk tokens at a time (as the engine prefills); every position
 but a window's last predicts the next token. Both models see exactly the same tokens.
 
 Prints one line:
@@ -34,8 +34,9 @@ from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import load_cpu_kernels
 from shoal.kernels.linear import LinearKind
 from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model
+from shoal.kernels.models.decoder import DecoderModel
 from shoal.kernels.models.kv_pool import KVPool
-from shoal.kernels.models.llama import LlamaModel
+from shoal.kernels.models.registry import family_of
 
 TEXT = Path(__file__).resolve().parent / "quality_text.txt"
 PAGE_SIZE = 16
@@ -67,7 +68,7 @@ def text_ids(loaded: LoadedModel, max_tokens: int | None = None) -> list[int]:
     return list(ids[:max_tokens] if max_tokens else ids)
 
 
-def score(model: LlamaModel, ids: list[int], window: int, chunk: int) -> Scores:
+def score(model: DecoderModel, ids: list[int], window: int, chunk: int) -> Scores:
     """Teacher-forced argmax and NLL at every position that has a next token in its window."""
     cpu = torch.device("cpu")
     pool = KVPool(model.config, -(-window // PAGE_SIZE) * PAGE_SIZE, model.dtype, cpu)
@@ -91,11 +92,13 @@ def score(model: LlamaModel, ids: list[int], window: int, chunk: int) -> Scores:
     return Scores(torch.cat(argmax), torch.cat(nll), time.perf_counter() - began)
 
 
-def build(loaded: LoadedModel, kind: LinearKind) -> LlamaModel:
+def build(loaded: LoadedModel, kind: LinearKind) -> DecoderModel:
     cpu = torch.device("cpu")
     if kind == "int8":
         load_cpu_kernels(default_cache_dir())  # the int8 kernel is compiled (once)
-    return LlamaModel(loaded.config, loaded.weights, torch.float32, cpu, kind)
+    return family_of(loaded.config.model_type).build(
+        loaded.config, loaded.weights, torch.float32, cpu, kind
+    )
 
 
 def compare(

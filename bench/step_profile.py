@@ -16,7 +16,8 @@ One line per (linear kind, attention, batch):
 
 The buckets are the profiler's self-CPU times over the profiled steps, divided by the
 number of steps; step_ms is the wall time of an unprofiled step (the median of `--steps`).
-Works on any revision whose LlamaModel takes (config, weights, dtype, device) — the linear
+Works on any revision whose model (LlamaModel, or a family's build) takes (config, weights, dtype,
+device) — the linear
 kind is passed only when asked for, and the attention is the torch reference unless `--attention
 cpu` is asked for, and the model is imported from where the revision has it — so the same
 script gives "before" and "after".
@@ -65,15 +66,31 @@ def bucket_of(op_name: str) -> str:
     return "other"
 
 
+def model_class(loaded: Any) -> Any:
+    """The revision's model constructor: a family's `build`, or LlamaModel before families."""
+    try:
+        from shoal.kernels.models.registry import family_of
+
+        family = family_of(loaded.config.model_type)
+        if hasattr(family, "build"):
+            return family.build
+    except ImportError:
+        pass
+    try:
+        from shoal.kernels.models.llama import LlamaModel  # type: ignore[attr-defined]
+    except ImportError:  # revisions before kernels/models/
+        from shoal.kernels.model import LlamaModel  # type: ignore[no-redef]
+    return LlamaModel
+
+
 def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
     from shoal.kernels.attention import TorchAttention
     from shoal.kernels.loading.loader import load_model
 
     try:
         from shoal.kernels.models.kv_pool import KVPool
-        from shoal.kernels.models.llama import LlamaModel
     except ImportError:  # revisions before kernels/models/
-        from shoal.kernels.model import KVPool, LlamaModel  # type: ignore[no-redef]
+        from shoal.kernels.model import KVPool  # type: ignore[no-redef]
 
     loaded = load_model(None)
     cpu = torch.device("cpu")
@@ -83,7 +100,7 @@ def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
         from shoal.kernels.loading.loader import default_cache_dir
 
         load_cpu_kernels(default_cache_dir())
-    model = LlamaModel(loaded.config, loaded.weights, torch.float32, cpu, *extra)
+    model = model_class(loaded)(loaded.config, loaded.weights, torch.float32, cpu, *extra)
     pool = KVPool(loaded.config, POOL_PAGES * PAGE_SIZE, torch.float32, cpu)
     for layer in (*pool.k, *pool.v):  # touched: untouched zero pages would read unrealistically
         layer.normal_()

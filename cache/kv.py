@@ -2,10 +2,12 @@
 
 Interface (what the engine's cache manager calls)::
 
-    cache = KVCache(num_pages=..., page_size=..., num_rows=..., max_pages_per_row=...)
+    cache = KVCache(num_pages=..., page_size=..., num_rows=..., max_pages_per_row=...,
+                    window=None)             # W: every layer attends to the last W keys only
     cache.admit(rid, tokens, reserve_tokens) -> Admission(row, num_cached_tokens, writes) | None
     cache.extend(rid, total_tokens)          -> list[RowWrite] | None
     cache.publish(rid, computed_tokens)      # still running: cache its computed full pages
+    cache.trim(rid, keep_from_token)         -> list[int]  # window: free own pages below it
     cache.release(rid, computed_tokens)      # finished/aborted/retracted; caches computed KV
     cache.evict(num_pages)                   -> int   # pages evicted from the tree
     cache.flush()                            # only when no request is live
@@ -32,6 +34,22 @@ the tree answers how many leading tokens it already had. Own pages inside that
 prefix are duplicates (another request cached the same tokens first) and are
 freed; own pages past it become the tree's; pages past the computed prefix
 (including a partial last page) are freed. Then the admit-time lock is dropped.
+
+Sliding window (``window`` W set: no query at position p reads a key at or below p - W).
+``trim(rid, keep_from_token)`` frees the request's own pages that lie wholly below
+``keep_from_token`` while it runs; the caller (the planner) picks a boundary no launched
+batch and no later query reads below. Their row entries become holes (``rows.HOLE``,
+host-side; the device keeps the stale id, never read). The tree's pages are not trimmed:
+they stay locked until release. Same request after ``trim(rid, 16)``::
+
+    positions    0..3    4..7    8..11   12..15  16..19  20..23
+    row        [ p7    | HOLE  | HOLE  | HOLE  | p14   | p15   ]    num_trimmed == 3
+                tree's   given back by trim       own_pages
+
+A trimmed row's KV is no longer whole from position 0, so its release inserts nothing past
+the matched prefix into the tree and frees all its own pages, and ``publish`` hands nothing
+over; a session keeps a window keep instead (session_kv.py), when it holds every key its
+next turn reads.
 """
 
 from __future__ import annotations
@@ -43,7 +61,7 @@ from typing import NamedTuple
 from .node import IntegrityError, Node, path_pages
 from .pages import PageAllocator
 from .radix import RadixTree
-from .rows import RowTable, RowWrite
+from .rows import HOLE, RowTable, RowWrite
 from .session_kv import SessionKV
 from .stats import KVStats
 
@@ -60,13 +78,20 @@ class Admission(NamedTuple):
 
 @dataclass(slots=True)
 class _Live:
-    """What one live request holds. Its row's pages == matched_pages + own_pages."""
+    """What one live request holds. Its row's entries ==
+    matched_pages + [HOLE] * num_trimmed + own_pages."""
 
     row: int
     node: Node  # locked at admit; covers exactly matched_pages
     cached_tokens: tuple[int, ...]  # the matched prefix, len == len(matched_pages) * page_size
     matched_pages: list[int]  # tree-owned
     own_pages: list[int]  # request-owned
+    num_trimmed: int = 0  # row slots after matched_pages whose pages the window let go
+
+    @property
+    def num_slots(self) -> int:
+        """Page slots the row covers: positions 0 .. num_slots * page_size - 1."""
+        return len(self.matched_pages) + self.num_trimmed + len(self.own_pages)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -77,10 +102,19 @@ class KVCache:
     """The cache manager's data: allocator + row table + radix tree, with ownership rules."""
 
     def __init__(
-        self, *, num_pages: int, page_size: int, num_rows: int, max_pages_per_row: int
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_rows: int,
+        max_pages_per_row: int,
+        window: int | None = None,
     ) -> None:
         assert page_size >= 1, f"page_size must be >= 1, got {page_size}"
+        assert window is None or window >= 1, f"window must be >= 1, got {window}"
         self.page_size = page_size
+        self.window = window
+        self.num_trimmed_pages = 0  # own pages given back early by trim, since start
         self.allocator = PageAllocator(num_pages)
         self.rows = RowTable(num_rows, max_pages_per_row)
         self.tree = RadixTree(page_size)
@@ -130,6 +164,7 @@ class KVCache:
             total_rows=self.rows.num_total,
             free_rows=self.rows.num_free,
             cached_tokens=self.tree.total_pages * self.page_size,
+            trimmed_pages=self.num_trimmed_pages,
         )
 
     # ---- request lifecycle ----------------------------------------------------
@@ -138,9 +173,9 @@ class KVCache:
         self, rid: str, tokens: Sequence[int], reserve_tokens: int, session: str | None = None
     ) -> Admission | None:
         """Give request ``rid`` a row covering ``reserve_tokens`` positions, reusing the
-        longest cached prefix of ``tokens[:-1]`` — and, for a session's turn, the session's
-        partial last page too. None (and nothing held) if no row or not enough pages even
-        after eviction."""
+        longest cached prefix of ``tokens[:-1]`` — and, for a session's turn, the pages the
+        session keeps (its partial last page, or a window keep) too. None (and nothing held)
+        if no row or not enough pages even after eviction."""
         assert rid not in self._live, f"admit of live request {rid!r}"
         if self.rows.num_free == 0:
             return None
@@ -148,40 +183,53 @@ class KVCache:
         matched_pages, node = self.tree.match(tokens[: max(len(tokens) - 1, 0)])
         num_cached_tokens = len(matched_pages) * ps
         kept = self.sessions.get(session) if session is not None else None
-        tail: list[int] = []
-        if kept is not None and kept.tail_page is not None:
-            n = len(kept.tokens)
-            full = n - n % ps
-            if num_cached_tokens == full and n < len(tokens) and tuple(tokens[:n]) == kept.tokens:
-                tail = [kept.tail_page]  # the session's partial page continues this turn
-                num_cached_tokens = n
+        carried: list[int] = []  # the session's pages that continue this turn
+        num_holes = 0
+        continues = False
+        if kept is not None and kept.continues(tokens):
+            kept_tree = path_pages(kept.node)
+            if kept.num_trimmed and len(matched_pages) < len(kept_tree) + kept.num_trimmed:
+                # A window keep: its tree prefix, its holes, its pages (session_kv.py).
+                matched_pages, node, num_holes = kept_tree, kept.node, kept.num_trimmed
+                continues = True
+            elif not kept.num_trimmed and kept.pages and len(matched_pages) == len(kept_tree):
+                continues = True  # the session's partial page continues this turn
+            if continues:
+                carried = kept.pages
+                num_cached_tokens = len(kept.tokens)
         num_row_pages = _ceil_div(max(reserve_tokens, num_cached_tokens), ps)
         assert num_row_pages <= self.rows.max_pages_per_row, (
             f"request {rid!r} needs {num_row_pages} pages, over max_pages_per_row="
             f"{self.rows.max_pages_per_row}"
         )
         self.tree.lock(node)  # before evicting: the matched prefix must survive
-        new_pages = self._take_pages(num_row_pages - len(matched_pages) - len(tail), session)
+        num_new = num_row_pages - len(matched_pages) - num_holes - len(carried)
+        new_pages = self._take_pages(num_new, session)
         if new_pages is None:
             self.tree.unlock(node)
             return None
         if kept is not None and session is not None:  # the turn now holds the session's KV
-            self.sessions.take(session, tail_continues=bool(tail))
-        own_pages = tail + new_pages
+            self.sessions.take(session, continues)
+        own_pages = carried + new_pages
         row = self.rows.acquire()
         assert row is not None  # checked above; nothing in between releases rows
         cached = tuple(tokens[: len(matched_pages) * ps])
-        self._live[rid] = _Live(row, node, cached, matched_pages, own_pages)
+        self._live[rid] = _Live(row, node, cached, matched_pages, own_pages, num_holes)
         self._request_pages += len(own_pages)
-        write = self.rows.append(row, matched_pages + own_pages)
-        return Admission(row, num_cached_tokens, [write] if write.pages else [])
+        if num_holes == 0:
+            writes = [self.rows.append(row, matched_pages + own_pages)]
+        else:
+            writes = [self.rows.append(row, matched_pages)]
+            self.rows.skip(row, num_holes)
+            writes.append(self.rows.append(row, own_pages))
+        return Admission(row, num_cached_tokens, [w for w in writes if w.pages])
 
     def extend(self, rid: str, total_tokens: int) -> list[RowWrite] | None:
         """Make ``rid``'s row cover ``total_tokens`` positions. None (nothing changed) if
         the pages cannot be had even after eviction."""
         assert rid in self._live, f"extend of unknown request {rid!r}"
         live = self._live[rid]
-        have = len(live.matched_pages) + len(live.own_pages)
+        have = live.num_slots
         need = _ceil_div(total_tokens, self.page_size) - have
         if need <= 0:
             return []
@@ -204,12 +252,15 @@ class KVCache:
         Only pages the tree lacks are handed over. If the tree already holds more of these
         tokens than ``rid`` matched (another request cached them first), nothing changes:
         ``rid``'s row keeps its own copies (a launched batch may still read them) and
-        ``release`` frees the duplicates later.
+        ``release`` frees the duplicates later. Nor does it once ``rid`` was trimmed: its KV
+        is no longer whole from position 0.
         """
         assert rid in self._live, f"publish of unknown request {rid!r}"
         live = self._live[rid]
         ps = self.page_size
         num_matched = len(live.matched_pages)
+        if live.num_trimmed:
+            return num_matched * ps
         num_pages = min(len(computed_tokens) // ps, num_matched + len(live.own_pages))
         tokens = tuple(computed_tokens[: num_pages * ps])
         common = min(len(tokens), len(live.cached_tokens))
@@ -232,13 +283,36 @@ class KVCache:
         self._request_pages -= len(handed)
         return num_pages * ps
 
+    def trim(self, rid: str, keep_from_token: int) -> list[int]:
+        """Sliding window: free ``rid``'s own pages that lie wholly below position
+        ``keep_from_token`` (no launched batch of ``rid`` and no later query reads a key
+        there: the caller's promise). Tree pages are left alone (the admit-time lock keeps
+        them). Returns the pages freed; their row entries become holes."""
+        assert self.window is not None, "trim without a sliding window"
+        assert rid in self._live, f"trim of unknown request {rid!r}"
+        live = self._live[rid]
+        start = len(live.matched_pages) + live.num_trimmed  # the first own page's slot
+        num_pages = min(keep_from_token // self.page_size - start, len(live.own_pages))
+        if num_pages <= 0:
+            return []
+        freed = self.rows.punch(live.row, start, num_pages)
+        assert freed == live.own_pages[:num_pages], f"request {rid!r}: row and own pages differ"
+        del live.own_pages[:num_pages]
+        live.num_trimmed += num_pages
+        self._request_pages -= num_pages
+        self.num_trimmed_pages += num_pages
+        self.allocator.free(freed)
+        return freed
+
     def release(
         self, rid: str, computed_tokens: Sequence[int] | None, session: str | None = None
     ) -> None:
         """``rid`` is done. Cache the page-aligned prefix of ``computed_tokens`` (the
         tokens whose KV is valid in the row, from position 0) if given; free the rest.
         With ``session``, the session keeps that KV for its next turn: a lock on the full
-        pages and the partial last page (a rollback passes the previous turn's tokens)."""
+        pages and the partial last page (a rollback passes the previous turn's tokens).
+        A trimmed row caches nothing past its matched prefix; its session keeps a window
+        keep if that holds every key the next turn reads, else nothing."""
         assert rid in self._live, f"release of unknown request {rid!r}"
         live = self._live[rid]
         ps = self.page_size
@@ -246,15 +320,22 @@ class KVCache:
         own = live.own_pages
         if computed_tokens is not None:  # validate before changing anything
             n = len(computed_tokens)
-            assert n <= (num_matched + len(own)) * ps, (
+            assert n <= live.num_slots * ps, (
                 f"request {rid!r}: {n} computed tokens but the row covers "
-                f"{(num_matched + len(own)) * ps} positions"
+                f"{live.num_slots * ps} positions"
             )
             common = min(n, len(live.cached_tokens))
             assert tuple(computed_tokens[:common]) == live.cached_tokens[:common], (
                 f"request {rid!r}: computed tokens differ from its cached prefix"
             )
         del self._live[rid]
+        if live.num_trimmed:
+            kept = self._keep_window(live, computed_tokens, session)
+            self.tree.unlock(live.node)
+            self.allocator.free(own[len(kept) :])
+            self._request_pages -= len(own)
+            self.rows.release(live.row)
+            return
         keep_lo = keep_hi = 0  # own[keep_lo:keep_hi] become the tree's
         if computed_tokens is not None:
             num_pages = len(computed_tokens) // ps
@@ -269,11 +350,29 @@ class KVCache:
                 keep_hi = max(num_pages - num_matched, keep_lo)
         tail = None
         if session is not None and computed_tokens is not None:
-            tail = self.sessions.keep(session, computed_tokens, live.matched_pages + own)
+            row_pages = live.matched_pages + own
+            tail = self.sessions.keep(session, computed_tokens, row_pages, num_matched)
         self.tree.unlock(live.node)
         self.allocator.free([p for p in own[:keep_lo] + own[keep_hi:] if p != tail])
         self._request_pages -= len(own)
         self.rows.release(live.row)
+
+    def _keep_window(
+        self, live: _Live, computed_tokens: Sequence[int] | None, session: str | None
+    ) -> list[int]:
+        """A trimmed row's release: hand ``session`` a window keep of ``computed_tokens``
+        when the next turn's first query (at position len(computed_tokens)) reads no key
+        in a trimmed slot. Returns the leading own pages the keep took (the rest is freed)."""
+        if session is None or computed_tokens is None or self.window is None:
+            return []
+        ps = self.page_size
+        n = len(computed_tokens)
+        first_own = (len(live.matched_pages) + live.num_trimmed) * ps  # first position kept
+        if n - self.window + 1 < first_own:
+            return []  # e.g. a rollback to before the window: the next turn re-prefills
+        kept = live.own_pages[: _ceil_div(n, ps) - len(live.matched_pages) - live.num_trimmed]
+        self.sessions.keep_window(session, computed_tokens, live.node, live.num_trimmed, kept)
+        return kept
 
     def close_session(self, session: str) -> None:
         """Give back whatever KV ``session`` keeps (nothing if it keeps none)."""
@@ -364,8 +463,11 @@ class KVCache:
         if not self.rows.is_held(live.row):
             return f"row {live.row} is not held"
         row_pages = self.rows.pages(live.row)
-        if row_pages != live.matched_pages + live.own_pages:
-            return f"row pages {row_pages} != matched {live.matched_pages} + own {live.own_pages}"
+        if row_pages != live.matched_pages + [HOLE] * live.num_trimmed + live.own_pages:
+            return (
+                f"row pages {row_pages} != matched {live.matched_pages} + "
+                f"{live.num_trimmed} holes + own {live.own_pages}"
+            )
         if live.node.evicted:
             return "its locked node was evicted"
         if live.node is not self.tree.root and live.node.num_locks <= 0:

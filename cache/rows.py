@@ -7,6 +7,8 @@ Interface::
     table.release(row)                              # asserts held; forgets its pages
     table.append(row, pages)     -> RowWrite        # asserts capacity
     table.truncate(row, n)       -> list[int]       # drops pages past n, returns them
+    table.skip(row, n)                              # appends n HOLE entries (no device write)
+    table.punch(row, start, n)                      # entries start .. start+n-1 become HOLE
     table.pages(row)             -> list[int]       # a copy
     table.held_rows()            -> list[int]
     table.num_free, table.num_total
@@ -21,6 +23,13 @@ Every change to a row's content that the device must see comes back as a
 ``RowWrite``, meaning ``table[row, start:start + len(pages)] = pages`` on the device.
 Truncation needs no device write: entries past the row's length are never read.
 
+A ``HOLE`` entry marks a position range whose page was given back while the row lives on
+(sliding-window trimming, ``KVCache.trim``): no query of the row reads those positions again.
+Holes are host-only: the device line keeps whatever id it held there (a stale page id, or a
+previous occupant's), which is never read either, so no ``RowWrite`` is made for them::
+
+    row r:  [ p0 | HOLE | HOLE | p5 | p6 ]     positions 4..11 are outside every reader's window
+
 Invariants: free rows + held rows == num_total; a free row holds no pages; a row
 holds at most ``max_pages_per_row`` pages. The table does not own pages; it only
 records them (ownership lives in ``KVCache``).
@@ -32,7 +41,9 @@ import heapq
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["RowTable", "RowWrite"]
+__all__ = ["HOLE", "RowTable", "RowWrite"]
+
+HOLE = -1  # a row entry whose page was given back (host side only; never a page id)
 
 
 class RowWrite(NamedTuple):
@@ -105,6 +116,7 @@ class RowTable:
             f"row {row} would hold {start + len(pages)} pages, "
             f"over max_pages_per_row={self._max_pages_per_row}"
         )
+        assert HOLE not in pages, f"row {row}: a hole is not a page (use skip)"
         row_pages.extend(pages)
         return RowWrite(row, start, tuple(pages))
 
@@ -116,6 +128,30 @@ class RowTable:
         dropped = row_pages[num_pages:]
         del row_pages[num_pages:]
         return dropped
+
+    def skip(self, row: int, num_entries: int) -> None:
+        """Append ``num_entries`` holes to the row: positions that hold no page."""
+        self._check_held(row)
+        row_pages = self._pages[row]
+        assert num_entries >= 0, f"skip of a negative count {num_entries}"
+        assert len(row_pages) + num_entries <= self._max_pages_per_row, (
+            f"row {row} would hold {len(row_pages) + num_entries} entries, "
+            f"over max_pages_per_row={self._max_pages_per_row}"
+        )
+        row_pages.extend([HOLE] * num_entries)
+
+    def punch(self, row: int, start: int, num_entries: int) -> list[int]:
+        """Turn entries ``start .. start + num_entries - 1`` into holes; return the pages
+        they held (none of which may already be a hole)."""
+        self._check_held(row)
+        row_pages = self._pages[row]
+        assert start >= 0 and start + num_entries <= len(row_pages), (
+            f"punch of entries {start}..{start + num_entries - 1} in a row of {len(row_pages)}"
+        )
+        punched = row_pages[start : start + num_entries]
+        assert HOLE not in punched, f"row {row}: entries {start}.. already hold a hole"
+        row_pages[start : start + num_entries] = [HOLE] * num_entries
+        return punched
 
     def held_rows(self) -> list[int]:
         return [row for row, held in enumerate(self._held) if held]

@@ -5,11 +5,25 @@ tokens, and its partial last page, which belongs to the session alone (docs/arch
 "Lifecycle laws", law 4)::
 
     tokens     t0 .. t15 | t16 .. t31 | t32 t33          page_size 16
-    pages      [ tree's, locked ]      [ tail page ]     session-owned; None when aligned
+    pages      [ tree's, locked ]      [ pages[0] ]      session-owned; [] when aligned
 
-The next turn takes the keep over (`take`): the tree pages become its matched prefix, and
-the tail page its first own page if the turn continues exactly these tokens. Under memory
-pressure idle sessions give their KV back, least recently kept first (`reclaim`).
+A turn whose row a sliding window trimmed (``KVCache.trim``) inserts nothing into the tree:
+its KV is no longer whole from position 0. Its session keeps a window keep instead: the lock
+on the row's matched prefix (the tree's, possibly none), the number of trimmed page slots
+after it, and the row's remaining pages, all the session's own::
+
+    positions  0 .. 15 | 16 .. 47 (2 pages) | 48 .. 63 | 64 .. 69     page_size 16, W 20
+    keep       [tree's] [ num_trimmed == 2 ] [ pages[0] | pages[1] ]
+
+It is kept only while it holds every key the next turn reads: that turn's first query, at
+position len(tokens), reads keys from len(tokens) - W + 1 on, which must not lie in the
+trimmed slots (``KVCache.release`` checks; otherwise the session keeps nothing and its next
+turn re-prefills its history).
+
+The next turn takes the keep over (`take`): the tree pages become its matched prefix, the
+trimmed slots its row's first holes and the keep's pages its first own pages, if the turn
+continues exactly these tokens. Under memory pressure idle sessions give their KV back, least
+recently kept first (`reclaim`).
 """
 
 from __future__ import annotations
@@ -24,10 +38,16 @@ from .radix import RadixTree
 
 @dataclass(slots=True)
 class SessionKeep:
-    node: Node  # locked; covers exactly the full pages of `tokens`
-    tokens: tuple[int, ...]  # whose KV it keeps: full pages in the tree, then the tail
-    tail_page: int | None  # positions len(full) .. len(tokens), or None when aligned
+    node: Node  # locked; its path's pages hold positions 0 .. (its page count) * page_size
+    tokens: tuple[int, ...]  # whose KV it keeps: the node's pages, the trimmed slots, `pages`
+    num_trimmed: int  # page slots after the node's pages whose KV a window let go (0: none)
+    pages: list[int]  # session-owned: the remaining positions, up to len(tokens)
     last_used: int
+
+    def continues(self, tokens: Sequence[int]) -> bool:
+        """Whether a turn of ``tokens`` goes on exactly from this keep's tokens."""
+        n = len(self.tokens)
+        return n < len(tokens) and tuple(tokens[:n]) == self.tokens
 
 
 class SessionKV:
@@ -44,8 +64,9 @@ class SessionKV:
 
     @property
     def num_pages(self) -> int:
-        """Pages the sessions own (their tails; their full pages are the tree's)."""
-        return sum(k.tail_page is not None for k in self._keeps.values())
+        """Pages the sessions own (their tails and window keeps' pages; the rest is the
+        tree's)."""
+        return sum(len(k.pages) for k in self._keeps.values())
 
     def get(self, session: str) -> SessionKeep | None:
         return self._keeps.get(session)
@@ -54,32 +75,59 @@ class SessionKV:
         keep = self._keeps.get(session)
         return keep.tokens if keep is not None else None
 
-    def keep(self, session: str, tokens: Sequence[int], row_pages: list[int]) -> int | None:
+    def keep(
+        self, session: str, tokens: Sequence[int], row_pages: list[int], num_matched: int
+    ) -> int | None:
         """Lock the (just inserted) full pages of ``tokens`` for ``session``; return its
-        tail page, which the caller must not free."""
-        assert session not in self._keeps, f"session {session!r} already keeps KV"
+        tail page, which the caller must not free. The first ``num_matched`` row pages are
+        the tree's: a partial page among them (a rollback shorter than the matched prefix)
+        is not kept, and the session keeps only the full pages' tokens."""
         ps = self.page_size
         full = len(tokens) - len(tokens) % ps
         pages, node = self.tree.match(tokens[:full])
         assert len(pages) * ps == full, f"session {session!r}: its pages left the tree"
-        self.tree.lock(node)
-        tail = row_pages[full // ps] if full < len(tokens) else None
-        self._clock += 1
-        self._keeps[session] = SessionKeep(node, tuple(tokens), tail, self._clock)
+        tail = None
+        if full < len(tokens):
+            if full // ps >= num_matched:
+                tail = row_pages[full // ps]
+            else:
+                tokens = tokens[:full]  # that page is the tree's, not the session's to own
+        self._add(session, node, tokens, 0, [] if tail is None else [tail])
         return tail
 
-    def take(self, session: str, tail_continues: bool) -> None:
+    def keep_window(
+        self, session: str, tokens: Sequence[int], node: Node, num_trimmed: int, pages: list[int]
+    ) -> None:
+        """Keep a trimmed row's KV for ``session``: a lock on ``node`` (the row's matched
+        prefix), ``num_trimmed`` slots with no page, then ``pages``, which become the
+        session's (the caller must not free them)."""
+        ps = self.page_size
+        num_slots = len(path_pages(node)) + num_trimmed + len(pages)
+        assert num_slots * ps >= len(tokens) > (num_slots - 1) * ps, (
+            f"session {session!r}: {num_slots} page slots for {len(tokens)} tokens"
+        )
+        self._add(session, node, tokens, num_trimmed, pages)
+
+    def _add(
+        self, session: str, node: Node, tokens: Sequence[int], num_trimmed: int, pages: list[int]
+    ) -> None:
+        assert session not in self._keeps, f"session {session!r} already keeps KV"
+        self.tree.lock(node)
+        self._clock += 1
+        self._keeps[session] = SessionKeep(node, tuple(tokens), num_trimmed, pages, self._clock)
+
+    def take(self, session: str, continues: bool) -> None:
         """A turn of ``session`` was admitted and holds its KV now: drop the keep's lock,
-        and free its tail page unless the turn continues on it."""
+        and free its pages unless the turn continues on them (its row took them over)."""
         keep = self._keeps.pop(session)
         self.tree.unlock(keep.node)
-        if keep.tail_page is not None and not tail_continues:
-            self.allocator.free([keep.tail_page])  # not reusable for the turn's tokens
+        if not continues:
+            self.allocator.free(keep.pages)  # not reusable for the turn's tokens
 
     def close(self, session: str) -> None:
         """Give back whatever KV ``session`` keeps (nothing if it keeps none)."""
         if session in self._keeps:
-            self.take(session, tail_continues=False)
+            self.take(session, continues=False)
 
     def close_all(self) -> None:
         for session in list(self._keeps):
@@ -96,19 +144,24 @@ class SessionKV:
                 self.num_reclaimed += 1
 
     def check_integrity(self, owner: dict[int, str]) -> int:
-        """Each keep still covers its full pages, and its tail has no other owner (adds the
-        tails to ``owner``). Returns the number of tree locks the keeps hold."""
+        """Each keep's tree pages, trimmed slots and own pages still cover its tokens (a
+        keep that trimmed nothing: its full pages are the tree's, its partial page its
+        own), and its pages have no other owner (adds them to ``owner``). Returns the
+        number of tree locks the keeps hold."""
+        ps = self.page_size
         num_locks = 0
         for name, keep in self._keeps.items():
-            full = len(keep.tokens) - len(keep.tokens) % self.page_size
-            if keep.node.evicted or len(path_pages(keep.node)) * self.page_size != full:
+            n = len(keep.tokens)
+            num_tree = len(path_pages(keep.node))
+            whole = num_tree + keep.num_trimmed + len(keep.pages) == -(-n // ps)
+            aligned = keep.num_trimmed > 0 or num_tree * ps == n - n % ps
+            if keep.node.evicted or not whole or not aligned:
                 raise IntegrityError(f"kv cache: session {name!r} lost its tree pages")
             num_locks += keep.node is not self.tree.root
-            if keep.tail_page is not None:
-                if keep.tail_page in owner:
+            for page in keep.pages:
+                if page in owner:
                     raise IntegrityError(
-                        f"kv cache: page {keep.tail_page} owned by session {name!r} "
-                        f"and {owner[keep.tail_page]}"
+                        f"kv cache: page {page} owned by session {name!r} and {owner[page]}"
                     )
-                owner[keep.tail_page] = f"session {name!r}"
+                owner[page] = f"session {name!r}"
         return num_locks

@@ -3,6 +3,10 @@
 The page fields add up (docs/architecture.md, "Lifecycle laws", law 4)::
 
     free_pages + evictable_pages + locked_pages + request_pages + session_pages == total_pages
+
+``request_pages`` counts the pages live requests own now; with a sliding window
+(``KVCache.trim``) a long generation's stays bounded by the window, and ``trimmed_pages``
+counts the pages trimming gave back.
 """
 
 from __future__ import annotations
@@ -22,3 +26,4 @@ class KVStats(msgspec.Struct, frozen=True, kw_only=True):
     total_rows: int
     free_rows: int
     cached_tokens: int  # tokens the tree holds (whole pages)
+    trimmed_pages: int = 0  # request pages a sliding window gave back early, since start

@@ -14,26 +14,31 @@ New K/V are stored first, so attention reads everything from the pages.
 Decodes go one of two ways: with a compiled kernel (cpu_kernels.py, the CPU default) all of a
 step's decodes are one call that reads the pages in place; without one they are gathered page by
 page into padded length groups and attended with SDPA. Multi-token chunks always take SDPA.
+
+A layer may attend through a sliding window of W keys (a query at position p sees the keys
+p - W < k <= p; Mistral, Gemma, Phi-3) and soft-cap its logits (Gemma 2: scores become
+c * tanh(scores / c) before the mask). Pages wholly before a sequence's window may already be
+freed and reused, so nothing reads them: the gathers start at the window's first page
+(`window_views`, built once per step and window) and the compiled kernel at its first key.
+Soft-capped logits take an explicit softmax (`capped_attention`), as SDPA has no cap.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels.attention_views import (
+    DecodePages,
+    ExtendSeq,
+    Views,
+    length_groups,
+    window_views,
+)
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import DecodeKernel, StoreKernel
-
-
-@dataclass(frozen=True)
-class DecodePages:
-    """A group of a step's decode sequences, attended page by page (padded to its longest)."""
-
-    token_index: torch.Tensor  # [B_dec] which of the T tokens each decode is
-    page_ids: torch.Tensor  # [B_dec, P_max] each sequence's pages (past its last: any page)
-    key_mask: torch.Tensor  # [B_dec, 1, 1, P_max * page_size] bool: key is one of its tokens
 
 
 @dataclass(frozen=True)
@@ -47,19 +52,11 @@ class KernelDecodes:
 
 
 @dataclass(frozen=True)
-class ExtendSeq:
-    """One sequence bringing more than one new token: its queries attend causally."""
-
-    token_start: int  # its first token among the T
-    num_new: int
-    seq_len: int  # cached prefix + new tokens
-    page_ids: torch.Tensor  # [ceil(seq_len / page_size)]
-    mask: torch.Tensor | None  # [num_new, seq_len] bool; None: plain causal (no prefix)
-
-
-@dataclass(frozen=True)
 class AttentionMetadata:
-    """Everything a layer needs to attend; built once per step, shared by all layers."""
+    """Everything a layer needs to attend; built once per step, shared by all layers.
+
+    `decodes` and `extends` attend to whole sequences; a layer with a sliding window gets
+    views trimmed to the window's pages, built on its first call and kept for the step."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     page_size: int
@@ -67,6 +64,8 @@ class AttentionMetadata:
     extends: tuple[ExtendSeq, ...]
     kernel_decodes: KernelDecodes | None = None  # set: `decodes` is empty
     store_kernel: StoreKernel | None = None  # compiled store_kv (cpu_kernels.py), else torch's
+    max_seq_len: int = 0  # a window at least this long masks nothing
+    windowed: dict[int, Views] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -81,9 +80,29 @@ class AttentionMetadata:
             store_kv(k_cache, v_cache, self.slot_mapping, k, v)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, self, scale)
+        """q: [T, H, D] -> [T, H, D]. window W: a query at position p sees keys p - W < k <= p;
+        softcap c: scores become c * tanh(scores / c) before the mask (Gemma 2)."""
+        assert window is None or window >= 1, f"window {window}"
+        assert softcap is None or softcap > 0, f"softcap {softcap}"
+        views = Views(self.decodes, self.extends)
+        if window is not None and window < self.max_seq_len:
+            if window not in self.windowed:
+                self.windowed[window] = window_views(views, window, self.page_size)
+            views = self.windowed[window]
+        else:
+            window = None
+        return paged_attention(
+            q, k_cache, v_cache, views, self.kernel_decodes, self.page_size, scale, window,
+            softcap,
+        )  # fmt: skip
 
 
 class TorchAttention:
@@ -160,6 +179,7 @@ def build_metadata(
                 token_index=first_token[ids],
                 page_ids=pages[ids, :max_pages],
                 key_mask=(key_pos[None, :] < dec_lens[:, None]).view(len(group), 1, 1, -1),
+                seq_lens=dec_lens,
             )
         )
     extends = []
@@ -176,35 +196,9 @@ def build_metadata(
             extends.append(ExtendSeq(token_start, n_new, seq_len, page_ids, mask))
         token_start += n_new
     return AttentionMetadata(
-        slot_mapping, page_size, tuple(decodes), tuple(extends), kernel_decodes, store_kernel
-    )
-
-
-# A decode group's padding (pages gathered beyond its sequences' own) may reach this share of
-# its own pages, or this many pages, before the longest sequences get a group of their own:
-# each group is one more gather and SDPA call per layer, worth it only for much padding.
-MAX_PADDING_SHARE = 0.25
-MAX_PADDING_PAGES = 32
-
-
-def length_groups(ids: list[int], seq_lens: list[int], page_size: int) -> list[list[int]]:
-    """Split decode sequences, longest first, into groups whose padding stays small: batches
-    of mixed lengths gather far fewer pages than padding every sequence to the longest."""
-    groups: list[list[int]] = []
-    own_pages = 0
-    for i in sorted(ids, key=lambda i: -seq_lens[i]):
-        pages = -(-seq_lens[i] // page_size)
-        if groups:
-            group = groups[-1]
-            longest = -(-seq_lens[group[0]] // page_size)
-            padding = longest * (len(group) + 1) - (own_pages + pages)
-            if padding <= max(MAX_PADDING_SHARE * (own_pages + pages), MAX_PADDING_PAGES):
-                group.append(i)
-                own_pages += pages
-                continue
-        groups.append([i])
-        own_pages = pages
-    return groups
+        slot_mapping, page_size, tuple(decodes), tuple(extends), kernel_decodes, store_kernel,
+        max(seq_lens, default=0),
+    )  # fmt: skip
 
 
 def store_kv(
@@ -223,42 +217,73 @@ def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    views: Views,
+    kernel_decodes: KernelDecodes | None,
+    page_size: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D] for the new tokens; returns [T, H, D]. K/V of new tokens already stored."""
+    """q: [T, H, D] for the new tokens; returns [T, H, D]. K/V of new tokens already stored.
+    `views` are already trimmed to `window`, which only the compiled kernel still needs."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense even when q is a view
-    page_size = meta.page_size
-    fused = meta.kernel_decodes
+    fused = kernel_decodes
     if fused is not None:
         fused.kernel(
             q, k_cache, v_cache, fused.page_ids, fused.seq_lens, fused.token_index,
-            page_size, scale, out,
+            page_size, scale, out, window or 0, softcap or 0.0,
         )  # fmt: skip
-    for dec in meta.decodes:
+    for dec in views.decodes:
         qd = q[dec.token_index].unsqueeze(2)  # [B, H, 1, D]
         kd = gather_pages(k_cache, dec.page_ids, page_size).transpose(1, 2)  # [B, Hkv, L, D]
         vd = gather_pages(v_cache, dec.page_ids, page_size).transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=dec.key_mask, scale=scale, enable_gqa=True
-        )
+        if softcap is None:
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=dec.key_mask, scale=scale, enable_gqa=True
+            )
+        else:
+            od = capped_attention(qd, kd, vd, dec.key_mask, scale, softcap)
         out[dec.token_index] = od.squeeze(2)
-    for ext in meta.extends:
+    for ext in views.extends:
         end = ext.token_start + ext.num_new
+        num_keys = ext.seq_len - ext.key_start
         qe = q[ext.token_start : end].transpose(0, 1)  # [H, n, D]
-        ke = gather_pages(k_cache, ext.page_ids[None], page_size)[0, : ext.seq_len]
-        ve = gather_pages(v_cache, ext.page_ids[None], page_size)[0, : ext.seq_len]
-        oe = F.scaled_dot_product_attention(
-            qe,
-            ke.transpose(0, 1),  # [Hkv, L, D]
-            ve.transpose(0, 1),
-            attn_mask=ext.mask,
-            is_causal=ext.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
+        ke = gather_pages(k_cache, ext.page_ids[None], page_size)[0, :num_keys].transpose(0, 1)
+        ve = gather_pages(v_cache, ext.page_ids[None], page_size)[0, :num_keys].transpose(0, 1)
+        if softcap is None:
+            oe = F.scaled_dot_product_attention(
+                qe, ke, ve,  # [Hkv, L, D]
+                attn_mask=ext.mask, is_causal=ext.mask is None, scale=scale, enable_gqa=True,
+            )  # fmt: skip
+        else:
+            mask = ext.mask
+            if mask is None:
+                mask = torch.ones(ext.num_new, num_keys, dtype=torch.bool, device=q.device).tril()
+            oe = capped_attention(qe, ke, ve, mask, scale, softcap)
         out[ext.token_start : end] = oe.transpose(0, 1)
     return out
+
+
+def capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped logits, which SDPA cannot do, as Gemma 2's eager forward:
+    q [..., H, n, D], k and v [..., Hkv, L, D], mask (broadcast to [..., 1, n, L]) bool.
+    The query heads sharing a KV head are folded into its rows, so K/V are not repeated."""
+    *batch, heads, num_q, dim = q.shape
+    kv_heads = k.shape[-3]
+    grouped = q.reshape(*batch, kv_heads, heads // kv_heads * num_q, dim)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.unflatten(-2, (heads // kv_heads, num_q))  # [..., Hkv, G, n, L]
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).flatten(-3, -2)
+    return torch.matmul(probs, v).reshape(q.shape)
 
 
 def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, page_size: int) -> torch.Tensor:

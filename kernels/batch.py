@@ -6,6 +6,13 @@ ragged batch (`BatchShape`), then used by every layer:
     attention = backend.prepare(page_table, shape)     # torch reference or Triton
     attention.store(k_cache, v_cache, k, v)            # new tokens' K/V into their slots
     out = attention.attend(q, k_cache, v_cache, scale)  # [T, H, D]
+    out = attention.attend(q, k_cache, v_cache, scale, window=4096, softcap=50.0)
+
+A layer with a sliding window of W keys lets the query at position p see the keys
+p - W < k <= p (transformers' sliding_window_overlay); keys before a sequence's window are
+never read, so their pages may already be freed and reused. softcap c replaces the logits
+by c * tanh(logits / c) before the mask and softmax (Gemma 2's eager attention). Layers of one
+step may pass different windows (Gemma alternates a window and None).
 """
 
 from __future__ import annotations
@@ -36,7 +43,13 @@ class Attention(Protocol):
     ) -> None: ...
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 

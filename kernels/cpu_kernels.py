@@ -1,7 +1,8 @@
 """The compiled CPU kernels (`csrc/*.cpp`): built once, then loaded.
 
     paged_decode   csrc/paged_decode.cpp   a step's decodes attend, reading K/V in place from
-                                           the pages (attention.py's reference gathers them)
+                                           the pages (attention.py's reference gathers them),
+                                           optionally in a sliding window, soft-capped
     store_kv                               the new tokens' K and V into their slots, one op
     rms_norm       csrc/elementwise.cpp    RMSNorm of rows, in one op
     add_rms_norm                           the residual add and the next RMSNorm, in one op
@@ -81,6 +82,8 @@ class DecodeKernel(Protocol):
         page_size: int,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,  # > 0: each sequence attends to its last `window` tokens only
+        softcap: float = 0.0,  # > 0: logits become softcap * tanh(logits / softcap)
     ) -> None: ...
 
 

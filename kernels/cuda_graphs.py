@@ -21,8 +21,8 @@ import bisect
 import torch
 
 from shoal.kernels.batch import BatchShape
+from shoal.kernels.models.decoder import DecoderModel
 from shoal.kernels.models.kv_pool import KVPool
-from shoal.kernels.models.llama import LlamaModel
 from shoal.kernels.streams import to_device
 from shoal.kernels.triton.attention import DecodePart, TritonBatch, decode_splits, slot_mapping_of
 
@@ -38,7 +38,7 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv: KVPool,
         page_table: torch.Tensor,
         page_size: int,
@@ -66,7 +66,7 @@ class DecodeGraphs:
     @classmethod
     def capture(
         cls,
-        model: LlamaModel,
+        model: DecoderModel,
         kv: KVPool,
         page_table: torch.Tensor,
         page_size: int,

@@ -36,7 +36,7 @@ def compile_one(fn: Any, pointers: dict[str, str], constexprs: dict[str, int]) -
         if name in constexprs:
             signature[name] = "constexpr"
         else:
-            signature[name] = pointers.get(name, "fp32" if name == "scale" else "i32")
+            signature[name] = pointers.get(name, "fp32" if name in ("scale", "softcap") else "i32")
     kernel = triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER)
     ptx = kernel.asm["ptx"]
     return {

@@ -1,14 +1,21 @@
 """The torch paged attention against plain causal attention over each sequence's own K/V.
 
 Pages are scattered at random, decodes of very different lengths (several length groups)
-share a step with chunks that extend a cached prefix and with a fresh prompt."""
+share a step with chunks that extend a cached prefix and with a fresh prompt. Sliding windows
+(shorter than, as long as and longer than the sequences) and soft-capped logits are checked
+against `dense_attention`, an explicit softmax(q k^T) that test_cpu_kernels.py and
+test_triton_kernels.py hold their backends to as well, also with the pages before each
+window overwritten (they may have been freed and reused).
+"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.kernels.attention import MAX_PADDING_PAGES, TorchAttention, length_groups
+from shoal.kernels.attention import TorchAttention
+from shoal.kernels.attention_views import MAX_PADDING_PAGES, length_groups
 from shoal.kernels.batch import BatchShape
 
 PAGE = 4
@@ -68,3 +75,161 @@ def test_length_groups_cover_every_decode_once_and_bound_padding() -> None:
         assert padding <= max(0.25 * sum(pages), MAX_PADDING_PAGES)
     assert len(groups) > 1
     assert length_groups([0, 1], [100, 100], 16) == [[0, 1]]
+
+
+# ---- sliding windows and soft-capped logits ------------------------------------------------
+
+
+def dense_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """softmax(q k^T) v in float64 as transformers' eager attention: q [n, H, D] at positions
+    query_pos, keys and values [L, Hkv, D] at positions 0 .. L - 1; query p sees keys k with
+    p - window < k <= p; logits capped to softcap * tanh(logits / softcap)."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.double().repeat_interleave(group, 1)
+    values = values.double().repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    key_pos = torch.arange(keys.shape[0], device=q.device)[None, :]
+    visible = key_pos <= query_pos[:, None]
+    if window is not None:
+        visible &= key_pos > query_pos[:, None] - window
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hnl,lhd->nhd", probs, values)
+
+
+def dense_outputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    shape: BatchShape,
+    page_size: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`dense_attention` of every sequence of a step over its K/V read from the pages
+    ([T, H, D] float64)."""
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    start = 0
+    for row, prefix, n_new in zip(shape.rows, shape.prefix_lens, shape.extend_lens, strict=True):
+        positions = torch.arange(prefix + n_new, device=q.device)
+        slots = page_table[row, positions // page_size] * page_size + positions % page_size
+        out[start : start + n_new] = dense_attention(
+            q[start : start + n_new], k_cache[slots], v_cache[slots], positions[prefix:], scale,
+            window, softcap,
+        )  # fmt: skip
+        start += n_new
+    return out
+
+
+def poison_before_windows(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    shape: BatchShape,
+    page_size: int,
+    window: int,
+    value: float,
+) -> int:
+    """Fill every page that lies wholly before the windows of all of a sequence's new tokens
+    with `value`, as if it had been freed and reused; returns how many pages that was."""
+    poisoned = 0
+    for row, prefix in zip(shape.rows, shape.prefix_lens, strict=True):
+        first_visible = max(0, prefix - window + 1)  # of its first new token
+        for page in page_table[row, : first_visible // page_size].tolist():
+            k_cache[page * page_size : (page + 1) * page_size] = value
+            v_cache[page * page_size : (page + 1) * page_size] = value
+            poisoned += 1
+    return poisoned
+
+
+WINDOW_SHAPE = BatchShape(
+    rows=tuple(range(9)),
+    prefix_lens=(3, 150, 7, 0, 9, 290, 39, 40, 60),
+    extend_lens=(1, 1, 1, 5, 4, 1, 1, 1, 30),
+)  # lengths 4 .. 291, one of 40 (a window's length); extends with and without a prefix
+WINDOW_SCALE = 0.3
+
+
+def windowed_step(page: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """WINDOW_SHAPE with its new K/V stored: page table, K and V caches, q."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = WINDOW_SHAPE
+    seq_lens = [p + n for p, n in zip(shape.prefix_lens, shape.extend_lens, strict=True)]
+    max_pages = -(-max(seq_lens) // page)
+    num_pages = len(seq_lens) * max_pages + 5
+    k_cache = torch.randn(num_pages * page, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(num_pages * page, KV_HEADS, DIM, generator=gen)
+    page_ids = torch.randperm(num_pages, generator=gen)[: len(seq_lens) * max_pages]
+    page_table = page_ids.view(len(seq_lens), max_pages)
+    q = torch.randn(shape.num_tokens, HEADS, DIM, generator=gen)
+    k_new = torch.randn(shape.num_tokens, KV_HEADS, DIM, generator=gen)
+    v_new = torch.randn(shape.num_tokens, KV_HEADS, DIM, generator=gen)
+    TorchAttention(page).prepare(page_table, shape).store(k_cache, v_cache, k_new, v_new)
+    return page_table, k_cache, v_cache, q
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("window", [None, 1, 7, 40, 291, 4096])
+@pytest.mark.parametrize("page", [1, 16])
+def test_windows_and_softcap_equal_dense_attention(
+    page: int, window: int | None, softcap: float | None
+) -> None:
+    """Windows of 1 key, shorter than most sequences, as long as one, as the longest, and
+    longer than all, over decode groups and extends with and without a cached prefix."""
+    page_table, k_cache, v_cache, q = windowed_step(page, seed=page)
+    meta = TorchAttention(page).prepare(page_table, WINDOW_SHAPE)
+    out = meta.attend(q, k_cache, v_cache, WINDOW_SCALE, window=window, softcap=softcap)
+    expected = dense_outputs(
+        q, k_cache, v_cache, page_table, WINDOW_SHAPE, page, WINDOW_SCALE, window, softcap
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    if window is not None and window >= 291:  # masks nothing: the unwindowed path itself
+        plain = meta.attend(q, k_cache, v_cache, WINDOW_SCALE, softcap=softcap)
+        assert torch.equal(out, plain)
+
+
+def test_the_layers_of_one_step_attend_with_their_own_windows() -> None:
+    """As Gemma alternates: one metadata, each call with its layer's window, in any order."""
+    page_table, k_cache, v_cache, q = windowed_step(4, seed=7)
+    meta = TorchAttention(4).prepare(page_table, WINDOW_SHAPE)
+    for window in (7, None, 7, 40, None, 40):
+        out = meta.attend(q, k_cache, v_cache, WINDOW_SCALE, window=window)
+        expected = dense_outputs(
+            q, k_cache, v_cache, page_table, WINDOW_SHAPE, 4, WINDOW_SCALE, window
+        )
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert sorted(meta.windowed) == [7, 40]  # each window's views built once
+
+
+@pytest.mark.parametrize("garbage", [1e4, float("nan")])
+@pytest.mark.parametrize("page", [1, 16])
+def test_pages_before_the_window_are_never_read(page: int, garbage: float) -> None:
+    """Pages wholly before a sequence's window hold garbage, even NaN: the outputs do not
+    change (nothing gathers them)."""
+    window = 20
+    page_table, k_cache, v_cache, q = windowed_step(page, seed=3)
+    expected = {
+        softcap: dense_outputs(
+            q, k_cache, v_cache, page_table, WINDOW_SHAPE, page, WINDOW_SCALE, window, softcap
+        )
+        for softcap in (None, 3.0)
+    }
+    poisoned = poison_before_windows(
+        k_cache, v_cache, page_table, WINDOW_SHAPE, page, window, garbage
+    )
+    assert poisoned > 0
+    meta = TorchAttention(page).prepare(page_table, WINDOW_SHAPE)
+    for softcap, dense in expected.items():
+        out = meta.attend(q, k_cache, v_cache, WINDOW_SCALE, window=window, softcap=softcap)
+        torch.testing.assert_close(out.double(), dense, rtol=1e-5, atol=1e-5)

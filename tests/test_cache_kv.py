@@ -267,6 +267,7 @@ def test_stats_and_can_admit_pages() -> None:
         "total_rows": 3,
         "free_rows": 3,
         "cached_tokens": 0,
+        "trimmed_pages": 0,
     }
     cache.admit("a", list(range(8)), 12)
     cache.release("a", list(range(12)))

@@ -45,13 +45,13 @@ def test_rollback_restores_the_previous_turn() -> None:
     history = list(range(10, 23))
     kv.admit("t1", history, 13, session="s")
     kv.release("t1", history, session="s")
-    tail_before = kv.sessions.get("s").tail_page
+    tail_before = kv.sessions.get("s").pages
     turn = [*history, 60, 61, 62, 63, 64, 65]
     assert kv.admit("t2", turn, len(turn), session="s") is not None
     kv.extend("t2", len(turn) + 8)
     kv.release("t2", history, session="s")  # aborted: back to the last completed turn
     assert kv.session_tokens("s") == tuple(history)
-    assert kv.sessions.get("s").tail_page == tail_before
+    assert kv.sessions.get("s").pages == tail_before
     assert kv.stats().request_pages == 0
     kv.check_integrity()
     again = kv.admit("t3", [*history, 70], 14, session="s")

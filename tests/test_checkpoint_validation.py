@@ -157,8 +157,8 @@ CASES: list[tuple[str, Break, str]] = [
     ),
     (
         "rope-unknown",
-        lambda f: edit_config(f, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
-        'rope_type "yarn" is not supported',
+        lambda f: edit_config(f, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}),
+        'rope_type "proportional" is not supported',
     ),
     (
         "generation-list",

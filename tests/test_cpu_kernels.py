@@ -1,4 +1,5 @@
-"""The compiled CPU kernels (kernels/csrc/) against the torch reference: decode attention and
+"""The compiled CPU kernels (kernels/csrc/) against the torch reference: decode attention (also
+in sliding windows and soft-capped, against test_attention_reference's dense attention) and
 its refusals of bad indices, RMSNorm, the fused residual add, RoPE; how the engine picks them or
 falls back."""
 
@@ -11,6 +12,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention_reference import dense_outputs, poison_before_windows
 
 from shoal.actors.wiring import cpu_kernels
 from shoal.api.engine import Engine
@@ -50,10 +52,10 @@ def random_step(
     gen: torch.Generator, prefix_lens: list[int], extend_lens: list[int], heads: int,
     kv_heads: int, dim: int, page: int,
 ) -> Step:  # fmt: skip
-    num_pages = 1200
+    max_pages = max(-(-(p + n) // page) for p, n in zip(prefix_lens, extend_lens, strict=True))
+    num_pages = max(1200, len(prefix_lens) * max_pages)
     k_cache = torch.randn(num_pages * page, kv_heads, dim, generator=gen)
     v_cache = torch.randn(num_pages * page, kv_heads, dim, generator=gen)
-    max_pages = max(-(-(p + n) // page) for p, n in zip(prefix_lens, extend_lens, strict=True))
     page_ids = torch.randperm(num_pages, generator=gen)[: len(prefix_lens) * max_pages]
     page_table = page_ids.view(len(prefix_lens), max_pages)
     shape = BatchShape(tuple(range(len(prefix_lens))), tuple(prefix_lens), tuple(extend_lens))
@@ -87,6 +89,57 @@ def test_kernel_equals_the_reference(
     expected = reference.attend(q, k_cache, v_cache, dim**-0.5)
     got = fused.attend(q, k_cache, v_cache, dim**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("window", [1, 7, 41, 300, 4096])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "page"), [(9, 3, 64, 16), (6, 2, 20, 1)])
+def test_kernel_in_a_window_and_soft_capped_equals_dense_attention(
+    kernel: DecodeKernel, heads: int, kv_heads: int, dim: int, page: int, window: int,
+    softcap: float | None,
+) -> None:  # fmt: skip
+    """Windows of 1 key, shorter than most decodes, as long as one (41) and as the longest
+    (300), longer than all; the step's chunks go through the reference beside the kernel."""
+    gen = torch.Generator().manual_seed(window + page)
+    prefix_lens = [0, 150, 7, 0, 9, 299, 1, 40, 63]
+    extend_lens = [1, 1, 1, 5, 4, 1, 1, 1, 1]
+    table, k_cache, v_cache, shape, q, k_new, v_new = random_step(
+        gen, prefix_lens, extend_lens, heads, kv_heads, dim, page
+    )
+    fused = TorchAttention(page, kernel).prepare(table, shape)
+    fused.store(k_cache, v_cache, k_new, v_new)
+    got = fused.attend(q, k_cache, v_cache, dim**-0.5, window=window, softcap=softcap)
+    expected = dense_outputs(q, k_cache, v_cache, table, shape, page, dim**-0.5, window, softcap)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("garbage", [1e4, float("nan")])
+def test_kernel_never_reads_before_the_window(kernel: DecodeKernel, garbage: float) -> None:
+    """Pages wholly before each decode's window hold garbage (even NaN) or are not pages at
+    all (an id out of range): the kernel neither reads nor checks them."""
+    gen = torch.Generator().manual_seed(2)
+    window, page, dim = 24, 4, 16
+    step = random_step(gen, [3, 50, 23, 24, 97], [1] * 5, 6, 2, dim, page)
+    meta = TorchAttention(page, kernel).prepare(step.page_table, step.shape)
+    meta.store(step.k_cache, step.v_cache, step.k_new, step.v_new)
+    expected = dense_outputs(step.q, step.k_cache, step.v_cache, step.page_table, step.shape,
+                             page, dim**-0.5, window, 5.0)  # fmt: skip
+    assert poison_before_windows(step.k_cache, step.v_cache, step.page_table, step.shape, page,
+                                 window, garbage) > 0  # fmt: skip
+    got = meta.attend(step.q, step.k_cache, step.v_cache, dim**-0.5, window=window, softcap=5.0)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    fused = meta.kernel_decodes
+    assert fused is not None
+    page_ids = fused.page_ids.clone()
+    for b, seq_len in enumerate(fused.seq_lens.tolist()):
+        page_ids[b, : max(0, seq_len - window) // page] = 10**9
+    out = torch.empty(step.q.shape)
+    kernel(step.q, step.k_cache, step.v_cache, page_ids, fused.seq_lens, fused.token_index, page,
+           dim**-0.5, out, window, 5.0)  # fmt: skip
+    assert torch.equal(out, got)
+    with pytest.raises(RuntimeError, match="page id out of range"):  # without the window: read
+        kernel(step.q, step.k_cache, step.v_cache, page_ids, fused.seq_lens, fused.token_index,
+               page, dim**-0.5, out)  # fmt: skip
 
 
 def test_the_compiled_store_writes_what_index_copy_writes(kernels: CpuKernels) -> None:

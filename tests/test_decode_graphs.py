@@ -1,8 +1,9 @@
-"""The decode-graph path's static buffers and padding, checked on CPU.
+"""The decode-graph path's static buffers and padding, checked on CPU and, with a device, on
+CUDA with the graphs captured.
 
-`DecodeGraphs` without `capture` has the same buffers and padding as captured CUDA graphs
-but runs the forward instead of replaying (no CUDA here); the Triton kernels run under the
-interpreter.
+On CPU, `DecodeGraphs` without `capture` has the same buffers and padding as captured CUDA
+graphs but runs the forward instead of replaying; the Triton kernels run under the
+interpreter. On CUDA the graphs are captured and replayed.
 Four sequences decode together, then one stops and three replay the size-4 graph: the
 padding entry, stale from the stopped sequence, must neither write KV nor disturb the others.
 Tokens must equal the eager Triton path's, and the whole KV pool too, up to rounding.
@@ -20,7 +21,7 @@ from shoal.actors.messages import Launch, RowInit, RowWriteMsg, SeqChunk
 from shoal.kernels.cuda_graphs import DecodeGraphs, capture_sizes
 from shoal.kernels.loading.loader import LoadedModel
 from shoal.kernels.models.kv_pool import KVPool
-from shoal.kernels.models.llama import LlamaModel
+from shoal.kernels.models.llama import LLAMA
 from shoal.kernels.triton.attention import TritonAttention
 from shoal.params import SamplingParams
 
@@ -30,14 +31,19 @@ PROMPTS = ((3, 17, 22, 9, 41), (7, 8), (100, 3, 5, 66, 12, 13, 14, 15, 99), (4, 
 FOURTH_STOPS_AFTER = 2  # decode steps
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def device_state(tiny_model: LoadedModel, graphs: bool) -> DeviceState:
     config = tiny_model.config
-    cpu = torch.device("cpu")
-    model = LlamaModel(config, tiny_model.weights, torch.float32, cpu)
-    pool = KVPool(config, 64 * PAGE_SIZE, torch.float32, cpu)
+    model = LLAMA.build(config, tiny_model.weights, torch.float32, DEVICE)
+    pool = KVPool(config, 64 * PAGE_SIZE, torch.float32, DEVICE)
     attention = TritonAttention(PAGE_SIZE, config.num_kv_heads)
     state = DeviceState(model, pool, attention, 8, 16, PAGE_SIZE, config.eos_token_ids)
-    if graphs:
+    if graphs and DEVICE.type == "cuda":
+        state.capture_graphs(4, 64)
+        assert state.graphs is not None and sorted(state.graphs.graphs) == [1, 2, 4]
+    elif graphs:
         state.graphs = DecodeGraphs(model, pool, state.page_table, PAGE_SIZE, 4, 64)  # no capture
     return state
 

@@ -137,6 +137,7 @@ async def test_health_and_info_routes(serve: ServeFactory) -> None:
         info = await resp.json()
     assert info["model_path"] == str(s.engine.loaded.path)  # type: ignore[union-attr]
     assert info["weight_version"] == 0 and info["context_length"] == 300
+    assert (info["family"], info["model_type"], info["sliding_window"]) == ("llama", "llama", None)
     async with s.http.get(s.url + "/get_server_info") as resp:
         server = await resp.json()
     stats = await s.engine.cache_stats()

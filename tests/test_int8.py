@@ -20,7 +20,8 @@ from shoal.config import EngineOptions, resolve, resolve_linear
 from shoal.kernels.cpu_kernels import load_cpu_kernels
 from shoal.kernels.linear import make_linear
 from shoal.kernels.loading.loader import default_cache_dir, load_model
-from shoal.kernels.models.llama import LlamaModel, linear_weights
+from shoal.kernels.models.weights import linear_weights
+from shoal.kernels.models.llama import LLAMA
 from shoal.kernels.quant import (
     BLOCK,
     MANY_ROWS,
@@ -319,9 +320,9 @@ def test_smollm2_int8_keeps_the_gguf_weights() -> None:
     """The bundled GGUF holds the projections as Q4_1 and the embedding (the tied lm_head) as
     Q8_0: int8 keeps every one of them to the bit, the projections as 4-bit blocks."""
     loaded = load_model(None, progress=False)
-    model = LlamaModel(loaded.config, loaded.weights, torch.float32, torch.device("cpu"), "int8")
+    model = LLAMA.build(loaded.config, loaded.weights, torch.float32, torch.device("cpu"), "int8")
     linears = model.weights.linears()
-    originals = linear_weights(loaded.config, loaded.weights)
+    originals = linear_weights(LLAMA.source(loaded.config, loaded.weights))
     for linear, (weight, _) in zip(linears, originals, strict=True):
         assert isinstance(linear, Int8Linear)
         assert torch.equal(linear.dequantized_weight(), weight.float())

@@ -265,8 +265,11 @@ def test_config_qwen2_and_mistral() -> None:
         _hf_dict(model_type="qwen2", sliding_window=4096, use_sliding_window=False)
     )
     assert qwen.attention_bias and qwen.max_position_embeddings == 131072
+    assert qwen.kv_window is None and set(qwen.layer_windows) == {None}
     mistral = ModelConfig.from_hf_config(_hf_dict(model_type="mistral", sliding_window=4096))
-    assert not mistral.attention_bias and mistral.max_position_embeddings == 4096
+    # The window is part of its attention now, not a cap on the context.
+    assert not mistral.attention_bias and mistral.max_position_embeddings == 131072
+    assert mistral.kv_window == 4096 and set(mistral.layer_windows) == {4096}
 
 
 @pytest.mark.parametrize(
@@ -275,7 +278,7 @@ def test_config_qwen2_and_mistral() -> None:
         ({"model_type": "gpt2"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"attention_bias": True}, "attention_bias"),
+        ({"layer_types": ["full_attention"]}, "layer_types"),
         ({"num_key_value_heads": 5}, "multiple"),
     ],
 )
@@ -287,9 +290,13 @@ def test_config_rejects_what_we_do_not_run(overrides: dict[str, object], match: 
 def test_the_registry_names_each_family_and_refuses_the_rest() -> None:
     for model_type in ("llama", "mistral", "qwen2"):
         config = ModelConfig.from_hf_config(_hf_dict(model_type=model_type))
-        assert family_of(config.model_type) is LLAMA
+        assert family_of(config.model_type).model_types == (model_type,)
         assert config.architecture()["model_type"] == model_type
-    assert supported_model_types() == ("llama", "mistral", "qwen2")
+    assert family_of("llama") is LLAMA
+    assert supported_model_types() == (
+        "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
+        "qwen3_moe",
+    )  # fmt: skip
     with pytest.raises(ValueError, match='"gpt2" is not supported; supported: llama, mistral'):
         family_of("gpt2")
 

@@ -9,7 +9,7 @@ import torch
 from shoal.kernels.elementwise import rms_norm
 from shoal.kernels.linear import LinearKind
 from shoal.kernels.loading.loader import LoadedModel
-from shoal.kernels.models.llama import LlamaModel
+from shoal.kernels.models.llama import LLAMA
 from shoal.kernels.rope import apply_rope
 
 
@@ -47,7 +47,7 @@ def test_a_weight_update_never_keeps_the_callers_tensors(
     reads its own copies, in every linear kind and at every row count."""
     cpu = torch.device("cpu")
     config = tiny_model.config
-    model = LlamaModel(config, tiny_model.weights, torch.float32, cpu, kind)
+    model = LLAMA.build(config, tiny_model.weights, torch.float32, cpu, kind)
     update = {name: tensor * 1.5 for name, tensor in tiny_model.weights.items()}
     model.load(update)
     hidden, q_size = config.hidden_size, config.num_heads * config.head_dim

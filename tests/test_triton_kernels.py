@@ -3,7 +3,10 @@
 On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set by conftest) at
 small shapes; on a CUDA device the `gpu` tests repeat the comparison at SmolLM2's real shapes
 and long contexts. Cases: page sizes 1 and 16, GQA ratios 1 and 3, prefixes of length 0,
-page-aligned and not, ragged batches mixing decode and extend sequences.
+page-aligned and not, ragged batches mixing decode and extend sequences. Sliding windows
+(shorter than, as long as and longer than the sequences) and soft-capped logits are held to
+test_attention_reference's dense attention, also with the pages before each window
+overwritten with garbage (they may have been freed and reused).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_attention_reference import dense_outputs, poison_before_windows
 
 pytest.importorskip("triton", reason="the triton package is not installed")
 
@@ -24,6 +28,7 @@ from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.triton.attention import TritonAttention, decode_splits
 from shoal.kernels.triton.decode import decode_attention_triton
+from shoal.kernels.triton.extend import extend_attention_triton
 from shoal.kernels.triton.store import store_kv_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -120,19 +125,94 @@ def test_head_dim_that_is_not_a_power_of_two() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
-def test_decode_result_does_not_depend_on_the_number_of_splits(num_splits: int) -> None:
-    """More splits than keys leaves some empty; their log-sum-exp of -inf weighs nothing."""
+def test_decode_result_does_not_depend_on_the_number_of_splits(
+    num_splits: int, window: int | None
+) -> None:
+    """More splits than keys leaves some empty; their log-sum-exp of -inf weighs nothing.
+    With a window, the splits share the window's keys only."""
     case = make_case((0, 6, 40), (1, 1, 1), page_size=4, num_kv_heads=2, group=3, head_dim=16)
-    _, expected = run_both(case, page_size=4)
+    _, expected = store_and_attend(case, 4, window, None)
     rows = torch.tensor(case.shape.rows, dtype=torch.int32, device=DEVICE)
     seq_lens = torch.tensor([1, 7, 41], dtype=torch.int32, device=DEVICE)
     out = torch.full_like(case.q, float("nan"))
     decode_attention_triton(
         case.q, case.k_cache, case.v_cache, out, case.page_table, rows, seq_lens,
         torch.arange(3, dtype=torch.int32, device=DEVICE), 4, 16**-0.5, num_splits, block_n=16,
+        window=window or 0,
     )  # fmt: skip
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def store_and_attend(
+    case: Case, page_size: int, window: int | None, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton backend's output and the dense reference's (float64), the latter over the
+    caches as stored."""
+    num_kv_heads, head_dim = case.k_cache.shape[1:]
+    batch = TritonAttention(page_size, num_kv_heads).prepare(case.page_table, case.shape)
+    batch.store(case.k_cache, case.v_cache, case.k, case.v)
+    expected = dense_outputs(
+        case.q, case.k_cache, case.v_cache, case.page_table, case.shape, page_size,
+        head_dim**-0.5, window, softcap,
+    )  # fmt: skip
+    got = batch.attend(case.q, case.k_cache, case.v_cache, head_dim**-0.5, window, softcap)
+    return got, expected
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(1, None), (4, 5.0), (34, None), (34, 5.0),
+                                                 (1000, 5.0)])  # fmt: skip
+@pytest.mark.parametrize("batch", ["chunked", "mixed"])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_windows_and_softcap_match_dense_attention(
+    batch: str, group: int, page_size: int, window: int, softcap: float | None
+) -> None:
+    """Windows of one key, shorter than most sequences, as long as a decode (34), longer than
+    all; "mixed" has a 70-token chunk over a prefix of 16 (two blocks of 64 new tokens)."""
+    prefix_lens, extend_lens = BATCHES[batch]
+    case = make_case(prefix_lens, extend_lens, page_size, num_kv_heads=2, group=group, head_dim=16)
+    got, expected = store_and_attend(case, page_size, window, softcap)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("garbage", [1e4, float("nan")])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pages_before_the_window_are_never_read(page_size: int, garbage: float) -> None:
+    """Pages wholly before each sequence's window hold garbage, even NaN: no kernel loads
+    them, so nothing changes."""
+    window = 20
+    case = make_case((0, 33, 3, 40, 50), (18, 1, 1, 70, 1), page_size, 2, 3, 16)
+    num_kv_heads, head_dim = case.k_cache.shape[1:]
+    batch = TritonAttention(page_size, num_kv_heads).prepare(case.page_table, case.shape)
+    batch.store(case.k_cache, case.v_cache, case.k, case.v)
+    expected = dense_outputs(
+        case.q, case.k_cache, case.v_cache, case.page_table, case.shape, page_size,
+        head_dim**-0.5, window, 5.0,
+    )  # fmt: skip
+    table = case.page_table.cpu()
+    assert poison_before_windows(case.k_cache, case.v_cache, table, case.shape, page_size, window,
+                                 garbage) > 0  # fmt: skip
+    got = batch.attend(case.q, case.k_cache, case.v_cache, head_dim**-0.5, window, 5.0)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_extend_rows_whose_window_starts_past_the_first_key_block() -> None:
+    """Key blocks (16) shorter than query blocks (64) and a window of 5: the last rows of a
+    query block see no key of its first key blocks, and must come out unharmed."""
+    case = make_case((10, 0), (70, 40), page_size=4, num_kv_heads=1, group=2, head_dim=16)
+    _, expected = store_and_attend(case, 4, 5, None)
+    rows = torch.tensor(case.shape.rows, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(case.q, float("nan"))
+    extend_attention_triton(
+        case.q, case.k_cache, case.v_cache, out, case.page_table, rows,
+        torch.tensor([10, 0], dtype=torch.int32, device=DEVICE),
+        torch.tensor([70, 40], dtype=torch.int32, device=DEVICE),
+        torch.tensor([0, 70], dtype=torch.int32, device=DEVICE), 70, 4, 16**-0.5, block_m=64,
+        block_n=16, window=5,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_stores_nothing_and_attends_to_nothing() -> None:
@@ -176,6 +256,19 @@ def test_attention_at_smollm2_shapes_on_cuda(dtype: torch.dtype, page_size: int)
     got, expected = run_both(case, page_size)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_windows_at_smollm2_shapes_on_cuda(dtype: torch.dtype, page_size: int) -> None:
+    """Gemma-2-like layers (a window of 1000 keys, logits capped at 50) over long contexts."""
+    prefix_lens = (0, 4095, 17, 1000, 2048, 0, 300, 999)
+    extend_lens = (1, 1, 1, 513, 64, 2000, 1, 1)
+    case = make_case(prefix_lens, extend_lens, page_size, 3, 3, 64, dtype=dtype, seed=3)
+    got, expected = store_and_attend(case, page_size, 1000, 50.0)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ from shoal.api.http.gateway import Gateway
 from shoal.api.http.limits import check_id
 from shoal.api.http.metrics import CONTENT_TYPE, Metrics
 from shoal.api.http.native_protocol import AbortRequest
+from shoal.kernels.models.registry import family_of
 from shoal.params import SamplingParams
 
 HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
@@ -106,6 +107,9 @@ class AdminRoutes:
                 "weight_version": self.weight_version,
                 "context_length": self.gateway.context_length,
                 "max_position_embeddings": loaded.config.max_position_embeddings,
+                "model_type": loaded.config.model_type,
+                "family": family_of(loaded.config.model_type).name,
+                "sliding_window": loaded.config.sliding_window,
                 "vocab_size": loaded.config.vocab_size,
                 "is_generation": True,
             }

@@ -42,6 +42,7 @@ from shoal.api.http.openai_protocol import (
 )
 from shoal.api.http.sessions import session_turn
 from shoal.api.http.sse import open_sse, send_done, send_error, send_event
+from shoal.kernels.models.registry import family_of
 from shoal.results import Completion, Delta
 
 
@@ -66,7 +67,12 @@ class OpenAIRoutes:
         assert engine.loaded is not None
         root = str(engine.loaded.path)
         context = self.gateway.context_length
-        cards = [ModelCard(name, self.created, "shoal", root, context) for name in self.model_names]
+        config = engine.loaded.config
+        family = family_of(config.model_type).name
+        cards = [
+            ModelCard(name, self.created, "shoal", root, context, family, config.sliding_window)
+            for name in self.model_names
+        ]
         return json_response(ModelList(cards))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:

@@ -1,12 +1,17 @@
 // Paged decode attention on the CPU: one new token per sequence attends to every token of its
-// row, reading K and V in place from the pages (no gather into a padded copy). The query heads
-// that share a KV head are done together, so each K and V row is read once per step and layer.
+// row (or of its window), reading K and V in place from the pages (no gather into a padded
+// copy). The query heads that share a KV head are done together, so each K and V row is read
+// once per step and layer.
 //
 //   q, out        [T, H, D]          float32; row i of a sequence is token_index[i]
 //   k/v_cache     [slots, Hkv, D]    float32; slot = page * page_size + position % page_size
 //   page_ids      [B, P]             int64; a sequence's pages in position order
 //   seq_lens      [B]                int64; tokens attended (1 .. P * page_size)
 //   token_index   [B]                int64; which of the T rows is the sequence's new token
+//   window        W > 0: a sequence of length L attends to its last min(L, W) tokens only,
+//                 and positions before L - W are never read (their pages may be reused);
+//                 0 or negative: to all of them
+//   softcap       c > 0: logits become c * tanh(logits / c) before the softmax; 0: as they are
 //
 // Built by kernels/cpu_kernels.py with torch's extension loader; tests/test_cpu_kernels.py
 // checks it against the gather-and-SDPA reference in kernels/attention.py.
@@ -24,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -87,9 +93,25 @@ inline void prefetch_row(const float* row, int64_t dim) {
   for (int64_t i = 0; i < dim; i += kFloatsPerLine) __builtin_prefetch(row + i, 0, 3);
 }
 
+// Where sequence `len` starts attending: 0, or the first key of its window.
+inline int64_t first_key(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
+// logits <- softcap * tanh(logits / softcap), as Gemma 2's eager attention computes them.
+inline void soft_cap(float* row, int64_t len, float softcap) {
+  const Vec cap(softcap);
+  int64_t t = 0;
+  for (; t + Vec::size() <= len; t += Vec::size()) {
+    ((Vec::loadu(row + t) / cap).tanh() * cap).store(row + t);
+  }
+  for (; t < len; ++t) row[t] = std::tanh(row[t] / softcap) * softcap;
+}
+
 void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& page_ids, const at::Tensor& seq_lens,
-                const at::Tensor& token_index, int64_t page_size, const at::Tensor& out) {
+                const at::Tensor& token_index, int64_t page_size, int64_t window,
+                const at::Tensor& out) {
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &out}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3,
                 "paged_decode: q, caches and out must be 3-d float32 CPU tensors");
@@ -119,7 +141,7 @@ void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                 "paged_decode: sequence length out of range");
     TORCH_CHECK(tokens[b] >= 0 && tokens[b] < q.size(0), "paged_decode: token index out of range");
     const int64_t used = (lens[b] + page_size - 1) / page_size;
-    for (int64_t p = 0; p < used; ++p) {
+    for (int64_t p = first_key(lens[b], window) / page_size; p < used; ++p) {
       const int64_t page = pages[b * max_pages + p];
       TORCH_CHECK(page >= 0 && page < num_pages, "paged_decode: page id out of range");
     }
@@ -129,8 +151,8 @@ void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& page_ids, const at::Tensor& seq_lens,
                   const at::Tensor& token_index, int64_t page_size, double scale,
-                  const at::Tensor& out) {
-  check_args(q, k_cache, v_cache, page_ids, seq_lens, token_index, page_size, out);
+                  const at::Tensor& out, int64_t window, double softcap) {
+  check_args(q, k_cache, v_cache, page_ids, seq_lens, token_index, page_size, window, out);
   const int64_t batch = seq_lens.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const int64_t max_pages = page_ids.size(1), q_stride = q.stride(0);
@@ -142,7 +164,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t* pages = page_ids.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tokens = token_index.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
 
   // One work item: one sequence's query heads that share KV head `kv`.
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -150,11 +172,14 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     std::vector<float> acc(group * dim);
     std::vector<float> inv_sum(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, kv = item % kv_heads, len = lens[b];
+      const int64_t b = item / kv_heads, kv = item % kv_heads;
+      // Keys first .. lens[b] - 1, the t-th of them at position first + t.
+      const int64_t first = first_key(lens[b], window), len = lens[b] - first;
       const int64_t* row_pages = pages + b * max_pages;
       const float* q_group = q_data + tokens[b] * q_stride + kv * group * dim;
       auto row_of = [&](const float* cache, int64_t t) {
-        const int64_t slot = row_pages[t / page_size] * page_size + t % page_size;
+        const int64_t pos = first + t;
+        const int64_t slot = row_pages[pos / page_size] * page_size + pos % page_size;
         return cache + slot * slot_stride + kv * dim;
       };
       scores.resize(group * len);
@@ -165,6 +190,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           scores[j * len + t] = dot(q_group + j * dim, key, dim) * fscale;
         }
       }
+      if (fsoftcap > 0.f) soft_cap(scores.data(), group * len, fsoftcap);
       for (int64_t j = 0; j < group; ++j) {
         inv_sum[j] = softmax_unnormalized(scores.data() + j * len, len);
       }
@@ -225,6 +251,7 @@ TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
       &store_kv);
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_ids, Tensor seq_lens, "
-      "Tensor token_index, int page_size, float scale, Tensor(a!) out) -> ()",
+      "Tensor token_index, int page_size, float scale, Tensor(a!) out, int window=0, "
+      "float softcap=0.) -> ()",
       &paged_decode);
 }

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-if TYPE_CHECKING:
-    from shoal.kernels.loading.config import ModelConfig
-    from shoal.kernels.models.llama import LlamaModel
+import torch
+
+from shoal.kernels.elementwise import Elementwise
+from shoal.kernels.linear import LinearKind
+from shoal.kernels.loading.config import ModelConfig
+from shoal.kernels.loading.traits import Traits
+from shoal.kernels.models.decoder import DecoderModel, SourceFn
 
 
 @dataclass(frozen=True)
@@ -18,5 +21,20 @@ class Family:
     # Every tensor its forward reads, by Hugging Face name, with its shape: the loader checks a
     # checkpoint against it before any weight is read.
     weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
-    # The forward: (config, weights by HF name, dtype, device, linear kind[, elementwise]).
-    model: type[LlamaModel]
+    source: SourceFn  # HF-named weights -> the decoder's layout (models/layout.py)
+    traits: Traits = field(default_factory=Traits)  # how its config.json reads
+    tested: str = ""  # what the tests check of it (the README's table of families)
+
+    def build(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        linear_kind: LinearKind = "dense",
+        elementwise: Elementwise | None = None,
+    ) -> DecoderModel:
+        """The family's forward over these weights (HF names, checked)."""
+        return DecoderModel(
+            config, weights, dtype, device, linear_kind, elementwise, source=self.source
+        )

@@ -1,16 +1,23 @@
 """Every model family shoal serves, by the model_type of a checkpoint's config.json.
 
-A new family is one file in this folder (its weights' names and shapes, its forward) and a line
-in FAMILIES (docs/architecture.md, "A model family").
+A new family is one file in this folder (its weights' names and shapes, how its config reads)
+and a line in FAMILIES (docs/architecture.md, "A model family").
 """
 
 from __future__ import annotations
 
 from shoal.kernels.loading.checkpoint import CONFIG_NAME, CheckpointError, json_value
+from shoal.kernels.models.experts import MIXTRAL, QWEN3_MOE
 from shoal.kernels.models.family import Family
+from shoal.kernels.models.gemma import GEMMA2, GEMMA3
 from shoal.kernels.models.llama import LLAMA
+from shoal.kernels.models.mistral import MISTRAL
+from shoal.kernels.models.phi3 import PHI3
+from shoal.kernels.models.qwen import QWEN2, QWEN3
 
-FAMILIES: tuple[Family, ...] = (LLAMA,)
+FAMILIES: tuple[Family, ...] = (
+    LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, MIXTRAL, QWEN3_MOE,
+)  # fmt: skip
 
 
 def supported_model_types() -> tuple[str, ...]:

@@ -4,7 +4,9 @@
 copy (from pinned memory on CUDA, so it does not block) and splits it
 into the decode part (one new token: split-K decode kernel) and the extend part (prefill and
 chunked prefill: extend kernel). Slots are computed on the device from the page table, so
-preparing a step never waits for the device.
+preparing a step never waits for the device. A step's layers may attend with different
+sliding windows and soft-caps: both are arguments of the kernels, nothing is prepared per
+window (a windowed layer only cuts its decodes into fewer splits when the window is short).
 """
 
 from __future__ import annotations
@@ -62,20 +64,34 @@ class TritonBatch:
         store_kv_triton(k_cache, v_cache, self.slot_mapping, k, v)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        """q: [T, H, D] -> [T, H, D]. window W: a query at position p sees keys p - W < k <= p;
+        softcap c: scores become c * tanh(scores / c) before the mask (Gemma 2)."""
+        assert window is None or window >= 1, f"window {window}"
+        assert softcap is None or softcap > 0, f"softcap {softcap}"
         out = torch.empty_like(q)
         if self.decode is not None:
             d = self.decode
+            splits = d.num_splits
+            if window is not None:  # a split covers at least TOKENS_PER_SPLIT of the window
+                splits = max(1, min(splits, -(-window // TOKENS_PER_SPLIT)))
             decode_attention_triton(
                 q, k_cache, v_cache, out, self.page_table, d.rows, d.seq_lens, d.token_index,
-                self.page_size, scale, d.num_splits,
+                self.page_size, scale, splits, window=window or 0, softcap=softcap or 0.0,
             )  # fmt: skip
         if self.extend is not None:
             e = self.extend
             extend_attention_triton(
                 q, k_cache, v_cache, out, self.page_table, e.rows, e.prefix_lens, e.extend_lens,
-                e.extend_starts, e.max_extend_len, self.page_size, scale,
+                e.extend_starts, e.max_extend_len, self.page_size, scale, window=window or 0,
+                softcap=softcap or 0.0,
             )  # fmt: skip
         return out
 

@@ -4,8 +4,9 @@ Reference: the decode part of `shoal.kernels.attention.paged_attention`.
 
 Stage 1, one program per (sequence, KV head, split): the GROUP query heads that share the KV
 head (padded to at least 16 rows, the smallest tensor-core tile) attend to the split's share
-of the sequence, reading each K/V page once for the whole group. It writes a partial output
-normalized within the split and the split's log-sum-exp.
+of the sequence (of its last `window` keys, with a sliding window: keys before are never
+read, their pages may be reused), reading each K/V page once for the whole group. It writes
+a partial output normalized within the split and the split's log-sum-exp.
 Stage 2, one program per (sequence, query head): merges the splits by their log-sum-exp.
 
 A sequence of length 0 (padding in a CUDA graph) gets a zero output. The number of splits
@@ -43,6 +44,8 @@ def _decode_partial_kernel(
     stride_lse_seq,
     stride_lse_head,
     scale,
+    window,
+    softcap,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -57,8 +60,9 @@ def _decode_partial_kernel(
     seq_len = tl.load(seq_lens + seq)
     row = tl.load(rows + seq).to(tl.int64)
     token = tl.load(token_index + seq).to(tl.int64)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # keys before: never read
+    split_len = tl.cdiv(seq_len - first, NUM_SPLITS)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -83,7 +87,7 @@ def _decode_partial_kernel(
             K_cache, V_cache, table_row, pos, valid, kv_head, stride_cache_slot,
             stride_cache_head, offs_d, d_mask, PAGE_SIZE,
         )  # fmt: skip
-        acc, m, denom = online_softmax_step(q, k, v, valid[None, :], acc, m, denom, scale)
+        acc, m, denom = online_softmax_step(q, k, v, valid[None, :], acc, m, denom, scale, softcap)
 
     has_keys = denom > 0.0
     out = acc / tl.where(has_keys, denom, 1.0)[:, None]
@@ -161,11 +165,15 @@ def decode_attention_triton(
     scale: float,
     num_splits: int,
     block_n: int = 64,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Attend for the decode sequences, writing out[token_index[i]] ([H, D] each).
 
     q, out: [T, H, D]; caches: [slots, Hkv, D]; page_table: [num_rows, max_pages];
     rows, seq_lens, token_index: [B] int32 on q's device, one per decode sequence.
+    window > 0: a sequence of length L attends to (and reads) only its keys L - window ..
+    L - 1; softcap > 0: logits become softcap * tanh(logits / softcap).
     """
     num_seqs = rows.shape[0]
     if num_seqs == 0:
@@ -202,6 +210,8 @@ def decode_attention_triton(
         partial_lse.stride(0),
         partial_lse.stride(1),
         scale,
+        window,
+        softcap,
         PAGE_SIZE=page_size,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),

@@ -4,8 +4,10 @@ Reference: the extend part of `shoal.kernels.attention.paged_attention`.
 
 One program per (sequence, query head, block of BLOCK_M new tokens). The new tokens' K/V are
 already stored, so every key is read from the pages: new token j of a sequence (position
-prefix_len + j) attends to positions 0 .. prefix_len + j. The key loop stops at the block's
-causal bound, so a block of early tokens never reads the keys of later ones.
+prefix_len + j) attends to positions 0 .. prefix_len + j, or with a sliding window of W keys
+to prefix_len + j - W + 1 .. prefix_len + j. The key loop runs from the block's first window
+start to its causal bound, so a block never reads keys that none of its tokens sees (those
+before a window may have been freed and reused).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def _extend_kernel(
     stride_cache_head,
     stride_table_row,
     scale,
+    window,
+    softcap,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -67,20 +71,24 @@ def _extend_kernel(
     # Keys up to the last query of this block; none at all for a block past the sequence.
     end = tl.minimum(prefix_len + extend_len, prefix_len + (block + 1) * BLOCK_M)
     end = tl.where(block * BLOCK_M < extend_len, end, 0)
+    # With a window, keys from the first query's window on: none before is read.
+    start = tl.where(window > 0, tl.maximum(prefix_len + block * BLOCK_M - window + 1, 0), 0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = page_table + row * stride_table_row
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         k, v = load_kv_block(
             K_cache, V_cache, table_row, pos, valid, kv_head, stride_cache_slot,
             stride_cache_head, offs_d, d_mask, PAGE_SIZE,
         )  # fmt: skip
-        # Key 0 is in the first block and visible to every query row (as the step needs).
         causal = valid[None, :] & (pos[None, :] <= query_pos[:, None])
-        acc, m, denom = online_softmax_step(q, k, v, causal, acc, m, denom, scale)
+        in_window = (window <= 0) | (pos[None, :] > query_pos[:, None] - window)
+        acc, m, denom = online_softmax_step(
+            q, k, v, causal & in_window, acc, m, denom, scale, softcap
+        )
 
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     tl.store(
@@ -105,11 +113,15 @@ def extend_attention_triton(
     scale: float,
     block_m: int = 64,
     block_n: int = 64,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Attend for the extend sequences, writing their rows of out.
 
     q, out: [T, H, D]; caches: [slots, Hkv, D]; page_table: [num_rows, max_pages];
     rows, prefix_lens, extend_lens, extend_starts (first token in T): [B] int32.
+    window > 0: token at position p attends to keys p - window < k <= p only;
+    softcap > 0: logits become softcap * tanh(logits / softcap).
     """
     num_seqs = rows.shape[0]
     if num_seqs == 0 or max_extend_len == 0:
@@ -137,6 +149,8 @@ def extend_attention_triton(
         k_cache.stride(1),
         page_table.stride(0),
         scale,
+        window,
+        softcap,
         PAGE_SIZE=page_size,
         GROUP=group,
         HEAD_DIM=head_dim,

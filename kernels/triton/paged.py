@@ -2,7 +2,8 @@
 
 `load_kv_block` reads the K and V of a block of key positions through one row of the page
 table; `online_softmax_step` folds that block into a running softmax-weighted sum (flash
-attention's update: the running max `m`, the running denominator and the accumulator).
+attention's update: the running max `m`, the running denominator and the accumulator),
+soft-capping the logits first where asked (Gemma 2).
 """
 
 from __future__ import annotations
@@ -36,14 +37,26 @@ def load_kv_block(
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, acc, m, denom, scale):
+def online_softmax_step(q, k, v, visible, acc, m, denom, scale, softcap):
     """Attend the queries q [M, D] to one block of keys; `visible` [M, N] masks the scores.
-    Every query row must have seen a visible key by its first block, so m stays finite."""
+    softcap > 0 caps the logits at +-softcap (softcap * tanh(logits / softcap)). A row that
+    has seen no visible key yet (a sliding window starting past the block) keeps m = -inf,
+    denom = 0 and acc = 0."""
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    if softcap > 0:
+        scores = softcap * tanh(scores / softcap)
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
-    p = tl.exp(scores - m_new[:, None])
-    alpha = tl.exp(m - m_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp(-inf - 0) = 0, never NaN
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
     denom = denom * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, denom
+
+
+@triton.jit
+def tanh(x):
+    """tanh through exp (Triton has no portable tanh): +-1 where exp(2x) overflows or
+    vanishes, never NaN."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)

@@ -1,0 +1,200 @@
+"""The decoder forward every family shares, over a paged KV cache.
+
+`DecoderModel.forward` takes a ragged batch of new tokens, stores their K/V into the pool and
+returns logits only for the tokens that sample. The step's attention (prepared by a backend from
+the batch) is an argument. What differs between families is read from the ModelConfig (per-layer
+sliding windows, q/k norms, Gemma's norms around attention and the MLP, its scaled embedding and
+soft-capping, partial RoPE, experts) and from the family's `ModelSource` mapping (layout.py).
+
+One layer, as transformers computes it (Gemma's extra norms in brackets)::
+
+    x = norm(h)                          (fused with the previous layer's residual add)
+    q, k, v = split(qkv(x));  [q, k = q_norm(q), k_norm(k)];  q, k = rope(q, k)
+    a = o(attend(q, k, v, window, softcap));  [a = post_attention_norm(a)]
+    h = h + a;  x = norm(h)              (fused: add_rms_norm)
+    m = mlp(x) or experts(x);  [m = post_mlp_norm(m)]
+    h = h + m
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shoal.kernels.batch import Attention
+from shoal.kernels.elementwise import Elementwise, TorchElementwise
+from shoal.kernels.linear import LinearKind
+from shoal.kernels.loading.config import ModelConfig
+from shoal.kernels.models.kv_pool import KVPool
+from shoal.kernels.models.layout import ModelSource
+from shoal.kernels.models.weights import (
+    LayerWeights,
+    build_weights,
+    expert_weights,
+    linear_weights,
+    plain_tensors,
+)
+from shoal.kernels.moe import Experts
+from shoal.kernels.rope import apply_rope, rope_tables
+
+# A family's mapping from a full set of HF-named weights to the forward's layout.
+SourceFn = Callable[[ModelConfig, dict[str, torch.Tensor]], ModelSource]
+
+
+class DecoderModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        linear_kind: LinearKind = "dense",
+        elementwise: Elementwise | None = None,
+        *,
+        source: SourceFn,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.linear_kind = linear_kind
+        self.elementwise = elementwise or TorchElementwise()
+        self.source = source
+        self.scale = config.query_scale or config.head_dim**-0.5
+        self.windows = config.layer_windows or (None,) * config.num_layers
+        # One cos/sin table per distinct RoPE; each layer reads one (Gemma 3: sliding layers
+        # have their own). In the model's dtype, as transformers casts them before rotating.
+        ropes = [(config.rope_theta, config.rope_scaling)]
+        if config.sliding_rope is not None:
+            ropes.append(config.sliding_rope)
+        self.tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for theta, scaling in ropes:
+            rotary = config.rotary_dim or config.head_dim
+            cos, sin = rope_tables(rotary, theta, scaling, config.max_position_embeddings)
+            self.tables.append((cos.to(device=device, dtype=dtype), sin.to(device, dtype)))
+        self.table_of_layer = [int(w is not None) * (len(ropes) - 1) for w in self.windows]
+        self.embed_scale = None
+        if config.embed_scale is not None:
+            self.embed_scale = torch.tensor(config.embed_scale, dtype=dtype, device=device)
+        self.load(weights)
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take a full set of HF-named weights (already checked for names and shapes).
+
+        A later load copies into the tensors of the first (and each linear takes its new weight
+        as its kind does, see linear.py), so whatever holds them (a captured CUDA graph) reads
+        the new weights.
+        """
+        source = self.source(self.config, weights)
+        if not hasattr(self, "weights"):
+            self.weights = build_weights(
+                self.config, source, self.dtype, self.device, self.linear_kind
+            )
+            return
+        own = self.weights
+        for old, new in zip(own.tensors(), plain_tensors(self.config, source), strict=True):
+            old.copy_(new)
+        for linear, (weight, bias) in zip(own.linears(), linear_weights(source), strict=True):
+            # Copies: a packed linear keeps the tensor it is given, never the caller's.
+            cast = weight.to(device=self.device, dtype=self.dtype, copy=True)
+            own_bias = None if bias is None else bias.to(self.device, self.dtype, copy=True)
+            linear.load(cast, own_bias)
+        for experts, moe in zip(own.experts(), expert_weights(source), strict=True):
+            router, gate_up, down = (
+                t.to(self.device, self.dtype, copy=True)
+                for t in (moe.router, moe.gate_up, moe.down)
+            )
+            experts.load(router, gate_up, down)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: Attention,
+        kv: KVPool,
+        sample_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]; sample_index: [S] rows of T that sample. Returns [S, V]."""
+        cfg = self.config
+        weights = self.weights
+        ops = self.elementwise
+        eps = cfg.rms_norm_eps
+        layers = weights.layers
+        rotations = [(cos[positions], sin[positions]) for cos, sin in self.tables]
+        h = F.embedding(input_ids, weights.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        x = ops.rms_norm(h, layers[0].norms.input, eps)
+        for layer_id, layer in enumerate(layers):
+            cos, sin = rotations[self.table_of_layer[layer_id]]
+            attn = self._attend(layer, x, cos, sin, attention, kv, layer_id)
+            norms = layer.norms
+            if norms.pre_mlp is not None and norms.post_mlp is not None:
+                h = h + ops.rms_norm(attn, norms.post_attention, eps)
+                x = ops.rms_norm(h, norms.pre_mlp, eps)
+                mlp = ops.rms_norm(self._mlp(layer, x), norms.post_mlp, eps)
+            else:
+                h, x = ops.add_rms_norm(h, attn, norms.post_attention, eps)
+                mlp = self._mlp(layer, x)
+            if layer_id + 1 < len(layers):  # the residual add, fused with the next layer's norm
+                h, x = ops.add_rms_norm(h, mlp, layers[layer_id + 1].norms.input, eps)
+            else:
+                h = h + mlp
+        last = ops.rms_norm(h[sample_index], weights.norm, eps)
+        logits = weights.lm_head(last)
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits.float()
+
+    def _attend(
+        self,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: Attention,
+        kv: KVPool,
+        layer_id: int,
+    ) -> torch.Tensor:
+        """The attention block up to and including o_proj: [T, hidden]."""
+        cfg = self.config
+        ops = self.elementwise
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = heads * dim, kv_heads * dim
+        qkv = layer.qkv(x)
+        qk = qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, dim)
+        norms = layer.norms
+        if norms.q is not None and norms.k is not None:
+            eps = cfg.rms_norm_eps
+            q = ops.rms_norm(qk[:, :heads].reshape(-1, dim), norms.q, eps).view(-1, heads, dim)
+            k = ops.rms_norm(qk[:, heads:].reshape(-1, dim), norms.k, eps).view(-1, kv_heads, dim)
+            qk = torch.cat([q, k], dim=1)
+        rotary = cfg.rotary_dim or dim
+        if rotary == dim:
+            qk = ops.rope(qk, cos, sin)  # q and k rotate together: [T, H + Hkv, D] in one pass
+        else:  # partial RoPE: the leading dims rotate, the rest pass through
+            qk = torch.cat([apply_rope(qk[..., :rotary], cos, sin), qk[..., rotary:]], dim=-1)
+        q, k = qk.split([heads, kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, kv_heads, dim)
+        k_cache, v_cache = kv.k[layer_id], kv.v[layer_id]
+        attention.store(k_cache, v_cache, k, v)
+        window = self.windows[layer_id]
+        if window is None and cfg.attn_softcap is None:
+            out = attention.attend(q, k_cache, v_cache, self.scale)
+        else:
+            out = attention.attend(
+                q, k_cache, v_cache, self.scale, window=window, softcap=cfg.attn_softcap
+            )
+        return layer.o(out.reshape(-1, q_size))
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        mlp = layer.mlp
+        if isinstance(mlp, Experts):
+            return mlp(x)
+        gate_up = mlp.gate_up(x)
+        if self.config.activation == "silu":
+            return mlp.down(self.elementwise.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return mlp.down(F.gelu(gate, approximate="tanh") * up)
