@@ -9,7 +9,9 @@ async with Engine() as engine:                      # the bundled SmolLM2
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -45,6 +47,8 @@ from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_mo
 from shoal.limits import check_prompt_size
 from shoal.params import SamplingParams
 from shoal.results import EngineDeadError, InternalError, RequestError, RequestStream
+
+log = logging.getLogger(__name__)
 
 
 class UpdateResult(msgspec.Struct, frozen=True):
@@ -86,6 +90,11 @@ class Engine:
             loaded = await asyncio.to_thread(load_model, self._model, dtype=dtype)
         self.loaded = loaded
         self.resolved = resolve(self.options, loaded.config.max_position_embeddings)
+        if loaded.config.moe is not None and self.resolved.cuda_graph_max_batch:
+            # Routing picks the experts a step runs on the host (kernels/moe.py): no graph
+            # can hold that, so a mixture-of-experts model decodes without graphs.
+            log.info("mixture of experts: CUDA graphs off")
+            self.resolved = dataclasses.replace(self.resolved, cuda_graph_max_batch=0)
         kernels = await asyncio.to_thread(  # the CPU kernels may compile: off the loop
             cpu_kernels, self.resolved, default_cache_dir(), self.options.attention
         )

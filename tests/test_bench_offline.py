@@ -63,6 +63,28 @@ def test_offline_benchmark_smoke(
     assert all(float(r["setup_s"]) >= 0 for r in runs)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "mistral"])
+def test_offline_runs_a_tiny_family_and_counts_window_pages(
+    family: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--model tiny:<family>`: a tiny MoE and a tiny windowed model run; the page line shows
+    a windowed generation holding pages for its window (16 tokens), not its length."""
+    bench = load_bench("offline", monkeypatch)
+    argv = ["--model", f"tiny:{family}", "--smoke", "--peers", "--window-pages", "300"]
+    assert bench.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (run,) = [fields(line) for line in lines if line.startswith("offline system=")]
+    assert run["system"] == "shoal" and int(run["output_tokens"]) > 0
+    (pages,) = [fields(line) for line in lines if line.startswith("pages ")]
+    assert int(pages["tokens"]) == 308 and int(pages["pages_for_length"]) == 20
+    if family == "mistral":  # window 16, pages of 16: the window spans at most two pages
+        assert pages["window"] == "16" and int(pages["held_peak"]) <= 3
+        assert int(pages["trimmed"]) >= 17
+    else:
+        # sampled every 5 ms, so the last pages may fall between samples
+        assert pages["window"] == "none" and 12 <= int(pages["held_peak"]) <= 20
+
+
 DECODE_KEYS = [
     "batch",
     "prompt_tokens",
