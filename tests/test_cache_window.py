@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from pathlib import Path
 
 import pytest
 from conftest import EngineFactory
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_families import WINDOW, make_family_folder
 
 from shoal import Engine
 from shoal.actors.cache_manager import CacheManager
@@ -484,46 +484,10 @@ def test_one_long_generation_holds_pages_bounded_by_the_window() -> None:
 
 # ---- the engine on a tiny Mistral with sliding_window 16 ---------------------------------------
 
-WINDOW = 16
-
-
-def make_tiny_mistral_folder(path: Path, window: int = WINDOW, seed: int = 0) -> Path:
-    """tests/tiny_model.py's recipe for a MistralForCausalLM whose layers all slide."""
-    import torch
-    from tiny_model import BOS_ID, EOS_ID, PAD_ID, make_tiny_tokenizer
-    from transformers import MistralConfig, MistralForCausalLM
-
-    config = MistralConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        sliding_window=window,
-        tie_word_embeddings=False,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
-    model = MistralForCausalLM(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    make_tiny_tokenizer(512).save_pretrained(path, save_jinja_files=False)
-    return path
-
 
 @pytest.fixture(scope="module")
 def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    folder = make_tiny_mistral_folder(tmp_path_factory.mktemp("tiny-mistral"))
+    folder = make_family_folder(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
     loaded = load_model(folder, progress=False)
     assert loaded.config.kv_window == WINDOW
     return loaded
