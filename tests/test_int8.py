@@ -20,8 +20,8 @@ from shoal.config import EngineOptions, resolve, resolve_linear
 from shoal.kernels.cpu_kernels import load_cpu_kernels
 from shoal.kernels.linear import make_linear
 from shoal.kernels.loading.loader import default_cache_dir, load_model
-from shoal.kernels.models.weights import linear_weights
 from shoal.kernels.models.llama import LLAMA
+from shoal.kernels.models.weights import linear_weights
 from shoal.kernels.quant import (
     BLOCK,
     MANY_ROWS,
