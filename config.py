@@ -12,6 +12,7 @@ import torch
 
 from shoal.kernels.linear import LinearKind, packing_available
 from shoal.limits import InputLimits
+from shoal.memory import DeviceMemory, kv_cache_tokens
 
 DEFAULT_LIMITS = InputLimits()
 T = TypeVar("T")
@@ -31,7 +32,12 @@ class EngineOptions:
     each with that line (tests/test_engine_flags.py checks both)."""
 
     page_size: int = option(16, "tokens a page of the KV cache holds")
-    kv_cache_tokens: int = option(32768, "tokens the KV cache holds, all requests together")
+    kv_cache_tokens: int | None = option(
+        None,
+        "tokens the KV cache holds, all requests together (unset: 32768 on the CPU; on CUDA "
+        "what fits in 90% of the GPU memory left after the weights and a step's working "
+        "memory, at most max_running_requests full contexts)",
+    )
     max_running_requests: int = option(64, "requests running at once (rows of a batch)")
     chunk_size: int = option(512, "prompt tokens one request may prefill in a step")
     max_batch_tokens: int = option(2048, "tokens one step may run, prompts and decodes together")
@@ -41,6 +47,18 @@ class EngineOptions:
         "steadier inter-token latency under load, a newcomer's first token a little later",
     )
     max_inflight: int = option(2, "batches launched ahead of their results (1: no overlap)")
+    pipeline_stages: int = option(
+        1, "executor stages the model's layers are split across, in order (1: one executor)"
+    )
+    pipeline_depth: int = option(
+        1, "microbatches in flight beyond one a stage: pipeline_stages + this at most"
+    )
+    stage_devices: str | None = option(
+        None, "each stage's device, comma-separated (unset: consecutive CUDA devices, or the CPU)"
+    )
+    stage_layers: str | None = option(
+        None, "each stage's number of layers, comma-separated (unset: split evenly)"
+    )
     context_length: int | None = option(
         None, "tokens a request may hold, prompt and output (unset: the model's)"
     )
@@ -101,12 +119,21 @@ class EngineOptions:
             "chunk_size",
             "max_batch_tokens",
             "max_inflight",
+            "pipeline_stages",
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_mixed_prefill_tokens", "cuda_graph_max_batch", "max_sessions"):
+        for name in (
+            "max_mixed_prefill_tokens", "cuda_graph_max_batch", "max_sessions", "pipeline_depth",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("stage_devices", "stage_layers"):
+            given = getattr(self, name)
+            if given is not None and len(given.split(",")) != self.pipeline_stages:
+                raise ValueError(
+                    f"{name} must name one entry per stage ({self.pipeline_stages}), got {given!r}"
+                )
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 *most, last = ["unset" if value is None else str(value) for value in allowed]
@@ -151,10 +178,13 @@ class Resolved:
     linear_kind: LinearKind  # how the forward multiplies by weights (kernels/linear.py)
 
 
-def resolve(options: EngineOptions, model_context: int) -> Resolved:
+def resolve(
+    options: EngineOptions, model_context: int, memory: DeviceMemory | None = None
+) -> Resolved:
+    """`memory`: what sizes the KV pool when kv_cache_tokens is unset on CUDA (memory.py)."""
     options.validate()
     page_size = options.page_size
-    num_pages = -(-options.kv_cache_tokens // page_size)
+    num_pages = -(-kv_cache_tokens(options, model_context, memory) // page_size)
     context = min(options.context_length or model_context, model_context)
     # One request alone must always fit, or it could wait forever.
     context = min(context, (num_pages - 1) * page_size)

@@ -3,15 +3,10 @@
 `DeviceState.launch` runs on the executor's launch thread, strictly in launch order: it applies
 the batch's table writes, then queues the forward and sampling (on CUDA, on the compute
 stream; on CPU they run there and then) and starts copying the sampled tokens to the host.
-`PendingStep.result` runs on the executor's completion thread, in the same order: it waits
-for the copy and returns plain ints.
-
-Row bookkeeping across the two threads:
-- `RowState.num_sampled` counts tokens launched for sampling; only the launch thread writes it.
-  It is the row's seed-stream step, known without waiting for the device.
-- `RowState.output_ids` are the sampled tokens that reached the host; only the completion
-  thread appends. Penalties need them all, so a launch that samples a row with penalties
-  first waits until that row's earlier tokens have arrived (such rows give up overlap).
+`PendingStep.result` (pending_step.py, with the rows' bookkeeping across the two threads)
+runs on the executor's completion thread, in the same order: it waits for the copy and returns
+plain ints. With pipeline stages, stage 0 runs here and the rest on the stages' threads
+(actors/stages.py).
 """
 
 from __future__ import annotations
@@ -20,11 +15,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.actors.messages import Launch
+from shoal.actors.pending_step import PendingStep, RowState
+from shoal.actors.stages import Microbatch, Stage, StageMonitor, StagePipeline
 from shoal.kernels.batch import AttentionBackend, BatchShape
 from shoal.kernels.loading.checkpoint import CheckpointError
 from shoal.kernels.loading.loader import checkpoint_folder, load_weights, read_model_config
@@ -32,33 +29,11 @@ from shoal.kernels.models.decoder import DecoderModel
 from shoal.kernels.models.kv_pool import KVPool
 from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
 from shoal.kernels.streams import HostResult, StepStreams, to_device, to_device_many
-from shoal.params import SamplingParams
-from shoal.results import TokenLogprob
 
 if TYPE_CHECKING:
     from shoal.kernels.cuda_graphs import DecodeGraphs  # imports triton
 
 log = logging.getLogger("shoal.executor")
-
-
-class StepResult(NamedTuple):
-    """One step's results on the host, one per sampling sequence in batch order."""
-
-    next_tokens: tuple[int, ...]
-    logprobs: tuple[TokenLogprob | None, ...]  # empty when no row asked for logprobs
-
-
-@dataclass
-class RowState:
-    sampling: SamplingParams
-    seed: int
-    prompt_ids: tuple[int, ...]
-    output_ids: list[int]
-    num_sampled: int
-    lost: bool = False  # a step that sampled this row failed: its tokens never arrive
-
-    def caught_up(self) -> bool:
-        return self.lost or len(self.output_ids) == self.num_sampled
 
 
 @dataclass
@@ -69,46 +44,6 @@ class StepInputs:
     decode_rows: list[int]  # ... and whose row's last token each takes
     sample_index: list[int]  # which of the T tokens sample
     sample_rows: list[int]  # ... and for which row
-
-
-class PendingStep:
-    """A launched step whose sampled tokens (and logprobs) are on their way to the host."""
-
-    def __init__(
-        self,
-        states: list[RowState],
-        host: HostResult,
-        logprob_rows: list[int],
-        arrived: threading.Condition,
-    ) -> None:
-        self.states = states
-        self.host = host
-        self.logprob_rows = logprob_rows
-        self.arrived = arrived
-
-    def result(self) -> StepResult:
-        try:
-            tensors = self.host.wait()
-            tokens = tuple(int(t) for t in tensors[0].tolist())
-        except BaseException:
-            with self.arrived:  # nobody may wait for these tokens any longer
-                for state in self.states:
-                    state.lost = True
-                self.arrived.notify_all()
-            raise
-        with self.arrived:
-            for state, token in zip(self.states, tokens, strict=True):
-                state.output_ids.append(token)
-            self.arrived.notify_all()
-        if not self.logprob_rows:
-            return StepResult(tokens, ())
-        chosen, values, ids = (t.tolist() for t in tensors[1:])
-        out: list[TokenLogprob | None] = [None] * len(self.states)
-        for j, i in enumerate(self.logprob_rows):
-            k = self.states[i].sampling.top_logprobs
-            top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
-            out[i] = TokenLogprob(tokens[i], float(chosen[j]), top)
-        return StepResult(tokens, tuple(out))
 
 
 class DeviceState:
@@ -125,7 +60,10 @@ class DeviceState:
         max_pages_per_row: int,
         page_size: int,
         eos_token_ids: tuple[int, ...],
+        later_stages: list[Stage] | None = None,
     ) -> None:
+        """`model` and `kv` are the whole model's, or pipeline stage 0's part with the later
+        stages' in `later_stages` (actors/stages.py)."""
         device = model.device
         self.model = model
         self.kv = kv
@@ -138,7 +76,27 @@ class DeviceState:
         self.rows: dict[int, RowState] = {}
         self.arrived = threading.Condition()
         self.graphs: DecodeGraphs | None = None
-        self.streams.synchronize()  # weights, pool and tables were filled on the default stream
+        later = later_stages or []
+        # The request-slot table on each stage's device (stages on one device share it).
+        stage_tables = [self.page_table]
+        for stage in later:
+            other = stage.model.device
+            stage_tables.append(self.page_table if other == device else self.page_table.to(other))
+        self.tables = list({id(t): t for t in stage_tables}.values())  # each written once
+        self.monitor = StageMonitor(1 + len(later))
+        self.pipeline = None
+        if later:
+            first = Stage(model, kv, attention, self.streams)
+            stages = [first, *later]
+            self.pipeline = StagePipeline(stages, stage_tables, self.monitor, self._finish)
+        self.models = [model, *(s.model for s in later)]
+        for streams in [s.streams for s in later] + [self.streams]:
+            streams.synchronize()  # weights, pool and tables were filled on the default stream
+
+    def shutdown(self) -> None:
+        """Stop the pipeline stages' threads (none without stages)."""
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
 
     def capture_graphs(self, max_batch: int, context_length: int) -> None:
         """CUDA graphs of the decode forward for batches up to max_batch (CUDA only). If the
@@ -184,9 +142,11 @@ class DeviceState:
                     f"{other.architecture()} instead of {config.architecture()}"
                 )
             weights = load_weights(folder, config, dtype=self.model.dtype)
+            # Validated whole above; every stage (idle: an update waits for that) takes its part.
             self.streams.synchronize()
             with self.streams.computing():
-                self.model.load(weights)
+                for model in self.models:
+                    model.load(weights)
             self.streams.synchronize()
         except CheckpointError as exc:
             log.warning("refused checkpoint %r: %s", model_path, exc, exc_info=True)
@@ -225,6 +185,8 @@ class DeviceState:
             tuple(s.num_tokens for s in launch.seqs),
         )
         sample_rows = host.sample_rows
+        if self.pipeline is not None:
+            return self._launch_stages(ids, pos, shape, sample_index, rows_t, sample_rows)
         if self.graphs is not None and self.graphs.fits(shape, len(sample_rows)):
             logits = self.graphs.run(ids, pos, shape)
         else:
@@ -245,6 +207,46 @@ class DeviceState:
         for state in states:  # last: a launch that raised above sampled nothing
             state.num_sampled += 1
         return pending
+
+    def _launch_stages(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        shape: BatchShape,
+        sample_index: torch.Tensor,
+        rows_t: torch.Tensor,
+        sample_rows: list[int],
+    ) -> PendingStep:
+        """Stage 0's part here (on the launch thread), the rest on the stages' threads."""
+        attention = self.attention.prepare(self.page_table, shape)
+        h = self.model.run_layers(self.model.embed(ids), pos, attention, self.kv)
+        self.streams.synchronize()  # h is whole before stage 1 reads it
+        states = [self.rows[r] for r in sample_rows]
+        rows = self._sampling_rows(states)  # before num_sampled moves on: the seed's step
+        want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
+        micro = Microbatch(shape, pos, sample_index, (states, rows, rows_t, want))
+        assert self.pipeline is not None
+        future = self.pipeline.submit(h, micro)
+        pending = PendingStep(states, future, want, self.arrived)
+        for state in states:  # last: a launch that raised above sampled nothing
+            state.num_sampled += 1
+        return pending
+
+    def _finish(self, stage: Stage, h: torch.Tensor, micro: Microbatch) -> HostResult:
+        """The last stage's end: norm, head, sampling, the row's last token (on stage 0's
+        device, where the next decode reads it) and the copy to the host."""
+        states, rows, rows_t, want = micro.context
+        device = stage.model.device
+        logits = stage.model.head(h, micro.sample_index.to(device))
+        next_tokens = sample(logits, rows, self.eos_token_ids)
+        if states:
+            self.last_token[rows_t] = next_tokens.to(self.last_token.device)
+        to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
+        if want:
+            index = to_device(want, torch.int64, device)
+            top_k = max(states[i].sampling.top_logprobs for i in want)
+            to_copy += compute_logprobs(logits[index], next_tokens[index], top_k)
+        return stage.streams.to_host(to_copy)
 
     def _inputs(self, launch: Launch) -> StepInputs:
         """The step's host-side inputs; a sequence's first chunk (re)initializes its row."""
@@ -275,11 +277,13 @@ class DeviceState:
         pages = to_device(
             [p for w in launch.writes for p in w.pages], torch.int64, self.model.device
         )
-        offset = 0
-        for w in launch.writes:
-            n = len(w.pages)
-            self.page_table[w.row, w.start : w.start + n] = pages[offset : offset + n]
-            offset += n
+        for table in self.tables:  # every stage's copy, before any stage reads this batch
+            on_device = pages.to(table.device)
+            offset = 0
+            for w in launch.writes:
+                n = len(w.pages)
+                table[w.row, w.start : w.start + n] = on_device[offset : offset + n]
+                offset += n
 
     def _sampling_rows(self, states: list[RowState]) -> list[SamplingRow]:
         """Each row's sampling view; rows with penalties wait for their earlier tokens."""

@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 
-from shoal.actors.device_state import DeviceState, PendingStep, StepResult
+from shoal.actors.device_state import DeviceState
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     ExecutorMsg,
@@ -33,6 +33,7 @@ from shoal.actors.messages import (
     Shutdown,
     StepDone,
 )
+from shoal.actors.pending_step import PendingStep, StepResult
 from shoal.actors.replies import answer
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
 from shoal.results import InternalError
@@ -77,6 +78,7 @@ class Executor:
         finally:
             self.launcher.shutdown(wait=False, cancel_futures=True)
             self.completer.shutdown(wait=False, cancel_futures=True)
+            self.state.shutdown()
 
     async def handle(self, msg: ExecutorMsg) -> None:
         match msg:

@@ -263,7 +263,7 @@ class Planner:
         return tuple(trims)
 
     def _wants_decode(self, req: Req) -> bool:
-        if req.phase is not Phase.RUNNING:
+        if req.phase is not Phase.RUNNING or (self.config.disjoint and req.inflight):
             return False
         return req.num_outputs + req.pending < req.sampling.max_new_tokens
 
@@ -333,6 +333,8 @@ class Planner:
         for req in by_order:
             if req.phase is not Phase.PREFILL or budget <= 0:
                 continue
+            if self.config.disjoint and req.inflight:
+                continue  # its previous chunk is still in the stages
             assert req.row is not None
             start = req.num_launched
             n = min(len(req.tokens) - start, self.config.chunk_size, budget)

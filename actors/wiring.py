@@ -30,6 +30,7 @@ from shoal.actors.messages import (
 from shoal.actors.planner import Planner
 from shoal.actors.request import PlannerConfig
 from shoal.actors.scheduler import Scheduler
+from shoal.actors.stages import Stage, StageMonitor, split_layers, stage_devices
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.tokenizer import Tokenizer
 from shoal.cache.kv import KVCache
@@ -40,7 +41,9 @@ from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_ke
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.loading.loader import LoadedModel
 from shoal.kernels.models.kv_pool import KVPool
+from shoal.kernels.models.layout import Part
 from shoal.kernels.models.registry import family_of
+from shoal.kernels.streams import StepStreams
 from shoal.results import EngineDeadError
 
 log = logging.getLogger("shoal")
@@ -53,6 +56,7 @@ class Actors:
     cache_box: Mailbox[CacheMsg]
     executor_box: Mailbox[ExecutorMsg]
     tokenizer: Tokenizer
+    stages: StageMonitor  # microbatches in each pipeline stage (one stage: the executor)
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     stopping: bool = False
     dead_reason: str | None = None
@@ -123,6 +127,46 @@ def attention_backend(
     return TorchAttention(page_size, kernels.paged_decode, kernels.store_kv)
 
 
+def build_stages(
+    loaded: LoadedModel, options: EngineOptions, resolved: Resolved, compiled: CpuKernels | None
+) -> list[Stage]:
+    """The model in `pipeline_stages` parts (one: the whole model), each with its K/V pool,
+    attention backend and stream on its device (actors/stages.py)."""
+    config = loaded.config
+    layout = resolved.cache
+    count = options.pipeline_stages
+    parts = split_layers(config.num_layers, count, options.stage_layers)
+    devices = stage_devices(count, options.stage_devices, resolved.device)
+    family = family_of(config.model_type)
+    slots = layout.num_pages * layout.page_size
+    stages = []
+    for k, (layers, device) in enumerate(zip(parts, devices, strict=True)):
+        part = Part(layers, first=k == 0, last=k == count - 1)
+        model = family.build(
+            config,
+            loaded.weights,
+            resolved.dtype,
+            device,
+            resolved.linear_kind,
+            None if compiled is None else CompiledElementwise(compiled),
+            part=part,
+        )
+        pool = KVPool(config, slots, resolved.dtype, device, num_layers=len(layers))
+        backend = attention_backend(
+            resolved.attention, layout.page_size, config.num_kv_heads, compiled
+        )
+        stages.append(Stage(model, pool, backend, StepStreams(device)))
+    return stages
+
+
+def max_inflight(options: EngineOptions) -> int:
+    """Batches launched ahead of their results: with pipeline stages, one a stage and
+    `pipeline_depth` more."""
+    if options.pipeline_stages > 1:
+        return options.pipeline_stages + options.pipeline_depth
+    return options.max_inflight
+
+
 def start_actors(
     loaded: LoadedModel,
     options: EngineOptions,
@@ -146,23 +190,17 @@ def start_actors(
         window=config.kv_window,
     )
     compiled = kernels if resolved.attention == "cpu" else None  # int8 may load them alone
-    model = family_of(config.model_type).build(
-        config,
-        loaded.weights,
-        resolved.dtype,
-        resolved.device,
-        resolved.linear_kind,
-        None if compiled is None else CompiledElementwise(compiled),
-    )
-    pool = KVPool(config, layout.num_pages * layout.page_size, resolved.dtype, resolved.device)
+    stages = build_stages(loaded, options, resolved, compiled)
+    first = stages[0]
     device_state = DeviceState(
-        model,
-        pool,
-        attention_backend(resolved.attention, layout.page_size, config.num_kv_heads, compiled),
+        first.model,
+        first.kv,
+        first.attention,
         layout.num_rows,
         layout.max_pages_per_row,
         layout.page_size,
         config.eos_token_ids,
+        later_stages=stages[1:],
     )
     planner = Planner(
         PlannerConfig(
@@ -173,6 +211,7 @@ def start_actors(
             eos_token_ids=config.eos_token_ids,
             prefix_cache=options.prefix_cache,
             page_size=layout.page_size,
+            disjoint=len(stages) > 1,
         ),
         kv_window=config.kv_window,
     )
@@ -188,12 +227,14 @@ def start_actors(
         options.max_sessions,
         faults,
     )
-    actors = Actors(tokenizer_box, scheduler_box, cache_box, executor_box, tokenizer)
+    actors = Actors(
+        tokenizer_box, scheduler_box, cache_box, executor_box, tokenizer, device_state.monitor
+    )
     runs = {
         "tokenizer": tokenizer.run(),
         "scheduler": Scheduler(
             planner,
-            options.max_inflight,
+            max_inflight(options),
             scheduler_box,
             cache_box,
             executor_box,

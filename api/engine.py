@@ -37,6 +37,7 @@ from shoal.actors.messages import (
     UpdateWeights,
 )
 from shoal.actors.replies import SchedulerSnapshot, UpdateOutcome
+from shoal.actors.stages import StageMonitor
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.wiring import Actors, cpu_kernels, start_actors
 from shoal.api.sampling_wire import SAMPLING_FIELDS, sampling_from
@@ -45,6 +46,7 @@ from shoal.cache.stats import KVStats
 from shoal.config import EngineOptions, Resolved, resolve, resolve_device
 from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model
 from shoal.limits import check_prompt_size
+from shoal.memory import DeviceMemory, measure_device_memory
 from shoal.params import SamplingParams
 from shoal.results import EngineDeadError, InternalError, RequestError, RequestStream
 
@@ -89,11 +91,16 @@ class Engine:
             _, dtype = resolve_device(self.options)
             loaded = await asyncio.to_thread(load_model, self._model, dtype=dtype)
         self.loaded = loaded
-        self.resolved = resolve(self.options, loaded.config.max_position_embeddings)
-        if loaded.config.moe is not None and self.resolved.cuda_graph_max_batch:
-            # Routing picks the experts a step runs on the host (kernels/moe.py): no graph
-            # can hold that, so a mixture-of-experts model decodes without graphs.
-            log.info("mixture of experts: CUDA graphs off")
+        self.resolved = resolve(
+            self.options, loaded.config.max_position_embeddings, self._device_memory(loaded)
+        )
+        if self.resolved.cuda_graph_max_batch and (
+            loaded.config.moe is not None or self.options.pipeline_stages > 1
+        ):
+            # Routing picks the experts a step runs on the host (kernels/moe.py), and a graph
+            # holds one device's whole forward: neither a mixture of experts nor pipeline
+            # stages decode through graphs.
+            log.info("mixture of experts or pipeline stages: CUDA graphs off")
             self.resolved = dataclasses.replace(self.resolved, cuda_graph_max_batch=0)
         kernels = await asyncio.to_thread(  # the CPU kernels may compile: off the loop
             cpu_kernels, self.resolved, default_cache_dir(), self.options.attention
@@ -107,6 +114,15 @@ class Engine:
             loaded.weights.clear()  # the model holds its own copies; a caller's stay whole
         self.startup_s = time.perf_counter() - began
         return self
+
+    def _device_memory(self, loaded: LoadedModel) -> DeviceMemory | None:
+        """What sizes the KV pool on CUDA when kv_cache_tokens is unset (memory.py); None
+        otherwise."""
+        device, dtype = resolve_device(self.options)
+        if device.type != "cuda" or self.options.kv_cache_tokens is not None:
+            return None
+        num_weights = sum(t.numel() for t in loaded.weights.values())
+        return measure_device_memory(loaded.config, self.options, num_weights, dtype, device)
 
     async def close(self) -> None:
         if self._actors is not None:
@@ -258,6 +274,12 @@ class Engine:
         return self.actors.tokenizer.weight_version
 
     # ---- stepping, for deterministic tests ------------------------------------------------
+
+    @property
+    def stages(self) -> StageMonitor:
+        """The pipeline stages' microbatch counts, and the tests' seam to hold a stage or fail
+        its next microbatch (actors/stages.py); one stage without `pipeline_stages`."""
+        return self.actors.stages
 
     def hold(self) -> None:
         """Stop the scheduler between steps: nothing is planned or processed until

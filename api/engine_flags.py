@@ -22,6 +22,7 @@ from shoal.limits import InputLimits
 
 # command -> {EngineOptions field: the flag's name there}, only where it is not the field's own
 RENAMED = {"generate": {"seed": "engine_seed"}}  # --seed there: the request's (SamplingParams)
+ALIASES = {"pipeline_stages": ("--pp",)}  # SGLang's short name
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, command: str) -> None:
@@ -43,7 +44,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, command: str) -> None:
         else:
             more = {"type": kind}
         says = f"{info.metadata['says']} (default: {shown})".replace("%", "%%")
-        group.add_argument(flag, dest=dest, default=info.default, help=says, **more)
+        names = [flag, *ALIASES.get(dest, ())]
+        group.add_argument(*names, dest=dest, default=info.default, help=says, **more)
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:

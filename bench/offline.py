@@ -31,15 +31,16 @@ and one line per decode batch size (roofline and fraction "unknown" without a ba
     decode batch=<B> prompt_tokens=<n> output_tokens=<n> steps=<n> context_tokens=<x>
            step_ms=<x> roofline_ms=<y> fraction_of_roofline=<y/x> hbm_gbps=<x>
            weight_mb=<x> kv_mb=<x> setup=<desc> machine=<desc>
-setup: shoal's <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>, as the
-engine resolved them (linear: dense, packed or int8 weights); vLLM's <device>-<dtype>-vllm<version>;
-generate's <device>-<dtype>-hf.
+setup: shoal's <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>
+[-stages<n>], as the engine resolved them (linear: dense, packed or int8 weights); vLLM's
+<device>-<dtype>-vllm<version>; generate's <device>-<dtype>-hf.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import sys
 import time
@@ -70,9 +71,11 @@ PEERS = ("vllm", "hf")
 
 def engine_setup(engine: Any) -> str:
     r = engine.resolved
+    stages = engine.options.pipeline_stages
     return (
         f"{r.device.type}-{dtype_name(r.dtype)}-{engine.attention}"
         f"-graphs{r.cuda_graph_max_batch}-inflight{engine.options.max_inflight}-{r.linear_kind}"
+        + (f"-stages{stages}" if stages > 1 else "")
     )
 
 
@@ -121,6 +124,12 @@ async def run_engine(
         setup = Setup(engine_setup(engine), load_s + engine.startup_s)
         await engine.generate(input_ids=WARM_UP_PROMPT, max_new_tokens=2).result()
         tok_per_s = None
+        if work and engine.resolved.device.type == "cuda":
+            # Untimed: Triton compiles a kernel variant the first time it meets each shape
+            # class. On an H100 the first 256-request run of a model shape on a fresh
+            # machine (empty Triton cache) ran at 54-58% of the speed of later processes.
+            # Reversed prompts share no cached prefix with the timed ones.
+            await run_shoal(engine, [(p[::-1], 4) for p, _ in work[:32]])
         if work:
             tokens, seconds = await run_shoal(engine, work)
             tok_per_s = report("shoal", len(work), tokens, seconds, setup, desc, out)
@@ -223,7 +232,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quantization", default=None, choices=["int8"], help="shoal's weights (CPU; default none)"
     )
     parser.add_argument("--max-running", type=int, default=defaults.max_running_requests)
-    parser.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens)
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=defaults.kv_cache_tokens,
+        help="shoal's KV pool (unset: 32768 on the CPU, on CUDA sized from free GPU memory)",
+    )
     parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
     parser.add_argument(
@@ -237,6 +251,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="cuda_graph_max_batch=0")
     parser.add_argument("--no-overlap", action="store_true", help="max_inflight=1")
+    parser.add_argument(
+        "--pipeline-stages",
+        "--pp",
+        type=int,
+        default=1,
+        help="the model's layers split across this many executor stages (shoal only)",
+    )
     parser.add_argument(
         "--decode-batch",
         type=int,
@@ -273,7 +294,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error("--decode-output-len must be >= 2 (a first token, then decode steps)")
         page = defaults.page_size
         pages = -(-(args.decode_prompt_len + args.decode_output_len) // page)
-        if largest * pages * page > args.kv_cache_tokens:
+        if args.kv_cache_tokens is not None and largest * pages * page > args.kv_cache_tokens:
             parser.error(
                 f"--decode-batch {largest} needs --kv-cache-tokens >= {largest * pages * page}"
             )
@@ -313,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_mixed_prefill_tokens": args.max_mixed_prefill_tokens,
         "cuda_graph_max_batch": 0 if args.no_cuda_graphs else args.cuda_graph_max_batch,
         "max_inflight": 1 if args.no_overlap else EngineOptions().max_inflight,
+        "pipeline_stages": args.pipeline_stages,
     }
     device, dtype = resolve_device(EngineOptions(**options))
     hbm_gbps = args.hbm_gbps
@@ -334,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if shoal is None:
         return 0
+    gc.collect()  # the closed engine's KV pool and graphs, before a peer loads on the device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     ratios: dict[str, float] = {}
     if "vllm" in args.peers:
         vllm = compare_vllm(args.vllm_python, loaded.path, dtype, work, desc, args.out)

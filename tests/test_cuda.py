@@ -1,7 +1,9 @@
 """The CUDA path end to end: Triton attention, compute and copy streams, overlap, CUDA graphs.
 
-Every test here needs a CUDA device (marked `gpu`; skipped with the reason elsewhere). The
-bf16 tolerance below is a first estimate: calibrate it on the first run with a device.
+Every test here needs a CUDA device (marked `gpu`; skipped with the reason elsewhere). Run
+on an NVIDIA H100 80GB HBM3 on 2026-11-24: all passed (bench/README.md, "On a GPU"), except
+test_the_kv_pool_is_sized_from_free_gpu_memory_by_default, written after that run and not
+yet run on a device.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from test_engine_parity import expect, mixed_prompts, run_all
 
 from shoal.api.engine import Engine
 from shoal.kernels.loading.loader import LoadedModel, load_model
+from shoal.memory import CPU_KV_CACHE_TOKENS
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +29,12 @@ CHATS = [
     "Explain in one sentence what a prime number is.",
     "List three colors of the rainbow.",
 ]
-BF16_LOGIT_TOLERANCE = 0.3  # how far below the fp32 argmax a bf16 choice may be
+# How far below the fp32 argmax a bf16 choice may score. Calibrated on an H100 (2026-11-24)
+# over 16 chats x 64 greedy tokens of SmolLM2, each choice scored under transformers' fp32
+# logits for the same history: shoal in bf16 at most 0.185 (9 of 737 tokens not the fp32
+# argmax), transformers' own bf16 generate at most 0.291 (11 of 723). The tolerance is the
+# latter rounded up: shoal may be as far from fp32 as transformers' bf16 is, no further.
+BF16_LOGIT_TOLERANCE = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +121,24 @@ async def test_rows_reused_under_overlap_on_cuda_keep_tiny_parity(
     prompts = mixed_prompts(engine.loaded.config.vocab_size)
     done = await run_all(engine, prompts)
     assert [list(d.token_ids) for d in done] == expect(tiny_reference, prompts)
+
+
+async def test_the_kv_pool_is_sized_from_free_gpu_memory_by_default(
+    smollm2: LoadedModel,
+) -> None:
+    """kv_cache_tokens unset: the pool takes what the device has left (memory.py), here far
+    more than the CPU default, capped at every row at full context."""
+    async with Engine(smollm2, device="cuda", strict_integrity=True, seed=0) as engine:
+        assert engine.resolved is not None
+        layout = engine.resolved.cache
+        pool_tokens = layout.num_pages * layout.page_size
+        full = engine.options.max_running_requests * (
+            smollm2.config.max_position_embeddings + layout.page_size
+        )
+        assert CPU_KV_CACHE_TOKENS < pool_tokens <= full + layout.page_size
+        done = await engine.generate(input_ids=[1, 2, 3], max_new_tokens=4).result()
+        assert len(done.token_ids) >= 1
+        await engine.check_integrity()
 
 
 async def test_256_requests_complete_on_cuda(smollm2: LoadedModel) -> None:

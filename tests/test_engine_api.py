@@ -10,7 +10,8 @@ import pytest
 from conftest import EngineFactory, Reference
 
 from shoal import EngineDeadError, SamplingParams
-from shoal.actors.device_state import DeviceState, PendingStep
+from shoal.actors.device_state import DeviceState
+from shoal.actors.pending_step import PendingStep
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:

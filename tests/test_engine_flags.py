@@ -35,6 +35,8 @@ def asked(index: int, info: Field[Any]) -> Any:
         return [value for value in CHOICES[info.name] if value not in (default, None)][-1]
     if kind in (int, int | None):
         return (default or 0) + index + 1
+    if kind == str | None:  # one entry per pipeline stage (fixed in `every_value`)
+        return f"value-{index}"
     raise AssertionError(f"teach this test a value of {info.name}'s type, {kind}")
 
 
@@ -51,6 +53,9 @@ def argv_for(command: str, values: dict[str, Any]) -> list[str]:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_field_is_a_flag_that_reaches_the_engine(command: str) -> None:
     values = {info.name: asked(i, info) for i, info in enumerate(fields(EngineOptions))}
+    stages = values["pipeline_stages"]
+    values["stage_devices"] = ",".join(["cpu"] * stages)  # validated: one a stage
+    values["stage_layers"] = ",".join(["1"] * stages)
     args = build_parser().parse_args(argv_for(command, values))
     assert engine_options(args) == EngineOptions(**values)
     assert engine_from_args(args).options == EngineOptions(**values)
@@ -62,6 +67,11 @@ def test_a_flag_not_given_keeps_the_declared_default(command: str) -> None:
     assert engine_options(args) == EngineOptions()
     one = build_parser().parse_args([*COMMANDS[command], "--max-sessions", "3"])
     assert engine_options(one) == EngineOptions(max_sessions=3)
+
+
+def test_pp_is_pipeline_stages() -> None:
+    args = build_parser().parse_args(["serve", "--pp", "2", "--stage-layers", "10,20"])
+    assert engine_options(args) == EngineOptions(pipeline_stages=2, stage_layers="10,20")
 
 
 def test_seed_is_the_engines_on_serve_and_the_requests_on_generate() -> None:

@@ -16,7 +16,11 @@ async def test_triton_backend_greedy_matches_transformers(
     make_engine: EngineFactory, tiny_reference: Reference, page_size: int
 ) -> None:
     engine = await make_engine(
-        attention="triton", page_size=page_size, chunk_size=32, kv_cache_tokens=2048
+        attention="triton",
+        dtype="float32",  # on CUDA too: the reference is float32
+        page_size=page_size,
+        chunk_size=32,
+        kv_cache_tokens=2048,
     )
     assert engine.resolved is not None and engine.resolved.attention == "triton"
     prompts = mixed_prompts(engine.loaded.config.vocab_size)

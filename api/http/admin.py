@@ -145,6 +145,9 @@ class AdminRoutes:
                 "finishing": len(snapshot.finishing),
                 "idle": snapshot.idle,
                 "num_retractions": snapshot.num_retractions,
+                # microbatches launched and not yet back, and how many sit in each stage
+                "in_flight_batches": len(snapshot.launched_batches),
+                "stage_microbatches": list(engine.stages.counts()),
                 "open_http_requests": self.gateway.num_open,
                 "free_pages": cache.free_pages,
                 "total_pages": cache.total_pages,
@@ -171,7 +174,7 @@ class AdminRoutes:
             cache = await self.engine.cache_stats()
         except Exception as exc:
             raise from_engine(exc, "") from None
-        text = self.metrics.render(snapshot, cache)
+        text = self.metrics.render(snapshot, cache, self.engine.stages.counts())
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
 

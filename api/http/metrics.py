@@ -85,6 +85,12 @@ class Metrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
+        self.stage_microbatches = Gauge(
+            "shoal_stage_microbatches",
+            "Microbatches in each pipeline stage (stage 0: the only one without stages)",
+            ["stage"],
+            registry=r,
+        )
         self.http = Counter(
             "shoal_http_requests",
             "HTTP answers by route and status",
@@ -108,8 +114,13 @@ class Metrics:
         self.num_cached_tokens += usage.cached_tokens
         self.e2e.observe(e2e_s)
 
-    def render(self, snapshot: SchedulerSnapshot, cache: KVStats) -> bytes:
-        """The exposition text, gauges refreshed from a fresh snapshot and cache stats."""
+    def render(
+        self, snapshot: SchedulerSnapshot, cache: KVStats, stages: tuple[int, ...] = (0,)
+    ) -> bytes:
+        """The exposition text, gauges refreshed from a fresh snapshot, cache stats and the
+        microbatches in each pipeline stage."""
+        for stage, count in enumerate(stages):
+            self.stage_microbatches.labels(str(stage)).set(count)
         self.running.set(len(snapshot.prefill) + len(snapshot.running))
         self.waiting.set(len(snapshot.waiting) + len(snapshot.retracting))
         total = cache.total_pages

@@ -28,7 +28,7 @@ from shoal.kernels.elementwise import Elementwise, TorchElementwise
 from shoal.kernels.linear import LinearKind
 from shoal.kernels.loading.config import ModelConfig
 from shoal.kernels.models.kv_pool import KVPool
-from shoal.kernels.models.layout import ModelSource
+from shoal.kernels.models.layout import ModelSource, Part, part_of
 from shoal.kernels.models.weights import (
     LayerWeights,
     build_weights,
@@ -54,8 +54,10 @@ class DecoderModel:
         elementwise: Elementwise | None = None,
         *,
         source: SourceFn,
+        part: Part | None = None,
     ) -> None:
         self.config = config
+        self.part = part or Part.whole(config.num_layers)
         self.dtype = dtype
         self.device = device
         self.linear_kind = linear_kind
@@ -86,7 +88,7 @@ class DecoderModel:
         as its kind does, see linear.py), so whatever holds them (a captured CUDA graph) reads
         the new weights.
         """
-        source = self.source(self.config, weights)
+        source = part_of(self.source(self.config, weights), self.part)
         if not hasattr(self, "weights"):
             self.weights = build_weights(
                 self.config, source, self.dtype, self.device, self.linear_kind
@@ -116,20 +118,38 @@ class DecoderModel:
         kv: KVPool,
         sample_index: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]; sample_index: [S] rows of T that sample. Returns [S, V]."""
-        cfg = self.config
-        weights = self.weights
-        ops = self.elementwise
-        eps = cfg.rms_norm_eps
-        layers = weights.layers
-        rotations = [(cos[positions], sin[positions]) for cos, sin in self.tables]
-        h = F.embedding(input_ids, weights.embed)
+        """The whole model: input_ids, positions: [T]; sample_index: [S] rows of T that
+        sample. Returns [S, V]."""
+        h = self.embed(input_ids)
+        h = self.run_layers(h, positions, attention, kv)
+        return self.head(h, sample_index)
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first part's start: [T] ids -> [T, hidden]."""
+        assert self.weights.embed is not None, "only the first pipeline stage embeds"
+        h = F.embedding(input_ids, self.weights.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        return h
+
+    @torch.inference_mode()
+    def run_layers(
+        self, h: torch.Tensor, positions: torch.Tensor, attention: Attention, kv: KVPool
+    ) -> torch.Tensor:
+        """This part's layers over the residual stream h [T, hidden]; `kv` holds exactly
+        their K/V (a stage's pool, in order)."""
+        cfg = self.config
+        ops = self.elementwise
+        eps = cfg.rms_norm_eps
+        layers = self.weights.layers
+        rotations = [(cos[positions], sin[positions]) for cos, sin in self.tables]
+        first = self.part.layers.start
         x = ops.rms_norm(h, layers[0].norms.input, eps)
         for layer_id, layer in enumerate(layers):
-            cos, sin = rotations[self.table_of_layer[layer_id]]
-            attn = self._attend(layer, x, cos, sin, attention, kv, layer_id)
+            cos, sin = rotations[self.table_of_layer[first + layer_id]]
+            window = self.windows[first + layer_id]
+            attn = self._attend(layer, x, cos, sin, attention, kv, layer_id, window)
             norms = layer.norms
             if norms.pre_mlp is not None and norms.post_mlp is not None:
                 h = h + ops.rms_norm(attn, norms.post_attention, eps)
@@ -142,7 +162,15 @@ class DecoderModel:
                 h, x = ops.add_rms_norm(h, mlp, layers[layer_id + 1].norms.input, eps)
             else:
                 h = h + mlp
-        last = ops.rms_norm(h[sample_index], weights.norm, eps)
+        return h
+
+    @torch.inference_mode()
+    def head(self, h: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
+        """The last part's end: the rows of h that sample -> float32 logits [S, V]."""
+        cfg = self.config
+        weights = self.weights
+        assert weights.norm is not None and weights.lm_head is not None, "the last stage only"
+        last = self.elementwise.rms_norm(h[sample_index], weights.norm, cfg.rms_norm_eps)
         logits = weights.lm_head(last)
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
@@ -157,8 +185,10 @@ class DecoderModel:
         attention: Attention,
         kv: KVPool,
         layer_id: int,
+        window: int | None,
     ) -> torch.Tensor:
-        """The attention block up to and including o_proj: [T, hidden]."""
+        """The attention block up to and including o_proj: [T, hidden]. layer_id: the layer's
+        place in this part (and in `kv`)."""
         cfg = self.config
         ops = self.elementwise
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -180,7 +210,6 @@ class DecoderModel:
         v = qkv[:, q_size + kv_size :].view(-1, kv_heads, dim)
         k_cache, v_cache = kv.k[layer_id], kv.v[layer_id]
         attention.store(k_cache, v_cache, k, v)
-        window = self.windows[layer_id]
         if window is None and cfg.attn_softcap is None:
             out = attention.attend(q, k_cache, v_cache, self.scale)
         else:

@@ -12,6 +12,7 @@ from shoal.kernels.linear import LinearKind
 from shoal.kernels.loading.config import ModelConfig
 from shoal.kernels.loading.traits import Traits
 from shoal.kernels.models.decoder import DecoderModel, SourceFn
+from shoal.kernels.models.layout import Part
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,10 @@ class Family:
         device: torch.device,
         linear_kind: LinearKind = "dense",
         elementwise: Elementwise | None = None,
+        part: Part | None = None,
     ) -> DecoderModel:
-        """The family's forward over these weights (HF names, checked)."""
+        """The family's forward over these weights (HF names, checked); with `part`, only a
+        pipeline stage's share of it."""
         return DecoderModel(
-            config, weights, dtype, device, linear_kind, elementwise, source=self.source
+            config, weights, dtype, device, linear_kind, elementwise, source=self.source, part=part
         )

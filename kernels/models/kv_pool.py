@@ -9,12 +9,20 @@ from shoal.kernels.loading.config import ModelConfig
 
 
 class KVPool:
-    """K and V tensors for every layer: [num_slots, num_kv_heads, head_dim] each."""
+    """K and V tensors for every layer (or a pipeline stage's `num_layers` of them):
+    [num_slots, num_kv_heads, head_dim] each. Stages share the slots: a page is the same
+    page in every stage's pool."""
 
     def __init__(
-        self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_layers: int | None = None,
     ) -> None:
         shape = (num_slots, config.num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        layers = config.num_layers if num_layers is None else num_layers
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.num_slots = num_slots

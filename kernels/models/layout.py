@@ -61,10 +61,35 @@ class LayerSource:
 
 @dataclass
 class ModelSource:
-    embed: torch.Tensor
-    norm: torch.Tensor
-    lm_head: torch.Tensor  # `embed` itself when the head is tied
+    embed: torch.Tensor | None  # None: a pipeline stage after the first
+    norm: torch.Tensor | None  # None (and no lm_head): a stage before the last
+    lm_head: torch.Tensor | None  # `embed` itself when the head is tied
     layers: list[LayerSource]
+
+
+@dataclass(frozen=True)
+class Part:
+    """The share of a model one pipeline stage runs: layers [start, stop), the embedding when
+    it is the first stage, the final norm and the head when it is the last. A whole model is
+    one part that is both."""
+
+    layers: range
+    first: bool
+    last: bool
+
+    @classmethod
+    def whole(cls, num_layers: int) -> Part:
+        return cls(range(num_layers), True, True)
+
+
+def part_of(source: ModelSource, part: Part) -> ModelSource:
+    """What of `source` one part holds."""
+    return ModelSource(
+        source.embed if part.first else None,
+        source.norm if part.last else None,
+        source.lm_head if part.last else None,
+        source.layers[part.layers.start : part.layers.stop],
+    )
 
 
 def fused(weights: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:

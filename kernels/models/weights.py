@@ -37,13 +37,13 @@ class LayerWeights:
 @dataclass
 class ModelWeights:
     layers: list[LayerWeights]
-    embed: torch.Tensor
-    norm: torch.Tensor
-    lm_head: Linear  # built from the embedding when tied
+    embed: torch.Tensor | None  # a pipeline stage holds only its part (layout.Part)
+    norm: torch.Tensor | None
+    lm_head: Linear | None  # built from the embedding when tied
 
     def tensors(self) -> list[torch.Tensor]:
         """The plain tensors (norms, embedding), in a fixed order."""
-        out = [self.embed, self.norm]
+        out = [t for t in (self.embed, self.norm) if t is not None]
         for layer in self.layers:
             out += layer.norms.present()
         return out
@@ -52,7 +52,7 @@ class ModelWeights:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, Experts)]
 
     def linears(self) -> list[Linear]:
-        out = [self.lm_head]
+        out = [] if self.lm_head is None else [self.lm_head]
         for layer in self.layers:
             out += [layer.qkv, layer.o]
             if isinstance(layer.mlp, DenseWeights):
@@ -64,7 +64,9 @@ def plain_tensors(config: ModelConfig, source: ModelSource) -> list[torch.Tensor
     """The source's tensors in the order of `ModelWeights.tensors`, norms as the forward
     multiplies them (1 + w for Gemma's)."""
     plus = 1.0 if config.norm_plus_one else 0.0
-    out = [source.embed, source.norm + plus]
+    out = [] if source.embed is None else [source.embed]
+    if source.norm is not None:
+        out.append(source.norm + plus)
     for layer in source.layers:
         out += [t + plus for t in layer.norms.present()]
     return out
@@ -77,7 +79,9 @@ def expert_weights(source: ModelSource) -> list[ExpertMLP]:
 
 def linear_weights(source: ModelSource) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """The source's linears in the order of `ModelWeights.linears`."""
-    out: list[tuple[torch.Tensor, torch.Tensor | None]] = [(source.lm_head, None)]
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    if source.lm_head is not None:
+        out.append((source.lm_head, None))
     for layer in source.layers:
         out += [layer.qkv, layer.o]
         if isinstance(layer.mlp, DenseMLP):
@@ -97,15 +101,16 @@ def build_weights(
         return t.to(device=device, dtype=dtype, copy=True)
 
     plain = iter([own(t) for t in plain_tensors(config, source)])
-    embed, norm = next(plain), next(plain)
+    embed = None if source.embed is None else next(plain)
+    norm = None if source.norm is None else next(plain)
     layers = []
     linears = iter(
         make_linear(kind, embed, None)  # tied: the embedding itself
-        if kind == "dense" and weight is source.embed
+        if kind == "dense" and embed is not None and weight is source.embed
         else make_linear(kind, own(weight), None if bias is None else own(bias))
         for weight, bias in linear_weights(source)
     )
-    lm_head = next(linears)
+    lm_head = None if source.lm_head is None else next(linears)
     for layer in source.layers:
         n = layer.norms
         input_norm, post_attention = next(plain), next(plain)
