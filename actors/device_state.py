@@ -218,9 +218,15 @@ class DeviceState:
         sample_rows: list[int],
     ) -> PendingStep:
         """Stage 0's part here (on the launch thread), the rest on the stages' threads."""
-        attention = self.attention.prepare(self.page_table, shape)
-        h = self.model.run_layers(self.model.embed(ids), pos, attention, self.kv)
-        self.streams.synchronize()  # h is whole before stage 1 reads it
+        monitor = self.monitor
+        monitor.enter(0)
+        try:
+            monitor.gate(0)
+            attention = self.attention.prepare(self.page_table, shape)
+            h = self.model.run_layers(self.model.embed(ids), pos, attention, self.kv)
+            self.streams.synchronize()  # h is whole before stage 1 reads it
+        finally:
+            monitor.leave(0)
         states = [self.rows[r] for r in sample_rows]
         rows = self._sampling_rows(states)  # before num_sampled moves on: the seed's step
         want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]

@@ -320,15 +320,18 @@ class Planner:
         seqs: list[SeqChunk] = []
         members: list[Member] = []
         by_order = sorted(self.holding(), key=lambda r: r.order)
-        for req in by_order:
-            if req.rid in extended and self._wants_decode(req):
-                assert req.row is not None
-                assert req.num_launched == len(req.tokens) + req.pending - 1
-                seqs.append(SeqChunk(req.row, req.num_launched, 1, None, True))
-                req.num_launched += 1
-                members.append(Member(req.rid, True, req.num_launched, req.num_launched - 1))
-                req.pending += 1
-                req.inflight += 1
+        decodes = [r for r in by_order if r.rid in extended and self._wants_decode(r)]
+        if self.config.disjoint:  # a share of the running requests, so every stage has one
+            running = sum(r.phase is Phase.RUNNING for r in by_order)
+            decodes = decodes[: -(-running // self.config.stages)]
+        for req in decodes:  # those left out keep their extension for the next batch
+            assert req.row is not None
+            assert req.num_launched == len(req.tokens) + req.pending - 1
+            seqs.append(SeqChunk(req.row, req.num_launched, 1, None, True))
+            req.num_launched += 1
+            members.append(Member(req.rid, True, req.num_launched, req.num_launched - 1))
+            req.pending += 1
+            req.inflight += 1
         budget = self.config.prefill_budget(len(seqs))
         for req in by_order:
             if req.phase is not Phase.PREFILL or budget <= 0:

@@ -26,9 +26,14 @@ class PlannerConfig:
     max_mixed_prefill_tokens: int = 0  # prompt tokens in a step that also decodes; 0: no cap
     prefix_cache: bool = True  # False: no KV is ever kept in the tree for reuse
     page_size: int = 16
-    # Pipeline stages: a request is in at most one launched batch at a time (a decode's input
-    # is the last stage's token of its previous batch; actors/stages.py).
-    disjoint: bool = False
+    # Pipeline stages (actors/stages.py): with more than one, a request is in at most one
+    # launched batch at a time (a decode's input is the last stage's token of its previous
+    # batch), and a batch takes at most its share of the decodes, so that every stage has one.
+    stages: int = 1
+
+    @property
+    def disjoint(self) -> bool:
+        return self.stages > 1
 
     def prefill_budget(self, num_decodes: int) -> int:
         """Prompt tokens a step with this many decodes may take: the batch's room, capped

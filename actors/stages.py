@@ -141,12 +141,18 @@ class StagePipeline:
         return future
 
     def shutdown(self) -> None:
+        """Take no more microbatches; those already queued still run and answer their
+        futures (the completion thread waits on each), so no thread waits forever."""
         for worker in self.workers:
-            worker.shutdown(wait=False, cancel_futures=True)
+            worker.shutdown(wait=False, cancel_futures=False)
 
     def _pass(self, stage: int, h: torch.Tensor, micro: Microbatch, future: Future[Any]) -> None:
         self.monitor.enter(stage)
-        self.workers[stage - 1].submit(self._run, stage, h, micro, future)
+        try:
+            self.workers[stage - 1].submit(self._run, stage, h, micro, future)
+        except RuntimeError as exc:  # shut down (the engine stopped): answer, never drop
+            self.monitor.leave(stage)
+            future.set_exception(exc)
 
     def _run(self, k: int, h: torch.Tensor, micro: Microbatch, future: Future[Any]) -> None:
         stage = self.stages[k]

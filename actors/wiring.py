@@ -211,7 +211,7 @@ def start_actors(
             eos_token_ids=config.eos_token_ids,
             prefix_cache=options.prefix_cache,
             page_size=layout.page_size,
-            disjoint=len(stages) > 1,
+            stages=len(stages),
         ),
         kv_window=config.kv_window,
     )

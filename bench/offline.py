@@ -70,11 +70,12 @@ PEERS = ("vllm", "hf")
 
 
 def engine_setup(engine: Any) -> str:
-    r = engine.resolved
-    stages = engine.options.pipeline_stages
+    r, o = engine.resolved, engine.options
+    stages = o.pipeline_stages
+    inflight = stages + o.pipeline_depth if stages > 1 else o.max_inflight  # actors/wiring.py
     return (
         f"{r.device.type}-{dtype_name(r.dtype)}-{engine.attention}"
-        f"-graphs{r.cuda_graph_max_batch}-inflight{engine.options.max_inflight}-{r.linear_kind}"
+        f"-graphs{r.cuda_graph_max_batch}-inflight{inflight}-{r.linear_kind}"
         + (f"-stages{stages}" if stages > 1 else "")
     )
 

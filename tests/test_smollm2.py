@@ -56,6 +56,30 @@ async def test_chat_greedy_matches_transformers(smollm2: LoadedModel) -> None:
     assert "Paris" in done[0].text
 
 
+async def test_two_pipeline_stages_give_transformers_tokens(smollm2: LoadedModel) -> None:
+    """Its 30 layers split 15 + 15 over two pipeline stages (actors/stages.py)."""
+    reference = Reference(smollm2.path, smollm2.config.eos_token_ids)
+    messages = [[{"role": "user", "content": c}] for c in CHATS[:2]]
+    async with Engine(smollm2, strict_integrity=True, seed=0, pipeline_stages=2) as engine:
+        tok = engine.tokenizer
+        prompts = [
+            tok.encode(
+                tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False,
+            )
+            for m in messages
+        ]
+        streams = [
+            engine.generate(input_ids=p, max_new_tokens=24, temperature=0.0) for p in prompts
+        ]
+        done = await asyncio.gather(*(s.result() for s in streams))
+        assert engine.stages.counts() == (0, 0)
+        await engine.check_integrity()
+    for d, prompt in zip(done, prompts, strict=True):
+        assert list(d.token_ids) == reference.greedy(prompt, 24)
+    assert "Paris" in done[0].text
+
+
 def test_cli_generate_streams_from_the_bundled_model(smollm2: LoadedModel) -> None:
     began = time.perf_counter()
     run = subprocess.run(

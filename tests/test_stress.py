@@ -2,6 +2,7 @@
 flush, update and pause/continue interleaved. It must end with no crash, nothing leaked, and
 every completed greedy request equal to its reference for the weights it ran on.
 
+Each seed runs with one executor stage and with two pipeline stages (actors/stages.py).
 STRESS_SEED=N runs one more seed instead of the default two."""
 
 from __future__ import annotations
@@ -145,15 +146,18 @@ class Stress:
 SEEDS = [int(os.environ["STRESS_SEED"])] if "STRESS_SEED" in os.environ else [2026, 7]
 
 
+# Two stages: the tiny model's two layers one a stage (actors/stages.py).
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_random_operations_against_a_running_server(
     seed: int,
+    stages: int,
     serve: ServeFactory,
     tiny_folder: Path,
     other_folder: Path,
     tiny_reference: Reference,
 ) -> None:
-    served = await serve(page_size=4, chunk_size=16, kv_cache_tokens=1024)
+    served = await serve(page_size=4, chunk_size=16, kv_cache_tokens=1024, pipeline_stages=stages)
     start = await served.engine.cache_stats()
     stress = Stress(served.url, served.http, seed=seed)
     stress.folder_of_version[0] = tiny_folder
