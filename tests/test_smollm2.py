@@ -56,11 +56,12 @@ async def test_chat_greedy_matches_transformers(smollm2: LoadedModel) -> None:
     assert "Paris" in done[0].text
 
 
-async def test_two_pipeline_stages_give_transformers_tokens(smollm2: LoadedModel) -> None:
-    """Its 30 layers split 15 + 15 over two pipeline stages (actors/stages.py)."""
+@pytest.mark.parametrize("stages", [2, 3])
+async def test_pipeline_stages_give_transformers_tokens(smollm2: LoadedModel, stages: int) -> None:
+    """Its 30 layers split 15 + 15 (or 10 + 10 + 10) over pipeline stages (actors/stages.py)."""
     reference = Reference(smollm2.path, smollm2.config.eos_token_ids)
     messages = [[{"role": "user", "content": c}] for c in CHATS[:2]]
-    async with Engine(smollm2, strict_integrity=True, seed=0, pipeline_stages=2) as engine:
+    async with Engine(smollm2, strict_integrity=True, seed=0, pipeline_stages=stages) as engine:
         tok = engine.tokenizer
         prompts = [
             tok.encode(
@@ -73,7 +74,7 @@ async def test_two_pipeline_stages_give_transformers_tokens(smollm2: LoadedModel
             engine.generate(input_ids=p, max_new_tokens=24, temperature=0.0) for p in prompts
         ]
         done = await asyncio.gather(*(s.result() for s in streams))
-        assert engine.stages.counts() == (0, 0)
+        assert engine.stages.counts() == (0,) * stages
         await engine.check_integrity()
     for d, prompt in zip(done, prompts, strict=True):
         assert list(d.token_ids) == reference.greedy(prompt, 24)
