@@ -123,6 +123,7 @@ class AdminRoutes:
         try:
             snapshot = await engine.snapshot()
             cache = await engine.cache_stats()
+            stages = engine.stages.counts()
         except Exception as exc:
             raise from_engine(exc, "") from None
         return json_response(
@@ -147,7 +148,7 @@ class AdminRoutes:
                 "num_retractions": snapshot.num_retractions,
                 # microbatches launched and not yet back, and how many sit in each stage
                 "in_flight_batches": len(snapshot.launched_batches),
-                "stage_microbatches": list(engine.stages.counts()),
+                "stage_microbatches": list(stages),
                 "open_http_requests": self.gateway.num_open,
                 "free_pages": cache.free_pages,
                 "total_pages": cache.total_pages,
@@ -172,9 +173,10 @@ class AdminRoutes:
         try:
             snapshot = await self.engine.snapshot()
             cache = await self.engine.cache_stats()
+            stages = self.engine.stages.counts()
         except Exception as exc:
             raise from_engine(exc, "") from None
-        text = self.metrics.render(snapshot, cache, self.engine.stages.counts())
+        text = self.metrics.render(snapshot, cache, stages)
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
 
