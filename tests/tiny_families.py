@@ -15,8 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-from tiny_model import BOS_ID, EOS_ID, PAD_ID, make_tiny_tokenizer
+from tiny_model import BOS_ID, EOS_ID, PAD_ID, save_seeded
 
 WINDOW = 16
 VOCAB = 512
@@ -124,16 +123,5 @@ def make_family_folder(path: Path, family: str, *, seed: int = 0, init_std: floa
     config_name, model_name, overrides = FAMILIES[family]
     config = getattr(transformers, config_name)(**{**_COMMON, **overrides})
     model = getattr(transformers, model_name)(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                param.copy_((0.0 if family in _PLUS_ONE else 1.0) + 0.1 * noise)
-            else:
-                param.copy_(init_std * noise)
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    make_tiny_tokenizer(VOCAB).save_pretrained(path, save_jinja_files=False)
-    return path
+    norm_mean = 0.0 if family in _PLUS_ONE else 1.0
+    return save_seeded(model, path, VOCAB, seed=seed, init_std=init_std, norm_mean=norm_mean)

@@ -19,7 +19,7 @@ vocabulary is exactly the model's vocab_size, so every id the model can emit dec
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -136,15 +136,28 @@ def make_tiny_model_folder(
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
 
+    return save_seeded(model, path, vocab_size, seed=seed, init_std=init_std)
+
+
+def save_seeded(
+    model: Any,
+    path: Path,
+    vocab_size: int,
+    *,
+    seed: int,
+    init_std: float = 0.2,
+    norm_mean: float = 1.0,
+) -> Path:
+    """Draw every parameter of a transformers model from a generator seeded with `seed` (norms
+    `norm_mean` +- 0.1, the rest std `init_std`), then save it and the tiny tokenizer."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)
+                param.copy_(norm_mean + 0.1 * noise)
             else:
                 param.copy_(init_std * noise)
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
