@@ -179,9 +179,15 @@ class Resolved:
 
 
 def resolve(
-    options: EngineOptions, model_context: int, memory: DeviceMemory | None = None
+    options: EngineOptions,
+    model_context: int,
+    memory: DeviceMemory | None = None,
+    has_experts: bool = False,
 ) -> Resolved:
-    """`memory`: what sizes the KV pool when kv_cache_tokens is unset on CUDA (memory.py)."""
+    """`memory`: what sizes the KV pool when kv_cache_tokens is unset on CUDA (memory.py).
+    `has_experts`: a mixture-of-experts model, whose routing picks on the host the experts a
+    step runs (kernels/moe.py), so no graph can hold its decode; nor can one hold the forward
+    split over pipeline stages."""
     options.validate()
     page_size = options.page_size
     num_pages = -(-kv_cache_tokens(options, model_context, memory) // page_size)
@@ -193,7 +199,8 @@ def resolve(
     device, dtype = resolve_device(options)
     attention = resolve_attention(options, device, dtype)
     graphs = 0
-    if device.type == "cuda" and attention == "triton":
+    one_forward = not has_experts and options.pipeline_stages == 1
+    if device.type == "cuda" and attention == "triton" and one_forward:
         graphs = min(options.cuda_graph_max_batch, options.max_running_requests)
     max_pages_per_row = -(-context // page_size) + 1
     layout = CacheLayout(page_size, num_pages, options.max_running_requests, max_pages_per_row)

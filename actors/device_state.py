@@ -61,6 +61,7 @@ class DeviceState:
         page_size: int,
         eos_token_ids: tuple[int, ...],
         later_stages: list[Stage] | None = None,
+        streams: StepStreams | None = None,
     ) -> None:
         """`model` and `kv` are the whole model's, or pipeline stage 0's part with the later
         stages' in `later_stages` (actors/stages.py)."""
@@ -70,7 +71,7 @@ class DeviceState:
         self.attention = attention
         self.page_size = page_size
         self.eos_token_ids = eos_token_ids
-        self.streams = StepStreams(device)
+        self.streams = streams or StepStreams(device)
         self.page_table = torch.zeros(num_rows, max_pages_per_row, dtype=torch.int64, device=device)
         self.last_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.rows: dict[int, RowState] = {}

@@ -12,7 +12,8 @@ A request holds its row and pages from admission to release (docs/architecture.m
 It is released only when no launched batch still reads it (`inflight == 0`); a token sampled
 for a request that already finished is discarded. With a sliding window of W keys over every
 layer (`kv_window`), a running request's own pages below the lowest key any of its launched
-or next chunks reads are given back while it runs (`_trims`). `tokens` holds the prompt and
+or next chunks reads are given back while it runs (window_trims.py). `tokens` holds the prompt
+and
 every output received; `pending` counts tokens sampled on the device but not yet received.
 """
 
@@ -40,6 +41,7 @@ from shoal.actors.messages import (
 from shoal.actors.prefix_sharing import prefixes_in_progress, publishes_due
 from shoal.actors.replies import SchedulerSnapshot
 from shoal.actors.request import Phase, PlannerConfig, Req, finish_reason
+from shoal.actors.window_trims import window_trims
 from shoal.results import FinishReason
 
 
@@ -232,35 +234,11 @@ class Planner:
         return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits), publishes, trims)
 
     def _trims(self) -> tuple[TrimReq, ...]:
-        """Sliding window (docs/architecture.md, law 4): the page-aligned position below
-        which each running request's keys are read by none of its launched batches, nor by
-        the chunk this plan launches (it starts at `num_launched`), nor by any later one.
-
-        A chunk whose first query is at position s reads keys from s - W + 1 on, and every
-        later chunk starts higher, so the bound is min(s) - W + 1 over the request's
-        unprocessed batches (`batches`, up to max_inflight of them) and `num_launched`. A
-        batch leaves `batches` only once its result came back, so the device has finished
-        reading; the freed pages may then serve this plan's extensions and admissions,
-        whose writes run after every earlier launch (one launch order)."""
-        window = self.kv_window
-        if window is None:
+        if self.kv_window is None:
             return ()
-        first = {
-            r.rid: r.num_launched
-            for r in self.holding()
-            if r.phase in (Phase.PREFILL, Phase.RUNNING)
-        }
-        for members in self.batches.values():
-            for m in members:
-                if m.rid in first:
-                    first[m.rid] = min(first[m.rid], m.start)
-        ps = self.config.page_size
-        trims = []
-        for rid, start in first.items():
-            keep_from = max(start - window + 1, 0) // ps * ps
-            if keep_from > self.trimmed_to.get(rid, 0):
-                trims.append(TrimReq(rid, keep_from))
-        return tuple(trims)
+        return window_trims(
+            self.holding(), self.batches, self.kv_window, self.config.page_size, self.trimmed_to
+        )
 
     def _wants_decode(self, req: Req) -> bool:
         if req.phase is not Phase.RUNNING or (self.config.disjoint and req.inflight):

@@ -201,6 +201,7 @@ def start_actors(
         layout.page_size,
         config.eos_token_ids,
         later_stages=stages[1:],
+        streams=first.streams,
     )
     planner = Planner(
         PlannerConfig(

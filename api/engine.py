@@ -9,9 +9,7 @@ async with Engine() as engine:                      # the bundled SmolLM2
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
-import logging
 import time
 import uuid
 from pathlib import Path
@@ -49,8 +47,6 @@ from shoal.limits import check_prompt_size
 from shoal.memory import DeviceMemory, measure_device_memory
 from shoal.params import SamplingParams
 from shoal.results import EngineDeadError, InternalError, RequestError, RequestStream
-
-log = logging.getLogger(__name__)
 
 
 class UpdateResult(msgspec.Struct, frozen=True):
@@ -92,16 +88,11 @@ class Engine:
             loaded = await asyncio.to_thread(load_model, self._model, dtype=dtype)
         self.loaded = loaded
         self.resolved = resolve(
-            self.options, loaded.config.max_position_embeddings, self._device_memory(loaded)
+            self.options,
+            loaded.config.max_position_embeddings,
+            self._device_memory(loaded),
+            has_experts=loaded.config.moe is not None,
         )
-        if self.resolved.cuda_graph_max_batch and (
-            loaded.config.moe is not None or self.options.pipeline_stages > 1
-        ):
-            # Routing picks the experts a step runs on the host (kernels/moe.py), and a graph
-            # holds one device's whole forward: neither a mixture of experts nor pipeline
-            # stages decode through graphs.
-            log.info("mixture of experts or pipeline stages: CUDA graphs off")
-            self.resolved = dataclasses.replace(self.resolved, cuda_graph_max_batch=0)
         kernels = await asyncio.to_thread(  # the CPU kernels may compile: off the loop
             cpu_kernels, self.resolved, default_cache_dir(), self.options.attention
         )
