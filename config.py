@@ -95,6 +95,26 @@ class EngineOptions:
         True, "keep computed KV in the radix tree for later prompts to reuse"
     )
     max_sessions: int = option(256, "sessions open at once (more are refused)")
+    disaggregation_mode: Literal["null", "prefill", "decode"] = option(
+        "null",
+        "prefill/decode disaggregation (docs/disaggregation.md): prefill computes prompts and "
+        "sends their KV to a decode server, decode receives it and generates; null: neither",
+    )
+    disaggregation_bootstrap_port: int = option(
+        8998, "where a prefill server's bootstrap endpoint listens (0: a free port)"
+    )
+    disaggregation_bootstrap_host: str = option(
+        "127.0.0.1",
+        "the address the bootstrap endpoint and the transfer engine listen on (serve: --host)",
+    )
+    disaggregation_transfer_backend: Literal["mooncake", "local"] = option(
+        "mooncake",
+        "what moves KV between servers: Mooncake's transfer engine, or local (an in-process "
+        "copy between engines sharing a LocalFabric: tests)",
+    )
+    disaggregation_timeout_s: float = option(
+        60.0, "how long a request's KV transfer, or a room missing a half, may wait"
+    )
     # input limits every door shares, the Python API included (limits.py, docs/limits.md)
     max_stop_strings: int = option(DEFAULT_LIMITS.max_stop_strings, "stop strings per request")
     max_stop_chars: int = option(DEFAULT_LIMITS.max_stop_chars, "characters per stop string")
@@ -128,6 +148,15 @@ class EngineOptions:
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.disaggregation_timeout_s > 0:
+            raise ValueError(
+                f"disaggregation_timeout_s must be > 0, got {self.disaggregation_timeout_s}"
+            )
+        if not 0 <= self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(
+                "disaggregation_bootstrap_port must be a port (0 to 65535), got "
+                f"{self.disaggregation_bootstrap_port}"
+            )
         for name in ("stage_devices", "stage_layers"):
             given = getattr(self, name)
             if given is not None and len(given.split(",")) != self.pipeline_stages:

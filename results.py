@@ -107,6 +107,9 @@ class RequestStream:
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._ended = False
+        # Told once how the request ended: None when it finished, else why not (an abort, an
+        # error). Disaggregation ends the request's room with it (api/engine.py).
+        self.on_end: Callable[[str | None], None] | None = None
 
     # ---- producer side (tokenizer actor) -------------------------------------------------
 
@@ -118,11 +121,18 @@ class RequestStream:
         if not self._ended:
             self._ended = True
             self._queue.put_nowait(completion)
+            aborted = completion.finish_reason in ("abort", "error")
+            self._tell_end((completion.message or "aborted") if aborted else None)
 
     def fail(self, error: BaseException) -> None:
         if not self._ended:
             self._ended = True
             self._queue.put_nowait(error)
+            self._tell_end(str(error) or type(error).__name__)
+
+    def _tell_end(self, cause: str | None) -> None:
+        if self.on_end is not None:
+            self.on_end(cause)
 
     @property
     def ended(self) -> bool:

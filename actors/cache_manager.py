@@ -114,7 +114,8 @@ class CacheManager:
             if got is None:
                 admit_failed.append(adm.rid)
                 continue
-            admitted.append(Admitted(adm.rid, got.row, got.num_cached_tokens))
+            pages = tuple(kv.row_pages(adm.rid)) if adm.export_pages else ()
+            admitted.append(Admitted(adm.rid, got.row, got.num_cached_tokens, pages))
             writes.extend(RowWriteMsg(w.row, w.start, tuple(w.pages)) for w in got.writes)
         return Plan(
             req.step,

@@ -45,5 +45,5 @@ class Intake:
         sampling = gen.sampling
         seed = sampling.seed if sampling.seed is not None else self.rng.getrandbits(63)
         if session is None:
-            return Admit(gen.rid, tuple(ids), sampling, seed)
+            return Admit(gen.rid, tuple(ids), sampling, seed, bootstrap=gen.bootstrap)
         return Admit(gen.rid, tuple(ids), sampling, seed, session.session_id, len(session.tokens))

@@ -20,11 +20,22 @@ import msgspec
 
 from shoal.actors.replies import SchedulerSnapshot, UpdateOutcome
 from shoal.cache.stats import KVStats
+from shoal.disagg.wire import RoomRequest, RoomResult
 from shoal.params import SamplingParams
 from shoal.results import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from shoal.results import RequestStream
+
+
+class Bootstrap(msgspec.Struct, frozen=True):
+    """Prefill/decode disaggregation (docs/disaggregation.md): where this request's other
+    half runs. SGLang's names: the prefill server's bootstrap host and port, and the room
+    both servers know the request by."""
+
+    host: str
+    port: int
+    room: int
 
 
 class RowWriteMsg(msgspec.Struct, frozen=True):
@@ -46,6 +57,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     sampling: SamplingParams
     stream: RequestStream
     session_id: str | None = None
+    bootstrap: Bootstrap | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -129,12 +141,14 @@ class Admit(msgspec.Struct, frozen=True, tag=True):
     seed: int
     session_id: str | None = None
     session_prev_len: int = 0  # the history before this turn: what an abort rolls back to
+    bootstrap: Bootstrap | None = None
 
 
 class Admitted(msgspec.Struct, frozen=True):
     rid: str
     row: int
     num_cached_tokens: int
+    pages: tuple[int, ...] = ()  # the row's pages, when the admission asked (export_pages)
 
 
 class Plan(msgspec.Struct, frozen=True, tag=True):
@@ -154,6 +168,17 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
     next_tokens: tuple[int, ...]  # one per sampling sequence, in batch order
     error: str | None = None
     logprobs: tuple[TokenLogprob | None, ...] = ()  # parallel to next_tokens, when any asked
+
+
+class TransferEnded(msgspec.Struct, frozen=True, tag=True):
+    """A room's KV transfer is over and nothing of it can still write into or read from the
+    request's pages. error None: done (a decode server gets the prefill's first token)."""
+
+    rid: str
+    room: int
+    error: str | None
+    first_token: int = -1
+    logprob: TokenLogprob | None = None
 
 
 class Snapshot(msgspec.Struct, frozen=True, tag=True):
@@ -208,6 +233,7 @@ SchedulerMsg = (
     | Abort
     | Plan
     | StepDone
+    | TransferEnded
     | Snapshot
     | FlushWhenIdle
     | FlushDeadline
@@ -255,6 +281,7 @@ class AdmitReq(msgspec.Struct, frozen=True):
     tokens: tuple[int, ...]
     reserve_tokens: int
     session_id: str | None = None
+    export_pages: bool = False  # a KV transfer reads or writes the row's pages: name them
 
 
 class PlanRequest(msgspec.Struct, frozen=True, tag=True):
@@ -291,6 +318,126 @@ class CloseSession(msgspec.Struct, frozen=True, tag=True):
 
 
 CacheMsg = PlanRequest | CheckIntegrity | CacheStats | FlushCache | CloseSession | Shutdown
+
+
+# ---- into the KV transfer actor (actors/kv_transfer.py) ----------------------------------
+
+
+class ClaimRoom(msgspec.Struct, frozen=True, tag=True):
+    """Prefill side: a request of this room was admitted; its KV will follow (SendKV)."""
+
+    rid: str
+    room: int
+    prompt_digest: str
+
+
+class SendKV(msgspec.Struct, frozen=True, tag=True):
+    """Prefill side: the prompt's KV is in `pages` (positions 0 .. num_tokens - 1) and its
+    first token sampled; write it into the decode server's pages. Answered by TransferEnded."""
+
+    rid: str
+    room: int
+    pages: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+    logprob: TokenLogprob | None
+
+
+class ExpectKV(msgspec.Struct, frozen=True, tag=True):
+    """Decode side: `pages` (positions skip_tokens ..) are reserved for the room; ask the
+    prefill server to fill them. Answered by TransferEnded."""
+
+    rid: str
+    bootstrap: Bootstrap
+    pages: tuple[int, ...]
+    skip_tokens: int
+    num_tokens: int
+    prompt_digest: str
+
+
+class DropRoom(msgspec.Struct, frozen=True, tag=True):
+    """The request ended (abort, error, disconnect) before its transfer did: end the room
+    on both sides with this cause."""
+
+    rid: str
+    bootstrap: Bootstrap
+    cause: str
+
+
+class TransferCountsAsk(msgspec.Struct, frozen=True, tag=True):
+    """The rooms in each state (what /get_server_info and /metrics show)."""
+
+    reply: asyncio.Future[dict[str, int]]
+
+
+class PeerArrived(msgspec.Struct, frozen=True, tag=True):
+    """Prefill side, from the bootstrap endpoint: the decode server's pages for a room; the
+    reply is sent once no write for it can still land."""
+
+    room: int
+    request: RoomRequest
+    reply: asyncio.Future[RoomResult]
+
+
+class PeerCancel(msgspec.Struct, frozen=True, tag=True):
+    """Prefill side: the decode server ends the room; the reply once nothing can still write."""
+
+    room: int
+    cause: str
+    reply: asyncio.Future[None]
+
+
+class PeerGone(msgspec.Struct, frozen=True, tag=True):
+    """Prefill side: the decode server's bootstrap connection dropped while it waited."""
+
+    room: int
+
+
+class WriteEnded(msgspec.Struct, frozen=True, tag=True):
+    """Prefill side: the backend's write for a room returned (error None: every byte landed)."""
+
+    room: int
+    error: str | None
+
+
+class PollEnded(msgspec.Struct, frozen=True, tag=True):
+    """Decode side: the prefill server answered the room (result), or could not be reached
+    (why; stopped: nothing of it can still write)."""
+
+    room: int
+    result: RoomResult | None
+    why: str = ""
+    stopped: bool = True
+
+
+class CancelEnded(msgspec.Struct, frozen=True, tag=True):
+    """Decode side: the prefill server confirmed the cancel (or is surely stopped), or not."""
+
+    room: int
+    confirmed: bool
+    why: str = ""
+
+
+class RoomDeadline(msgspec.Struct, frozen=True, tag=True):
+    room: int
+    serial: int  # which arming of the room's timer (a re-armed timer's old one is stale)
+
+
+TransferMsg = (
+    ClaimRoom
+    | SendKV
+    | ExpectKV
+    | DropRoom
+    | TransferCountsAsk
+    | PeerArrived
+    | PeerCancel
+    | PeerGone
+    | WriteEnded
+    | PollEnded
+    | CancelEnded
+    | RoomDeadline
+    | Shutdown
+)
 
 
 # ---- into the executor --------------------------------------------------------------------

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from shoal.actors import planner_transfers as transfers
 from shoal.actors.messages import (
     Admit,
     AdmitReq,
@@ -36,6 +37,8 @@ from shoal.actors.messages import (
     RowWriteMsg,
     SeqChunk,
     StepDone,
+    TransferEnded,
+    TransferMsg,
     TrimReq,
 )
 from shoal.actors.prefix_sharing import prefixes_in_progress, publishes_due
@@ -73,6 +76,7 @@ class Planner:
     admitting: set[str] = field(default_factory=set)  # in the outstanding plan's admits
     kv_window: int | None = None  # W when every layer attends to the last W keys only
     trimmed_to: dict[str, int] = field(default_factory=dict)  # trims asked, per holding rid
+    transfer_out: list[TransferMsg] = field(default_factory=list)  # for the transfer actor
 
     # ---- questions ------------------------------------------------------------------------
 
@@ -100,6 +104,7 @@ class Planner:
             running=phase(Phase.RUNNING),
             retracting=phase(Phase.RETRACTING),
             finishing=phase(Phase.FINISHING),
+            transfer=phase(Phase.TRANSFER),
             launched_batches={b: tuple(m.rid for m in ms) for b, ms in self.batches.items()},
             rows={r.rid: r.row for r in self.reqs.values() if r.row is not None},
             progress={r.rid: r.num_launched for r in self.reqs.values()},
@@ -116,6 +121,8 @@ class Planner:
         tokens = list(msg.prompt_ids)
         req = Req(msg.rid, self.next_order, msg.sampling, msg.seed, len(tokens), tokens)
         req.session_id, req.session_prev_len = msg.session_id, msg.session_prev_len
+        req.bootstrap, req.role = msg.bootstrap, self.config.role(msg.bootstrap)
+        self._to_transfer(transfers.claim(req))
         self.next_order += 1
         self.reqs[msg.rid] = req
         self.waiting.append(msg.rid)
@@ -134,6 +141,7 @@ class Planner:
         out = [] if reason == "stop" else [Output(rid, (), "abort", message or "aborted")]
         self.stalled = False
         self._end(req)
+        self._to_transfer(transfers.drop(req, message or "aborted"))
         return out
 
     def _end(self, req: Req) -> None:
@@ -155,6 +163,7 @@ class Planner:
         req.drop_kv, req.finish = True, "error"
         self.stalled = False
         self._end(req)
+        self._to_transfer(transfers.drop(req, message))
         return [Output(rid, (), "error", message)]
 
     def fail_all(self, message: str) -> list[Output]:
@@ -165,6 +174,7 @@ class Planner:
                 out.append(Output(req.rid, (), "error", message))
             req.drop_kv, req.finish = True, "error"
             self._end(req)
+            self._to_transfer(transfers.drop(req, message))
         return out
 
     def set_paused(self, paused: bool) -> None:
@@ -179,6 +189,39 @@ class Planner:
                 req.phase = Phase.RETRACTING
         self.stalled = False
 
+    def _to_transfer(self, msg: TransferMsg | None) -> None:
+        if msg is not None:
+            self.transfer_out.append(msg)
+
+    def take_transfers(self) -> list[TransferMsg]:
+        out, self.transfer_out = self.transfer_out, []
+        return out
+
+    def transfer_ended(self, done: TransferEnded) -> list[Output]:
+        """A room's transfer is over (planner_transfers.py): its pages may be released."""
+        req = self.reqs.get(done.rid)
+        if req is None or not transfers.concerns(req, done):
+            return []
+        req.transfer_open = False
+        self.stalled = False
+        if req.phase is Phase.FINISHING:
+            return []  # ended meanwhile; now it may be released
+        if done.error is not None:
+            req.role = None  # the room is over: nothing to tell the transfer actor
+            return self.fail(req.rid, f"KV transfer failed: {done.error}")
+        token, logprob, ends = transfers.succeeded(req, done, self.config.eos_token_ids)
+        finish = req.finish if ends else None
+        return [
+            Output(
+                req.rid,
+                (token,),
+                finish,
+                num_cached_tokens=req.num_cached_tokens,
+                matched_token=token if finish == "stop" else None,
+                logprobs=None if logprob is None else (logprob,),
+            )
+        ]
+
     def take_released(self) -> list[str]:
         done, self.released = self.released, []
         return done
@@ -189,7 +232,7 @@ class Planner:
         releases = []
         for req in self.holding():
             done = req.phase in (Phase.FINISHING, Phase.RETRACTING)
-            if done and req.inflight == 0 and not req.release_sent:
+            if done and req.inflight == 0 and not req.release_sent and not req.transfer_open:
                 req.release_sent = True
                 computed, session = req.kept_tokens(self.config.prefix_cache)
                 releases.append(ReleaseReq(req.rid, computed, session))
@@ -219,11 +262,13 @@ class Planner:
                 req = self.reqs[rid]
                 if budget <= 0 and (admits or has_prefill or extends):
                     break
-                if computing is not None and req.session_id is None:
+                if computing is not None and req.session_id is None and req.role != "receive":
                     if computing.should_wait(req.tokens):
                         continue  # admitted once the shared prefix is in the tree
                     computing.add(req.tokens, 0)
-                admits.append(AdmitReq(rid, tuple(req.tokens), len(req.tokens), req.session_id))
+                reserve = transfers.reserve_tokens(req)
+                exports = req.role is not None
+                admits.append(AdmitReq(rid, tuple(req.tokens), reserve, req.session_id, exports))
                 budget -= min(len(req.tokens), self.config.chunk_size)
         if not (releases or extends or admits or has_prefill or publishes):
             return None  # nothing launches: the trims are asked for again next time
@@ -236,13 +281,16 @@ class Planner:
     def _trims(self) -> tuple[TrimReq, ...]:
         if self.kv_window is None:
             return ()
+        local = [r for r in self.holding() if r.role is None]  # a transfer reads every page
         return window_trims(
-            self.holding(), self.batches, self.kv_window, self.config.page_size, self.trimmed_to
+            local, self.batches, self.kv_window, self.config.page_size, self.trimmed_to
         )
 
     def _wants_decode(self, req: Req) -> bool:
         if req.phase is not Phase.RUNNING or (self.config.disjoint and req.inflight):
             return False
+        if req.role == "send":
+            return False  # a prefill server's request ends at its first token
         return req.num_outputs + req.pending < req.sampling.max_new_tokens
 
     def apply_plan(self, plan: Plan) -> Launch | None:
@@ -272,6 +320,7 @@ class Planner:
                 req.phase, req.needs_init = Phase.PREFILL, True
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = adm.num_cached_tokens
+            self._to_transfer(transfers.admitted(req, adm, self.config.page_size))
         for rid in plan.admit_failed:
             if self.reqs[rid].phase is Phase.FINISHING:
                 self.waiting.remove(rid)
@@ -384,6 +433,9 @@ class Planner:
             req.pending -= 1
             if req.phase is Phase.FINISHING:
                 continue  # launched before its finish was known: discard
+            if req.role == "send":  # held back until its KV has landed
+                self._to_transfer(transfers.first_token(req, token, logprob, self.config.page_size))
+                continue
             req.tokens.append(token)
             finish = finish_reason(req, token, self.config.eos_token_ids)
             cached = req.num_cached_tokens if req.num_outputs == 1 else None

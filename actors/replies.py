@@ -42,6 +42,7 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     num_retractions: int
     idle: bool  # law 1: no request anywhere, no batch in flight, no plan outstanding
     held_results: tuple[int, ...] = ()  # test stepping: results waiting for a Deliver
+    transfer: tuple[str, ...] = ()  # disaggregation: pages being written (planner_transfers)
 
     def busy_summary(self) -> str:
         """What keeps the engine from being idle, as "2 running, 1 finishing"."""
@@ -51,6 +52,7 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
             "running": self.running,
             "retracting": self.retracting,
             "finishing": self.finishing,
+            "transferring KV": self.transfer,
         }
         parts = [f"{len(rids)} {phase}" for phase, rids in phases.items() if rids]
         return ", ".join(parts) or "a batch in flight"

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal
 
+from shoal.actors.messages import Bootstrap
 from shoal.params import SamplingParams
-from shoal.results import FinishReason
+from shoal.results import FinishReason, TokenLogprob
+
+Role = Literal["send", "receive"]  # a disaggregated request's half (docs/disaggregation.md)
 
 
 class Phase(Enum):
@@ -15,6 +19,7 @@ class Phase(Enum):
     RUNNING = "running"
     RETRACTING = "retracting"
     FINISHING = "finishing"
+    TRANSFER = "transfer"  # its pages are being written: by this server (send) or into it
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,14 @@ class PlannerConfig:
     # launched batch at a time (a decode's input is the last stage's token of its previous
     # batch), and a batch takes at most its share of the decodes, so that every stage has one.
     stages: int = 1
+    # Prefill/decode disaggregation: a request with a bootstrap sends its prompt's KV
+    # ("prefill") or receives it ("decode"); "null" serves every request alone.
+    disaggregation: Literal["null", "prefill", "decode"] = "null"
+
+    def role(self, bootstrap: Bootstrap | None) -> Role | None:
+        if bootstrap is None or self.disaggregation == "null":
+            return None
+        return "send" if self.disaggregation == "prefill" else "receive"
 
     @property
     def disjoint(self) -> bool:
@@ -67,6 +80,14 @@ class Req:
     session_id: str | None = None
     session_prev_len: int = 0
     keep_outputs: int | None = None  # a stop string ended it: the outputs the caller kept
+    # Disaggregation (actors/planner_transfers.py): its half, the room, the row's pages as
+    # admitted, whether a transfer may still touch them (no release until it is over), and
+    # a prefill's first token, held back until its KV has landed.
+    bootstrap: Bootstrap | None = None
+    role: Role | None = None
+    pages: tuple[int, ...] = ()
+    transfer_open: bool = False
+    held_first: tuple[int, TokenLogprob | None] | None = None
 
     @property
     def num_outputs(self) -> int:

@@ -43,6 +43,8 @@ from shoal.actors.messages import (
     Snapshot,
     StepDone,
     TokenizerMsg,
+    TransferEnded,
+    TransferMsg,
 )
 from shoal.actors.planner import Planner
 from shoal.actors.replies import answer
@@ -74,6 +76,7 @@ class Scheduler:
         executor: Mailbox[ExecutorMsg],
         tokenizer: Mailbox[TokenizerMsg],
         faults: FaultInjector | None = None,
+        transfer: Mailbox[TransferMsg] | None = None,
     ) -> None:
         assert max_inflight >= 1
         self.planner = planner
@@ -88,6 +91,7 @@ class Scheduler:
         self.flushes: dict[int, tuple[asyncio.Future[str | None], asyncio.TimerHandle]] = {}
         self.parks: list[asyncio.Future[None]] = []
         self.faults = faults
+        self.transfer = transfer  # disaggregation's transfer actor (actors/kv_transfer.py)
 
     async def run(self) -> None:
         await serve("scheduler", self.mailbox, self.faults, self.handle, self.recover)
@@ -99,6 +103,7 @@ class Scheduler:
         self._pump_gate()
         self._maybe_plan()
         self._when_quiet()
+        self._send_transfers()
 
     def recover(self, msg: SchedulerMsg, error: InternalError) -> None:
         """One message failed (actors/supervise.py): end the request or operation it stood
@@ -119,7 +124,11 @@ class Scheduler:
                 answer(reply, f"not flushed: {error}")
             case Plan():
                 raise Fatal("the scheduler could not apply a plan") from error
+            case TransferEnded(rid=rid) if rid in planner.reqs:
+                planner.reqs[rid].transfer_open = False  # the transfer is over, whatever failed
+                self._send(planner.fail(rid, str(error)))
         self._maybe_plan()
+        self._send_transfers()
 
     def apply(self, msg: SchedulerMsg) -> None:
         planner = self.planner
@@ -136,6 +145,8 @@ class Scheduler:
                 if self.gate.planning is not None:
                     answer(self.gate.planning, launch.batch_id if launch else None)
                     self.gate.planning = None
+            case TransferEnded() as ended:
+                self._send(planner.transfer_ended(ended))
             case StepDone() as done:
                 if self.gate.held:
                     self.gate.results.append(done)
@@ -178,6 +189,11 @@ class Scheduler:
         released = self.planner.take_released()
         if released:
             self.tokenizer.put(Released(tuple(released)))
+
+    def _send_transfers(self) -> None:
+        for msg in self.planner.take_transfers():
+            assert self.transfer is not None, "a transfer without disaggregation"
+            self.transfer.put(msg)
 
     def _pump_gate(self) -> None:
         gate = self.gate

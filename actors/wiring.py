@@ -14,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from shoal.actors.cache_manager import CacheManager
 from shoal.actors.device_state import DeviceState
+from shoal.actors.disagg_wiring import build_transfer
 from shoal.actors.executor import Executor
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
@@ -26,6 +28,7 @@ from shoal.actors.messages import (
     SchedulerMsg,
     Shutdown,
     TokenizerMsg,
+    TransferMsg,
 )
 from shoal.actors.planner import Planner
 from shoal.actors.request import PlannerConfig
@@ -35,6 +38,7 @@ from shoal.actors.supervise import FaultInjector
 from shoal.actors.tokenizer import Tokenizer
 from shoal.cache.kv import KVCache
 from shoal.config import EngineOptions, Resolved
+from shoal.disagg.backend import LocalFabric
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_kernels
@@ -57,6 +61,7 @@ class Actors:
     executor_box: Mailbox[ExecutorMsg]
     tokenizer: Tokenizer
     stages: StageMonitor  # microbatches in each pipeline stage (one stage: the executor)
+    transfer_box: Mailbox[TransferMsg] | None = None  # disaggregation's transfer actor
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     stopping: bool = False
     dead_reason: str | None = None
@@ -64,7 +69,12 @@ class Actors:
     async def stop(self) -> None:
         """Ask every actor to finish, then wait for them."""
         self.stopping = True
-        for box in (self.tokenizer_box, self.scheduler_box, self.cache_box, self.executor_box):
+        boxes: list[Mailbox[Any]] = [
+            self.tokenizer_box, self.scheduler_box, self.cache_box, self.executor_box,
+        ]  # fmt: skip
+        if self.transfer_box is not None:
+            boxes.append(self.transfer_box)
+        for box in boxes:
             box.put(Shutdown())
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         self._fail_open("the engine was shut down")
@@ -174,6 +184,7 @@ def start_actors(
     kernels: CpuKernels | None,
     on_death: Callable[[str], None],
     faults: FaultInjector | None = None,
+    fabric: LocalFabric | None = None,
 ) -> Actors:
     layout = resolved.cache
     config = loaded.config
@@ -213,6 +224,7 @@ def start_actors(
             prefix_cache=options.prefix_cache,
             page_size=layout.page_size,
             stages=len(stages),
+            disaggregation=options.disaggregation_mode,
         ),
         kv_window=config.kv_window,
     )
@@ -231,7 +243,19 @@ def start_actors(
     actors = Actors(
         tokenizer_box, scheduler_box, cache_box, executor_box, tokenizer, device_state.monitor
     )
-    runs = {
+    runs = {}
+    if options.disaggregation_mode != "null":
+        transfer, actors.transfer_box = build_transfer(
+            options,
+            stages,
+            layout.page_size,
+            scheduler_box,
+            lambda: tokenizer.weight_version,
+            fabric,
+            faults,
+        )
+        runs["transfer"] = transfer.run()
+    runs |= {
         "tokenizer": tokenizer.run(),
         "scheduler": Scheduler(
             planner,
@@ -241,6 +265,7 @@ def start_actors(
             executor_box,
             tokenizer_box,
             faults,
+            actors.transfer_box,
         ).run(),
         "cache manager": CacheManager(
             kv, cache_box, scheduler_box, options.strict_integrity, faults

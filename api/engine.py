@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -19,12 +20,15 @@ from typing import Any
 import msgspec
 import torch
 
+from shoal.actors.disagg_wiring import room_handlers
 from shoal.actors.messages import (
     Abort,
     Advance,
+    Bootstrap,
     CacheStats,
     CheckIntegrity,
     Deliver,
+    DropRoom,
     EndSession,
     FlushWhenIdle,
     Gate,
@@ -32,6 +36,7 @@ from shoal.actors.messages import (
     OpenSession,
     Pause,
     Snapshot,
+    TransferCountsAsk,
     UpdateWeights,
 )
 from shoal.actors.replies import SchedulerSnapshot, UpdateOutcome
@@ -42,6 +47,8 @@ from shoal.api.sampling_wire import SAMPLING_FIELDS, sampling_from
 from shoal.api.session import Session
 from shoal.cache.stats import KVStats
 from shoal.config import EngineOptions, Resolved, resolve, resolve_device
+from shoal.disagg.backend import LocalFabric
+from shoal.disagg.bootstrap import BootstrapServer
 from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model
 from shoal.limits import check_prompt_size
 from shoal.memory import DeviceMemory, measure_device_memory
@@ -61,7 +68,15 @@ class FlushResult(msgspec.Struct, frozen=True):
 
 
 class Engine:
-    def __init__(self, model: str | Path | LoadedModel | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model: str | Path | LoadedModel | None = None,
+        *,
+        fabric: LocalFabric | None = None,
+        **options: Any,
+    ) -> None:
+        """`fabric`: with disaggregation_transfer_backend "local", the engines that share one
+        LocalFabric move KV between each other (disagg/backend.py)."""
         self.options = EngineOptions(**options)
         self.options.validate()
         self.limits = self.options.input_limits()
@@ -74,6 +89,8 @@ class Engine:
         self.dead_reason: str | None = None
         self.startup_s = 0.0
         self.faults = FaultInjector()  # tests arm it to fail one message (actors/supervise.py)
+        self.fabric = fabric
+        self.bootstrap: BootstrapServer | None = None  # a prefill server's endpoint
 
     # ---- life ------------------------------------------------------------------------------
 
@@ -99,8 +116,20 @@ class Engine:
         fell_back = self.resolved.attention == "cpu" and kernels is None
         self.attention = "torch" if fell_back else self.resolved.attention
         self._actors = start_actors(
-            loaded, self.options, self.resolved, kernels, self._on_death, self.faults
+            loaded, self.options, self.resolved, kernels, self._on_death, self.faults, self.fabric
         )
+        if self.options.disaggregation_mode == "prefill":
+            assert self._actors.transfer_box is not None
+            self.bootstrap = BootstrapServer(
+                room_handlers(self._actors.transfer_box),
+                self.options.disaggregation_bootstrap_host,
+                self.options.disaggregation_bootstrap_port,
+            )
+            try:
+                await self.bootstrap.start()
+            except OSError as exc:
+                await self._actors.stop()
+                raise ValueError(f"the bootstrap endpoint could not listen: {exc}") from exc
         if loaded is not self._model:
             loaded.weights.clear()  # the model holds its own copies; a caller's stay whole
         self.startup_s = time.perf_counter() - began
@@ -118,6 +147,14 @@ class Engine:
     async def close(self) -> None:
         if self._actors is not None:
             await self._actors.stop()
+        if self.bootstrap is not None:
+            await self.bootstrap.stop()
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        """Where this prefill server's bootstrap endpoint listens (None: not a prefill
+        server)."""
+        return None if self.bootstrap is None else self.bootstrap.port
 
     async def __aenter__(self) -> Engine:
         return await self.start()
@@ -159,6 +196,7 @@ class Engine:
         sampling: SamplingParams | None = None,
         rid: str | None = None,
         session_id: str | None = None,
+        bootstrap: Bootstrap | None = None,
         **sampling_fields: Any,
     ) -> RequestStream:
         """Start one request. Sampling is a SamplingParams or its fields as keywords (a field
@@ -168,6 +206,10 @@ class Engine:
         the command line come through here): ValueError at once for a bad value (RequestError
         or LimitExceeded, `field` naming it); a prompt that does not fit the context surfaces
         as ValueError from the stream.
+
+        `bootstrap` (SGLang's bootstrap_host/port/room) makes it one half of a disaggregated
+        request on a prefill or decode server (docs/disaggregation.md); elsewhere it is
+        ignored.
         """
         unknown = set(sampling_fields) - set(SAMPLING_FIELDS)
         if unknown:
@@ -179,14 +221,41 @@ class Engine:
             given = {} if sampling is None else msgspec.structs.asdict(sampling)
             sampling = sampling_from({**given, **sampling_fields})
         sampling.validate(self.loaded.config.vocab_size if self.loaded else None, self.limits)
+        if self.options.disaggregation_mode == "null":
+            bootstrap = None
+        if bootstrap is not None and session_id is not None:
+            raise RequestError("a session turn cannot be disaggregated", "bootstrap_room")
         actors = self.actors
         rid = rid if rid is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(rid, self.abort)
         ids = tuple(int(t) for t in input_ids) if input_ids is not None else None
         msgs = tuple(messages) if messages is not None else None
-        gen = Generate(rid, prompt, ids, msgs, sampling, stream, session_id)
+        gen = Generate(rid, prompt, ids, msgs, sampling, stream, session_id, bootstrap)
+        if bootstrap is not None:
+            stream.on_end = partial(self._end_room, rid, bootstrap)
         actors.tokenizer_box.put(gen)
         return stream
+
+    def _end_room(self, rid: str, bootstrap: Bootstrap, cause: str | None) -> None:
+        """A disaggregated request ended: if not well, its room ends on both servers with the
+        cause, wherever the request was (even refused before it was admitted)."""
+        actors = self._actors
+        if cause is not None and actors is not None and actors.transfer_box is not None:
+            actors.transfer_box.put(DropRoom(rid, bootstrap, cause))
+
+    def drop_room(self, bootstrap: Bootstrap, cause: str) -> None:
+        """A door refused a disaggregated request before it reached the engine (a bad field):
+        end its room on both servers with the cause."""
+        self._end_room("", bootstrap, cause)
+
+    async def transfer_counts(self) -> dict[str, int]:
+        """Disaggregation's rooms in each state ({} without disaggregation)."""
+        box = self.actors.transfer_box
+        if box is None:
+            return {}
+        reply: asyncio.Future[dict[str, int]] = self._future()
+        box.put(TransferCountsAsk(reply))
+        return await reply
 
     def abort(self, rid: str, message: str = "aborted by the caller") -> None:
         if self._actors is not None and not self._actors.stopping:

@@ -11,7 +11,7 @@ Interface (what the engine's cache manager calls)::
     cache.release(rid, computed_tokens)      # finished/aborted/retracted; caches computed KV
     cache.evict(num_pages)                   -> int   # pages evicted from the tree
     cache.flush()                            # only when no request is live
-    cache.holds(rid), cache.can_admit_pages(n), cache.check_integrity()
+    cache.holds(rid), cache.row_pages(rid), cache.can_admit_pages(n), cache.check_integrity()
     cache.stats()                            -> KVStats (stats.py)
 
 Page ownership of one live request's row (page_size 4, prompt of 11 tokens,
@@ -146,6 +146,10 @@ class KVCache:
 
     def holds(self, rid: str) -> bool:
         return rid in self._live
+
+    def row_pages(self, rid: str) -> list[int]:
+        """The pages of ``rid``'s row in position order (a KV transfer's addresses)."""
+        return self.rows.pages(self._live[rid].row)
 
     def can_admit_pages(self, num_pages: int) -> bool:
         """Whether ``num_pages`` new pages could be had, evicting if needed."""

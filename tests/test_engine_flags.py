@@ -37,6 +37,10 @@ def asked(index: int, info: Field[Any]) -> Any:
         return (default or 0) + index + 1
     if kind == str | None:  # one entry per pipeline stage (fixed in `every_value`)
         return f"value-{index}"
+    if kind is float:
+        return default + index + 1
+    if kind is str:
+        return f"host-{index}"
     raise AssertionError(f"teach this test a value of {info.name}'s type, {kind}")
 
 

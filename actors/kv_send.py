@@ -1,0 +1,250 @@
+"""The prefill side's rooms: one state machine per room, owned by the transfer actor.
+
+A room needs two halves, the local request (ClaimRoom, then SendKV once its KV is computed)
+and the decode server's pages (PeerArrived, from the bootstrap endpoint), in either order::
+
+    bootstrap ──both halves──▶ prefilling ──SendKV──▶ transferring ──WriteEnded──▶ done
+        │                          │                       │
+        └──── a deadline, DropRoom, PeerCancel, PeerGone, a mismatch ──────────▶ failed
+
+Which queue a room is in is its state (`SendRoom.state`), never a second list. A room ends
+in one place (`SendRooms.end`): the decode server's wait is answered, the local request
+gets TransferEnded, and the cause is kept (`ended`) so that a half arriving later hears it
+at once instead of waiting for a deadline. While a write runs nothing ends the room: a cause
+found meanwhile is kept and reported when the write returns, because only then can no byte
+of it still land in the decode server's pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shoal.actors.mailbox import Mailbox
+from shoal.actors.messages import (
+    ClaimRoom,
+    PeerArrived,
+    RoomDeadline,
+    SchedulerMsg,
+    SendKV,
+    TransferEnded,
+    TransferMsg,
+    WriteEnded,
+)
+from shoal.actors.replies import answer
+from shoal.disagg.backend import TransferBackend
+from shoal.disagg.layout import KVLayout, page_copies
+from shoal.disagg.wire import RoomRequest, RoomResult
+
+MAX_ENDED = 4096  # causes kept for rooms that ended, oldest forgotten first
+
+
+@dataclass
+class SendRoom:
+    room: int
+    rid: str | None = None
+    digest: str | None = None
+    peer: RoomRequest | None = None
+    reply: asyncio.Future[RoomResult] | None = None
+    kv: SendKV | None = None
+    writing: bool = False
+    write: asyncio.Task[None] | None = None
+    cause: str | None = None  # why it fails, found while a write ran
+    cancels: list[asyncio.Future[None]] = field(default_factory=list)
+    serial: int = 0
+
+    @property
+    def state(self) -> str:
+        if self.writing:
+            return "transferring"
+        return "bootstrap" if self.peer is None or self.rid is None else "prefilling"
+
+
+class SendRooms:
+    STATES = ("bootstrap", "prefilling", "transferring")
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        layout: KVLayout,
+        mailbox: Mailbox[TransferMsg],
+        scheduler: Mailbox[SchedulerMsg],
+        timeout_s: float,
+        weight_version: Callable[[], int],
+    ) -> None:
+        self.backend = backend
+        self.layout = layout
+        self.mailbox = mailbox
+        self.scheduler = scheduler
+        self.timeout_s = timeout_s
+        self.weight_version = weight_version
+        self.rooms: dict[int, SendRoom] = {}
+        self.ended: OrderedDict[int, str] = OrderedDict()
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(self.STATES, 0)
+        for room in self.rooms.values():
+            out[room.state] += 1
+        return out
+
+    # ---- the two halves --------------------------------------------------------------------
+
+    def claim(self, msg: ClaimRoom) -> None:
+        if msg.room in self.ended:
+            self.scheduler.put(TransferEnded(msg.rid, msg.room, self.ended[msg.room]))
+            return
+        room = self._room(msg.room)
+        if room.rid is not None:
+            cause = f"room {msg.room} is already in use by another request"
+            self.scheduler.put(TransferEnded(msg.rid, msg.room, cause))
+            return
+        room.rid, room.digest = msg.rid, msg.prompt_digest
+        self._check(room)
+
+    def arrived(self, msg: PeerArrived) -> None:
+        if msg.room in self.ended:
+            answer(msg.reply, RoomResult(False, self.ended[msg.room]))
+            return
+        room = self._room(msg.room)
+        if room.peer is not None:
+            answer(msg.reply, RoomResult(False, f"room {msg.room} already has a decode server"))
+            return
+        room.peer, room.reply = msg.request, msg.reply
+        self._check(room)
+
+    def computed(self, msg: SendKV) -> None:
+        room = self.rooms.get(msg.room)
+        if room is None or room.rid != msg.rid:
+            cause = self.ended.get(msg.room, f"room {msg.room} ended")
+            self.scheduler.put(TransferEnded(msg.rid, msg.room, cause))
+            return
+        room.kv = msg
+        self._check(room)
+
+    def _room(self, number: int) -> SendRoom:
+        room = self.rooms.get(number)
+        if room is None:
+            room = self.rooms[number] = SendRoom(number)
+            self._arm(room)
+        return room
+
+    def _arm(self, room: SendRoom) -> None:
+        room.serial += 1
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.timeout_s, self.mailbox.put, RoomDeadline(room.room, room.serial))
+
+    def _check(self, room: SendRoom) -> None:
+        """Both halves known: do they agree? With the KV computed too: write it."""
+        peer = room.peer
+        if peer is None or room.rid is None:
+            return
+        if room.kv is None:
+            if peer.prompt_digest != room.digest:
+                self.end(room, "the decode server holds a different prompt for this room")
+            elif (mismatch := self.layout.mismatch(peer.layout)) is not None:
+                self.end(room, mismatch)
+            return
+        self._write(room, room.kv, peer)
+
+    def _write(self, room: SendRoom, kv: SendKV, peer: RoomRequest) -> None:
+        page_size = self.layout.page_size
+        skip = peer.skip_tokens // page_size
+        src_pages = list(kv.pages[skip:])
+        if kv.num_tokens != peer.num_tokens or len(src_pages) != len(peer.pages):
+            self.end(room, "the decode server's pages do not cover this prompt")
+            return
+        srcs, dsts, lengths = page_copies(self.layout, src_pages, peer.layout, list(peer.pages))
+        room.writing = True
+        task = asyncio.create_task(self._run_write(room.room, peer.endpoint, srcs, dsts, lengths))
+        room.write = task
+
+    async def _run_write(
+        self, number: int, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]
+    ) -> None:
+        try:
+            error = await asyncio.to_thread(self.backend.write, peer, srcs, dsts, lengths)
+        except Exception as exc:  # a backend's own failure is this room's, not the actor's
+            error = f"the transfer backend failed: {exc!r}"
+        self.mailbox.put(WriteEnded(number, error))
+
+    # ---- endings ---------------------------------------------------------------------------
+
+    def write_ended(self, msg: WriteEnded) -> None:
+        room = self.rooms[msg.room]
+        room.writing = False
+        cause = msg.error or room.cause
+        if cause is not None:
+            self.end(room, cause)
+            return
+        kv = room.kv
+        assert kv is not None and room.rid is not None
+        del self.rooms[room.room]
+        if room.reply is not None:
+            version = self.weight_version()
+            answer(room.reply, RoomResult(True, "", kv.first_token, kv.logprob, version))
+        self.scheduler.put(TransferEnded(room.rid, room.room, None))
+        for cancel in room.cancels:
+            answer(cancel, None)
+
+    def stop(self, number: int, cause: str, reply: asyncio.Future[None] | None = None) -> None:
+        """End a room from outside (DropRoom, PeerCancel, PeerGone): at once, or when its
+        write returns. A room not seen yet is remembered as ended."""
+        room = self.rooms.get(number)
+        if room is None:
+            self._remember(number, cause)
+            if reply is not None:
+                answer(reply, None)
+            return
+        if room.writing:
+            room.cause = room.cause or cause
+            if reply is not None:
+                room.cancels.append(reply)
+            return
+        self.end(room, cause)
+        if reply is not None:
+            answer(reply, None)
+
+    def fail(self, number: int, cause: str, rid: str | None = None) -> None:
+        """Supervision (actors/kv_transfer.py): whatever a failed message left half done,
+        the room ends with the cause (after its write, if one runs), and `rid`, when it
+        waits for a TransferEnded the room cannot send, gets one."""
+        room = self.rooms.get(number)
+        if room is not None and room.writing and room.write is not None and room.write.done():
+            room.writing = False  # its write's end was the message that failed
+        if (room is None or room.rid != rid) and rid is not None:
+            self.scheduler.put(TransferEnded(rid, number, cause))
+        self.stop(number, cause)
+
+    def deadline(self, msg: RoomDeadline) -> None:
+        """A room still missing a half after timeout_s fails (once both are here, the decode
+        server's own timeout bounds the wait: it cancels the room)."""
+        room = self.rooms.get(msg.room)
+        if room is None or room.serial != msg.serial or room.state != "bootstrap":
+            return
+        missing = "decode server" if room.peer is None else "prefill request"
+        self.end(room, f"no {missing} arrived for room {room.room} within {self.timeout_s:g}s")
+
+    def end(self, room: SendRoom, cause: str) -> None:
+        """The one place a room fails: both halves hear the cause."""
+        assert not room.writing
+        del self.rooms[room.room]
+        self._remember(room.room, cause)
+        if room.reply is not None:
+            answer(room.reply, RoomResult(False, cause))
+        if room.rid is not None:
+            self.scheduler.put(TransferEnded(room.rid, room.room, cause))
+        for cancel in room.cancels:
+            answer(cancel, None)
+
+    def _remember(self, number: int, cause: str) -> None:
+        self.ended[number] = cause
+        self.ended.move_to_end(number)
+        while len(self.ended) > MAX_ENDED:
+            self.ended.popitem(last=False)
+
+    def shutdown(self) -> None:
+        for room in list(self.rooms.values()):
+            room.writing = False  # the process ends: its writes end with it
+            self.end(room, "the prefill server is shutting down")
