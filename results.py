@@ -30,6 +30,7 @@ ErrorCode = Literal[
     "session_not_found",  # never opened, closed or reaped
     "session_busy",  # the session's last turn still streams
     "too_many_sessions",  # the engine's cap on open sessions is reached
+    "peer_refused",  # disaggregation: the other server refused this request as given
 ]
 ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)
 
@@ -68,6 +69,7 @@ class Completion(msgspec.Struct, frozen=True):
     message: str = ""
     logprobs: tuple[TokenLogprob, ...] | None = None
     weight_version: int = 0  # the weights its last token came from (see docs/architecture.md)
+    code: ErrorCode | None = None  # an "error" that was the caller's mistake, and which
 
 
 class RequestError(ValueError):
@@ -108,8 +110,9 @@ class RequestStream:
         self._error: BaseException | None = None
         self._ended = False
         # Told once how the request ended: None when it finished, else why not (an abort, an
-        # error). Disaggregation ends the request's room with it (api/engine.py).
-        self.on_end: Callable[[str | None], None] | None = None
+        # error) and whether the request was refused as given (a ValueError: the caller's
+        # mistake). Disaggregation ends the request's room with it (api/engine.py).
+        self.on_end: Callable[[str | None, bool], None] | None = None
 
     # ---- producer side (tokenizer actor) -------------------------------------------------
 
@@ -122,17 +125,18 @@ class RequestStream:
             self._ended = True
             self._queue.put_nowait(completion)
             aborted = completion.finish_reason in ("abort", "error")
-            self._tell_end((completion.message or "aborted") if aborted else None)
+            cause = (completion.message or "aborted") if aborted else None
+            self._tell_end(cause, completion.code is not None)
 
     def fail(self, error: BaseException) -> None:
         if not self._ended:
             self._ended = True
             self._queue.put_nowait(error)
-            self._tell_end(str(error) or type(error).__name__)
+            self._tell_end(str(error) or type(error).__name__, isinstance(error, ValueError))
 
-    def _tell_end(self, cause: str | None) -> None:
+    def _tell_end(self, cause: str | None, refused: bool) -> None:
         if self.on_end is not None:
-            self.on_end(cause)
+            self.on_end(cause, refused)
 
     @property
     def ended(self) -> bool:

@@ -128,7 +128,7 @@ class ReceiveRooms:
                 self._cancel(room, msg.room, msg.why)
             return
         if not result.ok:
-            self._end(msg.room, f"the prefill server: {result.error}")
+            self._end(msg.room, f"the prefill server: {result.error}", result.refused)
             return
         version = self.weight_version()
         if result.weight_version != version:
@@ -191,9 +191,9 @@ class ReceiveRooms:
         else:
             self.cancelled(CancelEnded(number, False, cause))
 
-    def _end(self, number: int, cause: str) -> None:
+    def _end(self, number: int, cause: str, refused: bool = False) -> None:
         room = self.rooms.pop(number)
-        self.scheduler.put(TransferEnded(room.rid, number, cause))
+        self.scheduler.put(TransferEnded(room.rid, number, cause, refused=refused))
 
     async def shutdown(self) -> None:
         for task in list(self.tasks):

@@ -81,7 +81,7 @@ class SendRooms:
         self.timeout_s = timeout_s
         self.weight_version = weight_version
         self.rooms: dict[int, SendRoom] = {}
-        self.ended: OrderedDict[int, str] = OrderedDict()
+        self.ended: OrderedDict[int, tuple[str, bool]] = OrderedDict()  # (cause, refused)
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(self.STATES, 0)
@@ -93,7 +93,8 @@ class SendRooms:
 
     def claim(self, msg: ClaimRoom) -> None:
         if msg.room in self.ended:
-            self.scheduler.put(TransferEnded(msg.rid, msg.room, self.ended[msg.room]))
+            cause, _ = self.ended[msg.room]
+            self.scheduler.put(TransferEnded(msg.rid, msg.room, cause))
             return
         room = self._room(msg.room)
         if room.rid is not None:
@@ -105,7 +106,8 @@ class SendRooms:
 
     def arrived(self, msg: PeerArrived) -> None:
         if msg.room in self.ended:
-            answer(msg.reply, RoomResult(False, self.ended[msg.room]))
+            cause, refused = self.ended[msg.room]
+            answer(msg.reply, RoomResult(False, cause, refused))
             return
         room = self._room(msg.room)
         if room.peer is not None:
@@ -117,7 +119,7 @@ class SendRooms:
     def computed(self, msg: SendKV) -> None:
         room = self.rooms.get(msg.room)
         if room is None or room.rid != msg.rid:
-            cause = self.ended.get(msg.room, f"room {msg.room} ended")
+            cause, _ = self.ended.get(msg.room, (f"room {msg.room} ended", False))
             self.scheduler.put(TransferEnded(msg.rid, msg.room, cause))
             return
         room.kv = msg
@@ -183,17 +185,27 @@ class SendRooms:
         del self.rooms[room.room]
         if room.reply is not None:
             version = self.weight_version()
-            answer(room.reply, RoomResult(True, "", kv.first_token, kv.logprob, version))
+            result = RoomResult(
+                True, first_token=kv.first_token, logprob=kv.logprob, weight_version=version
+            )
+            answer(room.reply, result)
         self.scheduler.put(TransferEnded(room.rid, room.room, None))
         for cancel in room.cancels:
             answer(cancel, None)
 
-    def stop(self, number: int, cause: str, reply: asyncio.Future[None] | None = None) -> None:
+    def stop(
+        self,
+        number: int,
+        cause: str,
+        reply: asyncio.Future[None] | None = None,
+        refused: bool = False,
+    ) -> None:
         """End a room from outside (DropRoom, PeerCancel, PeerGone): at once, or when its
-        write returns. A room not seen yet is remembered as ended."""
+        write returns. A room not seen yet is remembered as ended. `refused`: this server
+        refused the request as given, which the decode server passes on to its caller."""
         room = self.rooms.get(number)
         if room is None:
-            self._remember(number, cause)
+            self._remember(number, cause, refused)
             if reply is not None:
                 answer(reply, None)
             return
@@ -202,7 +214,7 @@ class SendRooms:
             if reply is not None:
                 room.cancels.append(reply)
             return
-        self.end(room, cause)
+        self.end(room, cause, refused)
         if reply is not None:
             answer(reply, None)
 
@@ -226,20 +238,20 @@ class SendRooms:
         missing = "decode server" if room.peer is None else "prefill request"
         self.end(room, f"no {missing} arrived for room {room.room} within {self.timeout_s:g}s")
 
-    def end(self, room: SendRoom, cause: str) -> None:
+    def end(self, room: SendRoom, cause: str, refused: bool = False) -> None:
         """The one place a room fails: both halves hear the cause."""
         assert not room.writing
         del self.rooms[room.room]
-        self._remember(room.room, cause)
+        self._remember(room.room, cause, refused)
         if room.reply is not None:
-            answer(room.reply, RoomResult(False, cause))
+            answer(room.reply, RoomResult(False, cause, refused))
         if room.rid is not None:
             self.scheduler.put(TransferEnded(room.rid, room.room, cause))
         for cancel in room.cancels:
             answer(cancel, None)
 
-    def _remember(self, number: int, cause: str) -> None:
-        self.ended[number] = cause
+    def _remember(self, number: int, cause: str, refused: bool = False) -> None:
+        self.ended[number] = (cause, refused)
         self.ended.move_to_end(number)
         while len(self.ended) > MAX_ENDED:
             self.ended.popitem(last=False)

@@ -84,8 +84,8 @@ class KVTransfer:
                 send.stop(room, f"the decode server cancelled: {cause}", reply)
             case PeerGone(room=room) if send:
                 send.stop(room, "the decode server disconnected")
-            case DropRoom(bootstrap=bootstrap, cause=cause) if send:
-                send.stop(bootstrap.room, cause)
+            case DropRoom(bootstrap=bootstrap, cause=cause, refused=refused) if send:
+                send.stop(bootstrap.room, cause, refused=refused)
             case ExpectKV() if receive:
                 receive.expect(msg)
             case PollEnded() if receive:

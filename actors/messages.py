@@ -22,7 +22,7 @@ from shoal.actors.replies import SchedulerSnapshot, UpdateOutcome
 from shoal.cache.stats import KVStats
 from shoal.disagg.wire import RoomRequest, RoomResult
 from shoal.params import SamplingParams
-from shoal.results import FinishReason, TokenLogprob
+from shoal.results import ErrorCode, FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from shoal.results import RequestStream
@@ -74,6 +74,7 @@ class Output(msgspec.Struct, frozen=True):
     token_ids: tuple[int, ...]
     finish: FinishReason | None = None
     message: str = ""
+    code: ErrorCode | None = None  # an "error" that was the caller's mistake: which
     matched_token: int | None = None
     num_cached_tokens: int | None = None  # sent once, with the first output of a request
     logprobs: tuple[TokenLogprob, ...] | None = None
@@ -179,6 +180,7 @@ class TransferEnded(msgspec.Struct, frozen=True, tag=True):
     error: str | None
     first_token: int = -1
     logprob: TokenLogprob | None = None
+    refused: bool = False  # the error: the other server refused the request as given
 
 
 class Snapshot(msgspec.Struct, frozen=True, tag=True):
@@ -362,6 +364,7 @@ class DropRoom(msgspec.Struct, frozen=True, tag=True):
     rid: str
     bootstrap: Bootstrap
     cause: str
+    refused: bool = False  # this server refused the request as given (a 4xx)
 
 
 class TransferCountsAsk(msgspec.Struct, frozen=True, tag=True):

@@ -23,7 +23,15 @@ from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Abort, Generate, Output, SchedulerMsg
 from shoal.actors.sessions import SessionBook, SessionState
 from shoal.actors.stops import StopMatcher
-from shoal.results import Completion, Delta, FinishReason, RequestStream, TokenLogprob, Usage
+from shoal.results import (
+    Completion,
+    Delta,
+    ErrorCode,
+    FinishReason,
+    RequestStream,
+    TokenLogprob,
+    Usage,
+)
 
 
 @dataclass
@@ -109,10 +117,15 @@ class RequestStreams:
             self.scheduler.put(Abort(item.rid, reason="stop", keep_outputs=kept))
             self.end(item.rid, "stop", matched)
         elif item.finish is not None:
-            self.end(item.rid, item.finish, item.matched_token, item.message)
+            self.end(item.rid, item.finish, item.matched_token, item.message, item.code)
 
     def end(
-        self, rid: str, reason: FinishReason, matched: str | int | None, message: str = ""
+        self,
+        rid: str,
+        reason: FinishReason,
+        matched: str | int | None,
+        message: str = "",
+        code: ErrorCode | None = None,
     ) -> None:
         live = self.live.pop(rid)
         if live.session is not None:
@@ -129,6 +142,7 @@ class RequestStreams:
             message,
             logprobs,
             live.weight_version,
+            code,
         )
         live.stream.finish(completion)
 

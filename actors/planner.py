@@ -45,7 +45,7 @@ from shoal.actors.prefix_sharing import prefixes_in_progress, publishes_due
 from shoal.actors.replies import SchedulerSnapshot
 from shoal.actors.request import Phase, PlannerConfig, Req, finish_reason
 from shoal.actors.window_trims import window_trims
-from shoal.results import FinishReason
+from shoal.results import ErrorCode, FinishReason
 
 
 class Member(NamedTuple):
@@ -155,8 +155,9 @@ class Planner:
         else:
             req.phase = Phase.FINISHING
 
-    def fail(self, rid: str, message: str) -> list[Output]:
-        """End one request with an error wherever it is; its KV is not cached."""
+    def fail(self, rid: str, message: str, code: ErrorCode | None = None) -> list[Output]:
+        """End one request with an error wherever it is; its KV is not cached. `code`: the
+        error was the caller's mistake (a disaggregated request its peer refused)."""
         req = self.reqs.get(rid)
         if req is None or req.phase is Phase.FINISHING:
             return []
@@ -164,7 +165,7 @@ class Planner:
         self.stalled = False
         self._end(req)
         self._to_transfer(transfers.drop(req, message))
-        return [Output(rid, (), "error", message)]
+        return [Output(rid, (), "error", message, code)]
 
     def fail_all(self, message: str) -> list[Output]:
         """Executor failure: end every request with an error; their KV is not trusted."""
@@ -208,7 +209,8 @@ class Planner:
             return []  # ended meanwhile; now it may be released
         if done.error is not None:
             req.role = None  # the room is over: nothing to tell the transfer actor
-            return self.fail(req.rid, f"KV transfer failed: {done.error}")
+            code: ErrorCode | None = "peer_refused" if done.refused else None
+            return self.fail(req.rid, f"KV transfer failed: {done.error}", code)
         token, logprob, ends = transfers.succeeded(req, done, self.config.eos_token_ids)
         finish = req.finish if ends else None
         return [

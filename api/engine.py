@@ -236,17 +236,17 @@ class Engine:
         actors.tokenizer_box.put(gen)
         return stream
 
-    def _end_room(self, rid: str, bootstrap: Bootstrap, cause: str | None) -> None:
+    def _end_room(self, rid: str, bootstrap: Bootstrap, cause: str | None, refused: bool) -> None:
         """A disaggregated request ended: if not well, its room ends on both servers with the
         cause, wherever the request was (even refused before it was admitted)."""
         actors = self._actors
         if cause is not None and actors is not None and actors.transfer_box is not None:
-            actors.transfer_box.put(DropRoom(rid, bootstrap, cause))
+            actors.transfer_box.put(DropRoom(rid, bootstrap, cause, refused))
 
-    def drop_room(self, bootstrap: Bootstrap, cause: str) -> None:
+    def drop_room(self, bootstrap: Bootstrap, cause: str, refused: bool = True) -> None:
         """A door refused a disaggregated request before it reached the engine (a bad field):
         end its room on both servers with the cause."""
-        self._end_room("", bootstrap, cause)
+        self._end_room("", bootstrap, cause, refused)
 
     async def transfer_counts(self) -> dict[str, int]:
         """Disaggregation's rooms in each state ({} without disaggregation)."""

@@ -30,6 +30,7 @@ class RoomResult(msgspec.Struct, frozen=True):
 
     ok: bool
     error: str = ""
+    refused: bool = False  # the prefill server refused the request as given (a 4xx)
     first_token: int = -1
     logprob: TokenLogprob | None = None
     weight_version: int = 0

@@ -124,8 +124,10 @@ class AdminRoutes:
             snapshot = await engine.snapshot()
             cache = await engine.cache_stats()
             stages = engine.stages.counts()
+            rooms = await engine.transfer_counts()
         except Exception as exc:
             raise from_engine(exc, "") from None
+        options = engine.options
         return json_response(
             {
                 "version": _version(),
@@ -149,6 +151,12 @@ class AdminRoutes:
                 # microbatches launched and not yet back, and how many sit in each stage
                 "in_flight_batches": len(snapshot.launched_batches),
                 "stage_microbatches": list(stages),
+                # prefill/decode disaggregation (docs/disaggregation.md): the role, the
+                # transfer backend, and the rooms in each state (its queues)
+                "disaggregation_mode": options.disaggregation_mode,
+                "disaggregation_transfer_backend": options.disaggregation_transfer_backend,
+                "disaggregation_bootstrap_port": engine.bootstrap_port,
+                "disaggregation_queues": rooms,
                 "open_http_requests": self.gateway.num_open,
                 "free_pages": cache.free_pages,
                 "total_pages": cache.total_pages,
@@ -174,9 +182,10 @@ class AdminRoutes:
             snapshot = await self.engine.snapshot()
             cache = await self.engine.cache_stats()
             stages = self.engine.stages.counts()
+            rooms = await self.engine.transfer_counts()
         except Exception as exc:
             raise from_engine(exc, "") from None
-        text = self.metrics.render(snapshot, cache, stages)
+        text = self.metrics.render(snapshot, cache, stages, rooms)
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
 

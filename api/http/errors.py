@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from shoal.results import EngineDeadError, InternalError, RequestError
+from shoal.results import Completion, EngineDeadError, InternalError, RequestError
 
 log = logging.getLogger("shoal.http")
 
@@ -163,6 +163,19 @@ def from_http_exception(exc: web.HTTPException, path: str) -> ApiError:
     if status == 413:
         return ApiError(413, f"request body too large: {exc.text or exc.reason}")
     return ApiError(status, exc.text or exc.reason or f"HTTP {status}")
+
+
+def unfinished(completion: Completion, draining: bool) -> ApiError | None:
+    """Why a request that ended did not finish, as the answer's error: 500 for a failure of
+    the server's; 400 for the caller's mistake found late (a disaggregated request the other
+    server refused, code "peer_refused"); 503 for an abort by the shutdown."""
+    if completion.finish_reason == "error":
+        if completion.code is not None:
+            return ApiError(400, completion.message, code=completion.code)
+        return ApiError(500, f"generation failed: {completion.message}")
+    if completion.finish_reason == "abort" and draining:
+        return ApiError(503, "the server is shutting down")
+    return None
 
 
 @web.middleware

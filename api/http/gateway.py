@@ -32,6 +32,7 @@ import msgspec
 
 from shoal.actors.encode import encode_prompt
 from shoal.api.engine import Engine
+from shoal.api.http.bootstrap_fields import RoomFields, bootstraps
 from shoal.api.http.errors import ApiError, bad_request, from_engine, refused
 from shoal.api.http.limits import HttpLimits, api_error
 from shoal.api.http.metrics import Metrics, RequestTimer
@@ -188,8 +189,10 @@ class Gateway:
         prompt_param: str,
         turn: SessionTurn | None = None,
         names: Mapping[str, str] | None = None,
+        rooms: RoomFields | None = None,
     ) -> Job:
-        """Start each choice; `names`: the door's names of the sampling fields (refused)."""
+        """Start each choice; `names`: the door's names of the sampling fields (refused);
+        `rooms`: the body's disaggregation fields (api/http/bootstrap_fields.py)."""
         assert turn is None or len(choices) == 1, "a session turn is one request"
         if self.draining:
             raise ApiError(503, "the server is shutting down")
@@ -208,10 +211,13 @@ class Gateway:
                 f"{self.max_open_requests}): retry later",
             )
         streams: list[RequestStream] = []
+        halves = bootstraps(rooms, len(choices))
         try:
-            for ids, sampling, rid in choices:
+            for (ids, sampling, rid), bootstrap in zip(choices, halves, strict=True):
                 if turn is None:
-                    stream = self.engine.generate(input_ids=ids, sampling=sampling, rid=rid)
+                    stream = self.engine.generate(
+                        input_ids=ids, sampling=sampling, rid=rid, bootstrap=bootstrap
+                    )
                 else:  # the turn's own input: the engine appends it to the history
                     stream = self.engine.generate(
                         turn.text,

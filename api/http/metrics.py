@@ -91,6 +91,13 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        self.rooms = Gauge(
+            "shoal_disaggregation_rooms",
+            "Disaggregated requests' rooms in each state: prefill side bootstrap, prefilling, "
+            "transferring; decode side waiting, cancelling (0 when idle)",
+            ["state"],
+            registry=r,
+        )
         self.http = Counter(
             "shoal_http_requests",
             "HTTP answers by route and status",
@@ -115,12 +122,18 @@ class Metrics:
         self.e2e.observe(e2e_s)
 
     def render(
-        self, snapshot: SchedulerSnapshot, cache: KVStats, stages: tuple[int, ...] = (0,)
+        self,
+        snapshot: SchedulerSnapshot,
+        cache: KVStats,
+        stages: tuple[int, ...] = (0,),
+        rooms: dict[str, int] | None = None,
     ) -> bytes:
-        """The exposition text, gauges refreshed from a fresh snapshot, cache stats and the
-        microbatches in each pipeline stage."""
+        """The exposition text, gauges refreshed from a fresh snapshot, cache stats, the
+        microbatches in each pipeline stage and disaggregation's rooms in each state."""
         for stage, count in enumerate(stages):
             self.stage_microbatches.labels(str(stage)).set(count)
+        for state, count in (rooms or {}).items():
+            self.rooms.labels(state).set(count)
         self.running.set(len(snapshot.prefill) + len(snapshot.running))
         self.waiting.set(len(snapshot.waiting) + len(snapshot.retracting))
         total = cache.total_pages

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from aiohttp import web
 
 from shoal.api.http.body import decode_body, json_response
-from shoal.api.http.errors import ApiError, bad_request
+from shoal.api.http.errors import ApiError, bad_request, unfinished
 from shoal.api.http.gateway import Choice, Gateway, Job, SessionTurn
 from shoal.api.http.limits import check_count, check_id
 from shoal.api.http.native_protocol import (
@@ -71,7 +71,9 @@ class NativeRoutes:
         public_id = rids[0] if not batch else f"batch-{uuid.uuid4().hex}"
         prompt_param = prompts[0][0].split("[")[0]
         names = {**wire_names("native", "sampling_params.", NOT_LOGPROBS), **LOGPROB_NAMES}
-        submit = self.gateway.submit(public_id, choices, arrived_at, prompt_param, turn, names)
+        submit = self.gateway.submit(
+            public_id, choices, arrived_at, prompt_param, turn, names, rooms=body
+        )
         async with submit as job:
             if body.stream:
                 if turn is not None:
@@ -256,10 +258,9 @@ class NativeRoutes:
         return GenerateResponse(c.text, list(c.token_ids), meta)
 
     def _check_finished(self, completion: Completion) -> None:
-        if completion.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {completion.message}")
-        if completion.finish_reason == "abort" and self.gateway.draining:
-            raise ApiError(503, "the server is shutting down")
+        error = unfinished(completion, self.gateway.draining)
+        if error is not None:
+            raise error
 
 
 class Partial(NamedTuple):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from shoal.api.http.bootstrap_fields import RoomFields
 from shoal.api.sampling_wire import LOGPROBS, NOT_LOGPROBS, wire_struct
 
 
@@ -39,7 +40,7 @@ class NativeExtras(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling_seed: int | None = None  # seed's other name; seed wins
 
 
-class GenerateFields(msgspec.Struct, kw_only=True):
+class GenerateFields(RoomFields, kw_only=True):
     text: str | list[str] | None = None
     input_ids: list[int | list[int]] | None = None
     rid: str | list[str] | None = None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from shoal.api.http.bootstrap_fields import RoomFields
 from shoal.api.http.native_protocol import SessionParams
 from shoal.api.sampling_wire import wire_struct
 from shoal.results import FinishReason
@@ -38,7 +39,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
 
 
-class OpenAIFields(msgspec.Struct, kw_only=True):
+class OpenAIFields(RoomFields, kw_only=True):
     """What /v1/chat/completions and /v1/completions share beside the sampling fields."""
 
     model: str | None = None

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from shoal.api.http.body import decode_body, json_response
-from shoal.api.http.errors import ApiError, bad_request
+from shoal.api.http.errors import ApiError, bad_request, unfinished
 from shoal.api.http.gateway import Choice, Gateway, Job, SessionTurn
 from shoal.api.http.openai_formats import ChatFormat, Format, TextFormat
 from shoal.api.http.openai_logprobs import TokenBytes
@@ -139,7 +139,7 @@ class OpenAIRoutes:
         names: dict[str, str],
         turn: SessionTurn | None = None,
     ) -> web.StreamResponse:
-        submit = self.gateway.submit(rid, choices, arrived_at, prompt_param, turn, names)
+        submit = self.gateway.submit(rid, choices, arrived_at, prompt_param, turn, names, body)
         async with submit as job:
             if body.stream:
                 if turn is not None:
@@ -180,7 +180,6 @@ class OpenAIRoutes:
         return response
 
     def _check_finished(self, completion: Completion) -> None:
-        if completion.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {completion.message}")
-        if completion.finish_reason == "abort" and self.gateway.draining:
-            raise ApiError(503, "the server is shutting down")
+        error = unfinished(completion, self.gateway.draining)
+        if error is not None:
+            raise error

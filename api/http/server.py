@@ -27,6 +27,7 @@ from aiohttp.typedefs import Handler
 from shoal.api.engine import Engine
 from shoal.api.http.admin import AdminRoutes
 from shoal.api.http.body import BODY_TIMEOUT_S, MAX_JSON_DEPTH
+from shoal.api.http.bootstrap_fields import RoomRefusals
 from shoal.api.http.errors import ApiError, error_middleware
 from shoal.api.http.gateway import Gateway
 from shoal.api.http.guard import Guard, parse_origins
@@ -127,6 +128,7 @@ class Server:
             middlewares=[
                 self._count,
                 error_middleware,
+                RoomRefusals(self.engine).middleware,
                 self._draining,
                 *Guard(
                     self.options.api_key, self.options.admin_api_key, self.options.allowed_origins
