@@ -105,7 +105,8 @@ class EngineOptions:
     )
     disaggregation_bootstrap_host: str = option(
         "127.0.0.1",
-        "the address the bootstrap endpoint and the transfer engine listen on (serve: --host)",
+        "where a prefill server's bootstrap endpoint listens, and the address peers reach "
+        "its transfer engine at (0.0.0.0: every interface)",
     )
     disaggregation_transfer_backend: Literal["mooncake", "local"] = option(
         "mooncake",

@@ -17,6 +17,7 @@ keeps the pages (state "cancelling") until it answers: better held than overwrit
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from shoal.actors.messages import (
     TransferEnded,
     TransferMsg,
 )
+from shoal.actors.replies import TransferStats
 from shoal.disagg.bootstrap import Unreachable, ask_room, cancel_room
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.wire import RoomRequest
@@ -48,6 +50,8 @@ class ReceiveRoom:
     state: str = "waiting"  # or "cancelling"
     cause: str = ""
     task: asyncio.Task[None] | None = None
+    num_bytes: int = 0
+    asked_at: float = 0.0
 
 
 def base_url(bootstrap: Bootstrap) -> str:
@@ -76,12 +80,14 @@ class ReceiveRooms:
         self.rooms: dict[int, ReceiveRoom] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
+        self.moved = [0, 0, 0.0]  # transfers received, their bytes and seconds
 
-    def counts(self) -> dict[str, int]:
+    def stats(self) -> TransferStats:
         out = dict.fromkeys(self.STATES, 0)
         for room in self.rooms.values():
             out[room.state] += 1
-        return out
+        transfers, size, seconds = self.moved
+        return TransferStats(out, int(transfers), int(size), seconds)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.create_task(coro)
@@ -107,6 +113,8 @@ class ReceiveRooms:
             msg.prompt_digest,
         )  # fmt: skip
         room = self.rooms[number] = ReceiveRoom(msg.rid, msg.bootstrap)
+        room.num_bytes = 2 * self.layout.num_layers * self.layout.page_bytes * len(msg.pages)
+        room.asked_at = time.perf_counter()
         room.task = self._spawn(self._poll(number, base_url(msg.bootstrap), request))
 
     async def _poll(self, number: int, url: str, request: RoomRequest) -> None:
@@ -139,6 +147,9 @@ class ReceiveRooms:
             self._end(msg.room, cause)
             return
         del self.rooms[msg.room]
+        self.moved[0] += 1
+        self.moved[1] += room.num_bytes
+        self.moved[2] += time.perf_counter() - room.asked_at
         self.scheduler.put(
             TransferEnded(room.rid, msg.room, None, result.first_token, result.logprob)
         )

@@ -18,6 +18,7 @@ of it still land in the decode server's pages.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from shoal.actors.messages import (
     TransferMsg,
     WriteEnded,
 )
-from shoal.actors.replies import answer
+from shoal.actors.replies import TransferStats, answer
 from shoal.disagg.backend import TransferBackend
 from shoal.disagg.layout import KVLayout, page_copies
 from shoal.disagg.wire import RoomRequest, RoomResult
@@ -82,12 +83,14 @@ class SendRooms:
         self.weight_version = weight_version
         self.rooms: dict[int, SendRoom] = {}
         self.ended: OrderedDict[int, tuple[str, bool]] = OrderedDict()  # (cause, refused)
+        self.moved = [0, 0, 0.0]  # writes done, their bytes and seconds
 
-    def counts(self) -> dict[str, int]:
+    def stats(self) -> TransferStats:
         out = dict.fromkeys(self.STATES, 0)
         for room in self.rooms.values():
             out[room.state] += 1
-        return out
+        writes, size, seconds = self.moved
+        return TransferStats(out, int(writes), int(size), seconds)
 
     # ---- the two halves --------------------------------------------------------------------
 
@@ -165,10 +168,15 @@ class SendRooms:
     async def _run_write(
         self, number: int, peer: str, srcs: list[int], dsts: list[int], lengths: list[int]
     ) -> None:
+        began = time.perf_counter()
         try:
             error = await asyncio.to_thread(self.backend.write, peer, srcs, dsts, lengths)
         except Exception as exc:  # a backend's own failure is this room's, not the actor's
             error = f"the transfer backend failed: {exc!r}"
+        if error is None:
+            self.moved[0] += 1
+            self.moved[1] += sum(lengths)
+            self.moved[2] += time.perf_counter() - began
         self.mailbox.put(WriteEnded(number, error))
 
     # ---- endings ---------------------------------------------------------------------------

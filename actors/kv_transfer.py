@@ -95,7 +95,7 @@ class KVTransfer:
             case DropRoom() if receive:
                 receive.drop(msg)
             case TransferCountsAsk(reply=reply):
-                answer(reply, self.rooms.counts())
+                answer(reply, self.rooms.stats())
             case Shutdown():
                 if send:
                     send.shutdown()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from shoal.actors.replies import SchedulerSnapshot, UpdateOutcome
+from shoal.actors.replies import SchedulerSnapshot, TransferStats, UpdateOutcome
 from shoal.cache.stats import KVStats
 from shoal.disagg.wire import RoomRequest, RoomResult
 from shoal.params import SamplingParams
@@ -370,7 +370,7 @@ class DropRoom(msgspec.Struct, frozen=True, tag=True):
 class TransferCountsAsk(msgspec.Struct, frozen=True, tag=True):
     """The rooms in each state (what /get_server_info and /metrics show)."""
 
-    reply: asyncio.Future[dict[str, int]]
+    reply: asyncio.Future[TransferStats]
 
 
 class PeerArrived(msgspec.Struct, frozen=True, tag=True):

@@ -58,6 +58,17 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
         return ", ".join(parts) or "a batch in flight"
 
 
+class TransferStats(msgspec.Struct, frozen=True):
+    """Disaggregation's rooms in each state (its queues: all 0 when idle), and the KV moved
+    since start: transfers done, their bytes, and the seconds they took (prefill side: the
+    writes; decode side: from asking for the KV to having it)."""
+
+    rooms: dict[str, int]
+    transfers: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 class UpdateOutcome(NamedTuple):
     """A weight update's end: whether it loaded, what happened, the version serving now."""
 

@@ -39,7 +39,7 @@ from shoal.actors.messages import (
     TransferCountsAsk,
     UpdateWeights,
 )
-from shoal.actors.replies import SchedulerSnapshot, UpdateOutcome
+from shoal.actors.replies import SchedulerSnapshot, TransferStats, UpdateOutcome
 from shoal.actors.stages import StageMonitor
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.wiring import Actors, cpu_kernels, start_actors
@@ -250,10 +250,14 @@ class Engine:
 
     async def transfer_counts(self) -> dict[str, int]:
         """Disaggregation's rooms in each state ({} without disaggregation)."""
+        return (await self.transfer_stats()).rooms
+
+    async def transfer_stats(self) -> TransferStats:
+        """Disaggregation's rooms in each state and the KV moved (actors/replies.py)."""
         box = self.actors.transfer_box
         if box is None:
-            return {}
-        reply: asyncio.Future[dict[str, int]] = self._future()
+            return TransferStats({})
+        reply: asyncio.Future[TransferStats] = self._future()
         box.put(TransferCountsAsk(reply))
         return await reply
 

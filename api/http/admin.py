@@ -124,7 +124,7 @@ class AdminRoutes:
             snapshot = await engine.snapshot()
             cache = await engine.cache_stats()
             stages = engine.stages.counts()
-            rooms = await engine.transfer_counts()
+            transfer = await engine.transfer_stats()
         except Exception as exc:
             raise from_engine(exc, "") from None
         options = engine.options
@@ -156,7 +156,12 @@ class AdminRoutes:
                 "disaggregation_mode": options.disaggregation_mode,
                 "disaggregation_transfer_backend": options.disaggregation_transfer_backend,
                 "disaggregation_bootstrap_port": engine.bootstrap_port,
-                "disaggregation_queues": rooms,
+                "disaggregation_queues": transfer.rooms,
+                "disaggregation_transferred": {
+                    "transfers": transfer.transfers,
+                    "bytes": transfer.bytes,
+                    "seconds": round(transfer.seconds, 6),
+                },
                 "open_http_requests": self.gateway.num_open,
                 "free_pages": cache.free_pages,
                 "total_pages": cache.total_pages,
