@@ -34,7 +34,7 @@ from shoal.disagg.backend import LocalFabric
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.wire import RoomRequest
 from shoal.kernels.loading.loader import LoadedModel
-from shoal.results import Completion
+from shoal.results import Completion, RequestStream
 
 NEW_TOKENS = 10
 WAIT_S = 10.0
@@ -50,12 +50,18 @@ class Pair:
         assert port is not None
         return Bootstrap("127.0.0.1", port, next(rooms))
 
-    async def run(self, prompt: list[int], **sampling: Any) -> tuple[Any, Any]:
-        """Both halves of one request, as the router sends them; (prefill's, decode's)."""
+    def halves(self, prompt: list[int], **sampling: Any) -> tuple[RequestStream, RequestStream]:
+        """Both halves of one greedy request, as the router sends them: (prefill's, decode's)
+        streams."""
         b = self.bootstrap()
         sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, **sampling}
         first = self.prefill.generate(input_ids=prompt, bootstrap=b, **sampling)
         second = self.decode.generate(input_ids=prompt, bootstrap=b, **sampling)
+        return first, second
+
+    async def run(self, prompt: list[int], **sampling: Any) -> tuple[Any, Any]:
+        """Both halves' outcomes (a Completion or the error raised)."""
+        first, second = self.halves(prompt, **sampling)
         return tuple(await asyncio.gather(first.result(), second.result(), return_exceptions=True))
 
     async def idle(self) -> None:
@@ -129,9 +135,7 @@ async def test_the_kv_is_the_prefill_servers(
     pair = await make_pair()
     prompt = mixed_prompts(tiny_model.config.vocab_size)[3]
     pair.fabric.hold_writes()
-    b = pair.bootstrap()
-    first = pair.prefill.generate(input_ids=prompt, bootstrap=b, max_new_tokens=NEW_TOKENS)
-    second = pair.decode.generate(input_ids=prompt, bootstrap=b, max_new_tokens=NEW_TOKENS)
+    first, second = pair.halves(prompt)
     await asyncio.to_thread(pair.fabric.wait_writing, 1)
     for regions in pair.fabric.endpoints.values():
         for addr, size in regions:
@@ -502,3 +506,30 @@ async def test_a_fault_in_one_transfer_message_fails_only_that_message(
         assert engine.dead_reason is None, engine.dead_reason
     await pair.idle()
     await served_after(pair, tiny_reference, tiny_model.config.vocab_size)
+
+
+async def test_a_flush_and_a_weight_update_wait_for_a_transfer(
+    make_pair: PairFactory, tiny_model: LoadedModel, tiny_reference: Reference, tiny_folder: Any
+) -> None:
+    """A request whose KV is being written holds its pages on both servers: a flush finds
+    neither idle, and a weight update waits for it (law 1 and the update lock, unchanged)."""
+    pair = await make_pair()
+    vocab = tiny_model.config.vocab_size
+    prompt = mixed_prompts(vocab)[3]
+    pair.fabric.hold_writes()
+    first, second = pair.halves(prompt)
+    await asyncio.to_thread(pair.fabric.wait_writing, 1)
+    for engine in (pair.prefill, pair.decode):
+        refused = await engine.flush_cache(timeout_s=0.2)
+        assert not refused.success and "transferring KV" in refused.message, refused
+    update = asyncio.create_task(pair.prefill.update_weights_from_disk(tiny_folder))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert not update.done()
+    pair.fabric.release_writes()
+    assert (await first.result()).finish_reason == "length"
+    assert list((await second.result()).token_ids) == tiny_reference.greedy(prompt, NEW_TOKENS)
+    assert (await update).success
+    assert (await pair.decode.update_weights_from_disk(tiny_folder)).success
+    await pair.idle()
+    await served_after(pair, tiny_reference, vocab)

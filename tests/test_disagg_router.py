@@ -12,7 +12,9 @@ checks) and the rooms' gauges at 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+import signal
 import socket
 import subprocess
 import sys
@@ -53,51 +55,66 @@ class PD:
             assert set(queues.values()) == {0}, queues
 
 
-async def router_ready(http: aiohttp.ClientSession, url: str, router: Any) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert router.poll() is None, "the router exited"
-        try:
-            async with http.get(url + "/readiness") as response:
-                if response.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    raise AssertionError("the router did not become ready in 60 s")
+class Router:
+    """SGLang's router in PD mode, its own process, in front of one prefill and one decode."""
+
+    def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str) -> None:
+        port = free_port()
+        argv = [
+            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            "--port", str(port), "--pd-disaggregation",
+            "--prefill", prefill_url, str(bootstrap_port),
+            "--decode", decode_url, "--worker-startup-check-interval", "1",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--disable-circuit-breaker",
+        ]  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def ready(self, http: aiohttp.ClientSession) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the router exited"
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(self.url + "/readiness") as response:
+                    if response.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+        raise AssertionError("the router did not become ready in 60 s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 @pytest.fixture
-async def pd(serve: ServeFactory) -> AsyncIterator[Any]:
-    async def start(prefill: dict[str, Any] | None = None) -> PD:
+async def routers() -> AsyncIterator[list[Router]]:
+    started: list[Router] = []
+    yield started
+    for router in started:
+        router.stop()
+
+
+@pytest.fixture
+async def pd(serve: ServeFactory, routers: list[Router]) -> AsyncIterator[Any]:
+    async def start(
+        prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None
+    ) -> PD:
         common = {
             "disaggregation_transfer_backend": "mooncake",
             "disaggregation_bootstrap_port": 0,
             "disaggregation_timeout_s": 10.0,
         }
         first = await serve(disaggregation_mode="prefill", **{**common, **(prefill or {})})
-        second = await serve(disaggregation_mode="decode", **common)
+        second = await serve(disaggregation_mode="decode", **{**common, **(decode or {})})
         solo = await serve()
-        port = free_port()
-        argv = [
-            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-            "--port", str(port), "--pd-disaggregation",
-            "--prefill", first.url, str(first.engine.bootstrap_port),
-            "--decode", second.url, "--worker-startup-check-interval", "1",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--disable-circuit-breaker",
-        ]  # fmt: skip
-        router = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert first.engine.bootstrap_port is not None
+        router = Router(first.url, first.engine.bootstrap_port, second.url)
         routers.append(router)
-        url = f"http://127.0.0.1:{port}"
-        await router_ready(first.http, url, router)
-        return PD(first, second, solo, url)
+        await router.ready(first.http)
+        return PD(first, second, solo, router.url)
 
-    routers: list[subprocess.Popen[bytes]] = []
     yield start
-    for router in routers:
-        router.terminate()
-        router.wait(10)
 
 
 def requests_of_every_route(prompts: list[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -203,3 +220,153 @@ async def test_abort_all_on_either_server(pd: Any, side: str) -> None:
         assert r.status == 200
     await asyncio.wait_for(asyncio.gather(*running), WAIT_S)
     await pair.idle()
+
+
+async def test_a_transfer_timeout_ends_both_halves(pd: Any) -> None:
+    """The prefill server never computes the prompt (its step gate is held): the decode
+    server's wait times out, it cancels the room, and both halves end."""
+    pair = await pd(decode={"disaggregation_timeout_s": 1.0})
+    pair.prefill.engine.hold()
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}
+    async with pair.solo.http.post(pair.url + "/generate", json=body) as response:
+        assert response.status >= 500
+    pair.prefill.engine.release()
+    await pair.idle()
+
+
+async def test_a_client_gone_while_the_prompt_is_computed_ends_both_halves(pd: Any) -> None:
+    pair = await pd()
+    pair.prefill.engine.hold()
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.create_task(http.post(pair.url + "/generate", json=body))
+        await wait_for_rooms(pair.prefill, "prefilling", 1)
+        task.cancel()
+    await wait_for_rooms(pair.prefill, "prefilling", 0)
+    pair.prefill.engine.release()
+    await pair.idle()
+
+
+async def wait_for_rooms(served: Served, state: str, count: int) -> None:
+    for _ in range(int(WAIT_S / 0.01)):
+        if (await served.engine.transfer_counts())[state] == count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{state} never reached {count}")
+
+
+# ---- a server killed (a real process, SIGKILL) ----------------------------------------------
+
+
+class Process:
+    """`python -m shoal serve` on the tiny model, in a process of its own."""
+
+    def __init__(self, folder: Any, mode: str, port: int, bootstrap_port: int = 0) -> None:
+        argv = [
+            sys.executable, "-m", "shoal", "serve", "--model", str(folder), "--port", str(port),
+            "--served-model-name", MODEL, "--num-threads", "1",
+            "--disaggregation-mode", mode, "--disaggregation-timeout-s", "10",
+            "--disaggregation-bootstrap-port", str(bootstrap_port),
+        ]  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def ready(self, http: aiohttp.ClientSession) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the server exited"
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(self.url + "/health") as response:
+                    if response.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+        raise AssertionError("the server did not start in 120 s")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+async def test_a_killed_decode_server_ends_the_prefill_half(
+    serve: ServeFactory, tiny_folder: Any, routers: list[Router]
+) -> None:
+    """SIGKILL the decode server while the prefill server holds the request's prompt: the
+    prefill server's write (or the dropped bootstrap connection) fails the room, its request
+    ends, it is idle with nothing leaked, and a fresh decode server is served next. The
+    router retries the request on the dead decode server 4 more times, each with a new room
+    that no decode server ever claims: each ends at the prefill server's deadline (2 s)."""
+    prefill = await serve(
+        disaggregation_mode="prefill",
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_bootstrap_port=0,
+        disaggregation_timeout_s=2.0,
+    )
+    port, processes = free_port(), []
+    try:
+        decode = Process(tiny_folder, "decode", port)
+        processes.append(decode)
+        await decode.ready(prefill.http)
+        assert prefill.engine.bootstrap_port is not None
+        router = Router(prefill.url, prefill.engine.bootstrap_port, decode.url)
+        routers.append(router)
+        await router.ready(prefill.http)
+        url = router.url
+        prefill.engine.hold()
+        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}
+        sent = asyncio.create_task(prefill.http.post(url + "/generate", json=body))
+        await wait_for_rooms(prefill, "prefilling", 1)
+        decode.kill()
+        prefill.engine.release()
+        await wait_for_rooms(prefill, "prefilling", 0)
+        with contextlib.suppress(aiohttp.ClientError):
+            (await sent).release()
+        await prefill.engine.wait_idle(WAIT_S)
+        assert set((await prefill.engine.transfer_counts()).values()) == {0}
+        decode = Process(tiny_folder, "decode", port)  # the same address: the router's
+        processes.append(decode)
+        await decode.ready(prefill.http)
+        for _ in range(10):  # the router may take a moment to send to it again
+            async with prefill.http.post(url + "/generate", json=body) as response:
+                if response.status == 200:
+                    break
+            await asyncio.sleep(0.5)
+        assert response.status == 200
+        await prefill.engine.wait_idle(WAIT_S)
+    finally:
+        prefill.engine.release()
+        for process in processes:
+            if process.proc.poll() is None:
+                process.kill()
+
+
+async def test_a_killed_prefill_server_ends_the_decode_half(
+    serve: ServeFactory, tiny_folder: Any, routers: list[Router]
+) -> None:
+    """SIGSTOP the prefill server, send a request (the decode server registers and waits on
+    it), then SIGKILL it: the decode server's wait is reset, the request ends, and it is idle
+    with nothing leaked and its gauges at 0."""
+    decode = await serve(
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_timeout_s=10.0,
+    )
+    bootstrap_port = free_port()
+    prefill = Process(tiny_folder, "prefill", free_port(), bootstrap_port)
+    try:
+        await prefill.ready(decode.http)
+        router = Router(prefill.url, bootstrap_port, decode.url)
+        routers.append(router)
+        await router.ready(decode.http)
+        url = router.url
+        prefill.proc.send_signal(signal.SIGSTOP)
+        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}
+        sent = asyncio.create_task(decode.http.post(url + "/generate", json=body))
+        await wait_for_rooms(decode, "waiting", 1)
+        prefill.kill()
+        await wait_for_rooms(decode, "waiting", 0)
+        sent.cancel()
+        await decode.engine.wait_idle(WAIT_S)
+        assert set((await decode.engine.transfer_counts()).values()) == {0}
+    finally:
+        if prefill.proc.poll() is None:
+            prefill.kill()
