@@ -65,6 +65,9 @@ def build_transfer(
     faults: FaultInjector | None,
 ) -> tuple[KVTransfer, Mailbox[TransferMsg]]:
     mailbox: Mailbox[TransferMsg] = Mailbox("transfer")
+    on_gpu = any(stage.kv.k[0].device.type != "cpu" for stage in stages)
+    if on_gpu and options.disaggregation_transfer_backend == "local":
+        raise ValueError("disaggregation_transfer_backend local copies host memory only")
     layout = kv_layout(stages, page_size)
     backend = transfer_backend(options, fabric)
     backend.register(layout)

@@ -47,6 +47,7 @@ from shoal.actors.messages import (
     TransferMsg,
 )
 from shoal.actors.planner import Planner
+from shoal.actors.planner_transfers import concerns
 from shoal.actors.replies import answer
 from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
 from shoal.results import InternalError
@@ -124,7 +125,7 @@ class Scheduler:
                 answer(reply, f"not flushed: {error}")
             case Plan():
                 raise Fatal("the scheduler could not apply a plan") from error
-            case TransferEnded(rid=rid) if rid in planner.reqs:
+            case TransferEnded(rid=rid) as ended if concerns(planner.reqs.get(rid), ended):
                 planner.reqs[rid].transfer_open = False  # the transfer is over, whatever failed
                 self._send(planner.fail(rid, str(error)))
         self._maybe_plan()

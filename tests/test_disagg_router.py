@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import importlib.util
 import signal
 import socket
@@ -23,8 +24,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from test_http_support import MODEL, Served, ServeFactory, chat, serve, sse_events
+
+from shoal.disagg.layout import KVLayout
+from shoal.disagg.wire import RoomRequest, RoomResult, prompt_digest
 
 __all__ = ["serve"]  # the fixture, used by name
 
@@ -370,3 +375,43 @@ async def test_a_killed_prefill_server_ends_the_decode_half(
     finally:
         if prefill.proc.poll() is None:
             prefill.kill()
+
+
+async def test_a_write_mooncake_rejects_ends_the_prefill_half(pd: Any) -> None:
+    """A decode server (this test, with a Mooncake engine of its own) names addresses outside
+    the memory it registered: Mooncake rejects the prefill server's write, the room fails
+    with the cause on both halves, and the prefill server is idle with its gauges at 0."""
+    from mooncake.engine import TransferEngine
+
+    pair = await pd()
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buffer = ctypes.create_string_buffer(1 << 16)
+    assert engine.register_memory(ctypes.addressof(buffer), len(buffer)) == 0
+    config = pair.prefill.engine.loaded.config
+    options = pair.prefill.engine.options
+    page_bytes = config.num_kv_heads * config.head_dim * 4 * options.page_size
+    outside = ctypes.addressof(buffer) + (1 << 30)
+    layout = KVLayout(
+        config.num_layers, config.num_kv_heads, config.head_dim, options.page_size,
+        "torch.float32", page_bytes, 4, (outside,) * config.num_layers,
+        (outside,) * config.num_layers,
+    )  # fmt: skip
+    ids = [5, 17, 42, 99, 7, 3]
+    room = 77
+    endpoint = f"127.0.0.1:{engine.get_rpc_port()}"
+    request = RoomRequest(endpoint, layout, (0,), 0, len(ids), prompt_digest(ids))
+    bootstrap = f"http://127.0.0.1:{pair.prefill.engine.bootstrap_port}/shoal/pd/rooms/{room}"
+    body = {
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 4},
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.prefill.engine.bootstrap_port,
+        "bootstrap_room": room,
+    }  # fmt: skip
+    http = pair.prefill.http
+    asked = http.post(bootstrap, data=msgspec.json.encode(request))
+    sent = http.post(pair.prefill.url + "/generate", json=body)
+    answer, response = await asyncio.gather(asked, sent)
+    result = msgspec.json.decode(await answer.read(), type=RoomResult)
+    assert not result.ok and "Mooncake" in result.error
+    assert response.status == 500 and "Mooncake" in (await response.text())
+    await pair.idle()
