@@ -127,6 +127,28 @@ async def test_greedy_through_both_equals_one_engine(
     assert pair.fabric.bytes_written > 0
 
 
+async def test_seeded_sampling_penalties_and_logprobs_equal_one_engines(
+    make_pair: PairFactory, make_engine: EngineFactory, tiny_model: LoadedModel
+) -> None:
+    """Not only greedy: a seeded sample with penalties draws the same tokens, and reports the
+    same logprobs, as one engine (the first token and its logprob come from the prefill
+    server; the decode server's sampler starts from it)."""
+    pair = await make_pair()
+    solo = await make_engine()
+    sampling = {
+        "temperature": 1.0, "repetition_penalty": 1.3, "frequency_penalty": 0.5,
+        "logprobs": True, "top_logprobs": 2,
+    }  # fmt: skip
+    for i, prompt in enumerate(mixed_prompts(tiny_model.config.vocab_size)):
+        _, second = await pair.run(prompt, seed=100 + i, **sampling)
+        alone = await solo.generate(
+            input_ids=prompt, max_new_tokens=NEW_TOKENS, seed=100 + i, **sampling
+        ).result()
+        assert second.token_ids == alone.token_ids
+        assert second.logprobs == alone.logprobs
+    await pair.idle()
+
+
 async def test_the_kv_is_the_prefill_servers(
     make_pair: PairFactory, tiny_model: LoadedModel, tiny_reference: Reference
 ) -> None:

@@ -172,6 +172,21 @@ async def test_greedy_through_the_router_equals_one_server(pd: Any) -> None:
     await pair.idle()
 
 
+async def test_a_batch_through_the_router_equals_one_server(pd: Any) -> None:
+    """A batch /generate of token ids: the router gives each prompt its own room (a list)."""
+    pair = await pd()
+    batch = [[5, 17, 42, 99, 7, 3], [11, 12, 13], list(range(40, 90))]
+    body = {"input_ids": batch, "sampling_params": {"max_new_tokens": NEW_TOKENS}}
+    body["sampling_params"] |= {"temperature": 0.0}
+    answers = []
+    for url in (pair.url, pair.solo.url):
+        async with pair.solo.http.post(url + "/generate", json=body) as response:
+            assert response.status == 200, await response.text()
+            answers.append([a["output_ids"] for a in await response.json(content_type=None)])
+    assert answers[0] == answers[1]
+    await pair.idle()
+
+
 async def test_a_prefill_400_ends_the_decode_half(pd: Any) -> None:
     """The prefill server's context is shorter: it refuses the prompt (400), the router
     answers 400, and the decode server, which had accepted it, ends it at once."""
