@@ -254,16 +254,22 @@ async def test_a_transfer_timeout_ends_both_halves(pd: Any) -> None:
     await pair.idle()
 
 
-async def test_a_client_gone_while_the_prompt_is_computed_ends_both_halves(pd: Any) -> None:
+@pytest.mark.parametrize("held", ["prefill", "decode"])
+async def test_a_client_gone_before_the_transfer_ends_both_halves(pd: Any, held: str) -> None:
+    """The client hangs up while the prompt waits to be computed (the prefill server's step
+    gate held: its room is "prefilling"), or once it is computed but the decode server has
+    not asked for it (the decode server's gate held: the prefill room is "bootstrap")."""
     pair = await pd()
-    pair.prefill.engine.hold()
+    engine = pair.prefill.engine if held == "prefill" else pair.decode.engine
+    state = "prefilling" if held == "prefill" else "bootstrap"
+    engine.hold()
     body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}
     async with aiohttp.ClientSession() as http:
         task = asyncio.create_task(http.post(pair.url + "/generate", json=body))
-        await wait_for_rooms(pair.prefill, "prefilling", 1)
+        await wait_for_rooms(pair.prefill, state, 1)
         task.cancel()
-    await wait_for_rooms(pair.prefill, "prefilling", 0)
-    pair.prefill.engine.release()
+    await wait_for_rooms(pair.prefill, state, 0)
+    engine.release()
     await pair.idle()
 
 
