@@ -49,7 +49,6 @@ class ReceiveRoom:
     bootstrap: Bootstrap
     state: str = "waiting"  # or "cancelling"
     cause: str = ""
-    task: asyncio.Task[None] | None = None
     num_bytes: int = 0
     asked_at: float = 0.0
 
@@ -80,14 +79,13 @@ class ReceiveRooms:
         self.rooms: dict[int, ReceiveRoom] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
-        self.moved = [0, 0, 0.0]  # transfers received, their bytes and seconds
+        self.num_transfers, self.num_bytes, self.transfer_s = 0, 0, 0.0  # received so far
 
     def stats(self) -> TransferStats:
         out = dict.fromkeys(self.STATES, 0)
         for room in self.rooms.values():
             out[room.state] += 1
-        transfers, size, seconds = self.moved
-        return TransferStats(out, int(transfers), int(size), seconds)
+        return TransferStats(out, self.num_transfers, self.num_bytes, self.transfer_s)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.create_task(coro)
@@ -96,8 +94,8 @@ class ReceiveRooms:
         return task
 
     def _session(self) -> aiohttp.ClientSession:
-        if self.session is None:
-            self.session = aiohttp.ClientSession()
+        if self.session is None:  # no cap on connections: each waiting room holds one
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self.session
 
     # ---- events ----------------------------------------------------------------------------
@@ -115,7 +113,7 @@ class ReceiveRooms:
         room = self.rooms[number] = ReceiveRoom(msg.rid, msg.bootstrap)
         room.num_bytes = 2 * self.layout.num_layers * self.layout.page_bytes * len(msg.pages)
         room.asked_at = time.perf_counter()
-        room.task = self._spawn(self._poll(number, base_url(msg.bootstrap), request))
+        self._spawn(self._poll(number, base_url(msg.bootstrap), request))
 
     async def _poll(self, number: int, url: str, request: RoomRequest) -> None:
         outcome = await ask_room(self._session(), url, number, request, self.timeout_s)
@@ -147,9 +145,9 @@ class ReceiveRooms:
             self._end(msg.room, cause)
             return
         del self.rooms[msg.room]
-        self.moved[0] += 1
-        self.moved[1] += room.num_bytes
-        self.moved[2] += time.perf_counter() - room.asked_at
+        self.num_transfers += 1
+        self.num_bytes += room.num_bytes
+        self.transfer_s += time.perf_counter() - room.asked_at
         self.scheduler.put(
             TransferEnded(room.rid, msg.room, None, result.first_token, result.logprob)
         )

@@ -83,14 +83,13 @@ class SendRooms:
         self.weight_version = weight_version
         self.rooms: dict[int, SendRoom] = {}
         self.ended: OrderedDict[int, tuple[str, bool]] = OrderedDict()  # (cause, refused)
-        self.moved = [0, 0, 0.0]  # writes done, their bytes and seconds
+        self.num_writes, self.num_bytes, self.write_s = 0, 0, 0.0  # done so far
 
     def stats(self) -> TransferStats:
         out = dict.fromkeys(self.STATES, 0)
         for room in self.rooms.values():
             out[room.state] += 1
-        writes, size, seconds = self.moved
-        return TransferStats(out, int(writes), int(size), seconds)
+        return TransferStats(out, self.num_writes, self.num_bytes, self.write_s)
 
     # ---- the two halves --------------------------------------------------------------------
 
@@ -145,13 +144,12 @@ class SendRooms:
         peer = room.peer
         if peer is None or room.rid is None:
             return
-        if room.kv is None:
-            if peer.prompt_digest != room.digest:
-                self.end(room, "the decode server holds a different prompt for this room")
-            elif (mismatch := self.layout.mismatch(peer.layout)) is not None:
-                self.end(room, mismatch)
-            return
-        self._write(room, room.kv, peer)
+        if peer.prompt_digest != room.digest:
+            self.end(room, "the decode server holds a different prompt for this room")
+        elif (mismatch := self.layout.mismatch(peer.layout)) is not None:
+            self.end(room, mismatch)
+        elif room.kv is not None:
+            self._write(room, room.kv, peer)
 
     def _write(self, room: SendRoom, kv: SendKV, peer: RoomRequest) -> None:
         page_size = self.layout.page_size
@@ -174,9 +172,9 @@ class SendRooms:
         except Exception as exc:  # a backend's own failure is this room's, not the actor's
             error = f"the transfer backend failed: {exc!r}"
         if error is None:
-            self.moved[0] += 1
-            self.moved[1] += sum(lengths)
-            self.moved[2] += time.perf_counter() - began
+            self.num_writes += 1
+            self.num_bytes += sum(lengths)
+            self.write_s += time.perf_counter() - began
         self.mailbox.put(WriteEnded(number, error))
 
     # ---- endings ---------------------------------------------------------------------------

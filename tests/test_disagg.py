@@ -273,14 +273,39 @@ async def test_a_different_weight_version_is_refused(
     await served_after(pair, tiny_reference, tiny_model.config.vocab_size)
 
 
+@pytest.mark.parametrize("first", ["decode asks first", "prefill computes first"])
 async def test_a_different_kv_layout_is_refused(
-    make_pair: PairFactory, tiny_model: LoadedModel
+    make_pair: PairFactory, tiny_model: LoadedModel, first: str
 ) -> None:
     pair = await make_pair(prefill={"page_size": 8})
-    first, second = await pair.run(mixed_prompts(tiny_model.config.vocab_size)[1])
-    assert "KV layouts differ: page_size" in error_of(second)
-    assert "KV layouts differ: page_size" in error_of(first)
+    if first == "prefill computes first":
+        pair.decode.hold()  # its request waits: the prefill room has the KV before the peer
+    firsts = pair.halves(mixed_prompts(tiny_model.config.vocab_size)[1])
+    if first == "prefill computes first":  # its request holds the KV, in TRANSFER
+        for _ in range(int(WAIT_S / 0.005)):
+            if (await pair.prefill.snapshot()).transfer:
+                break
+            await asyncio.sleep(0.005)
+        assert (await pair.prefill.transfer_counts())["bootstrap"] == 1
+        pair.decode.release()
+    outcomes = await asyncio.gather(*(s.result() for s in firsts), return_exceptions=True)
+    for outcome in outcomes:
+        assert "KV layouts differ: page_size" in error_of(outcome)
     await pair.idle()
+
+
+async def test_a_different_prompt_in_the_same_room_is_refused(
+    make_pair: PairFactory, tiny_model: LoadedModel, tiny_reference: Reference
+) -> None:
+    pair = await make_pair()
+    prompts = mixed_prompts(tiny_model.config.vocab_size)
+    b = pair.bootstrap()
+    first = pair.prefill.generate(input_ids=prompts[1], bootstrap=b, temperature=0.0)
+    second = pair.decode.generate(input_ids=prompts[2], bootstrap=b, temperature=0.0)
+    for stream in (first, second):
+        assert "holds a different prompt" in error_of(await stream.result())
+    await pair.idle()
+    await served_after(pair, tiny_reference, tiny_model.config.vocab_size)
 
 
 # ---- aborts, in each state ---------------------------------------------------------------
