@@ -18,6 +18,7 @@ of it still land in the decode server's pages.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from shoal.disagg.layout import KVLayout, page_copies
 from shoal.disagg.wire import RoomRequest, RoomResult
 
 MAX_ENDED = 4096  # causes kept for rooms that ended, oldest forgotten first
+SHUTDOWN_WRITE_WAIT_S = 60.0
+log = logging.getLogger("shoal.disagg")
 
 
 @dataclass
@@ -262,7 +265,18 @@ class SendRooms:
         while len(self.ended) > MAX_ENDED:
             self.ended.popitem(last=False)
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        """End every room. Writes still running are waited for first (a backend bounds each:
+        Mooncake's MC_TRANSFER_TIMEOUT), so the decode server hears of the end only once
+        nothing can land in its pages, even when this engine closes inside a process that
+        lives on."""
+        writes = [room.write for room in self.rooms.values() if room.writing and room.write]
+        if writes:
+            _, late = await asyncio.wait(writes, timeout=SHUTDOWN_WRITE_WAIT_S)
+            if late:
+                log.error(
+                    "%d KV writes still ran after %ss at shutdown", len(late), SHUTDOWN_WRITE_WAIT_S
+                )
         for room in list(self.rooms.values()):
-            room.writing = False  # the process ends: its writes end with it
+            room.writing = False
             self.end(room, "the prefill server is shutting down")

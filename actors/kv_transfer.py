@@ -98,7 +98,7 @@ class KVTransfer:
                 answer(reply, self.rooms.stats())
             case Shutdown():
                 if send:
-                    send.shutdown()
+                    await send.shutdown()
             case _:
                 raise AssertionError(f"{type(msg).__name__} on the wrong side of a transfer")
 
