@@ -211,7 +211,8 @@ class Gateway:
                 f"{self.max_open_requests}): retry later",
             )
         streams: list[RequestStream] = []
-        halves = bootstraps(rooms, len(choices))
+        disaggregated = self.engine.options.disaggregation_mode != "null"
+        halves = bootstraps(rooms if disaggregated else None, len(choices))
         try:
             for (ids, sampling, rid), bootstrap in zip(choices, halves, strict=True):
                 if turn is None:
