@@ -23,7 +23,7 @@ clean character arrives; real models leave such runs quickly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt ids the first window reaches back over: enough for a multi-byte character's context.
@@ -40,6 +40,26 @@ class Decoder(Protocol):
     def decode(
         self, token_ids: list[int], /, skip_special_tokens: bool = ...
     ) -> str | list[str]: ...
+
+
+# transformers' methods (by name: importing transformers here would lead mypy into its optional
+# `import kernels`, see Decoder) that add nothing to the Rust tokenizer's own decode but spaces'
+# clean-up.
+PLAIN_DECODE = ("PreTrainedTokenizerBase.decode", "TokenizersBackend._decode")
+
+
+def fast_decoder(tokenizer: Any) -> Decoder:
+    """The Rust tokenizer under a transformers fast tokenizer when transformers' `decode` would
+    only wrap it (no clean-up of spaces, no subclass decoding its own way): the same text at
+    about a third of the cost a call (SmolLM2: 1.2 against 4.1 us), twice a token a request.
+    Anything else: the tokenizer itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    kind = type(tokenizer)
+    methods = (getattr(kind, "decode", None), getattr(kind, "_decode", None))
+    plain = tuple(getattr(m, "__qualname__", "") for m in methods) == PLAIN_DECODE
+    if backend is None or not plain or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return cast(Decoder, tokenizer)
+    return cast(Decoder, backend)
 
 
 class IncrementalDetokenizer:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.actors.detokenize import IncrementalDetokenizer
+from shoal.actors.detokenize import IncrementalDetokenizer, fast_decoder
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Abort, Generate, Output, SchedulerMsg
 from shoal.actors.sessions import SessionBook, SessionState
@@ -60,7 +60,7 @@ class RequestStreams:
     def __init__(
         self, tokenizer: Any, scheduler: Mailbox[SchedulerMsg], sessions: SessionBook
     ) -> None:
-        self.tokenizer = tokenizer
+        self.decoder = fast_decoder(tokenizer)  # what the detokenizers decode with
         self.scheduler = scheduler
         self.sessions = sessions  # a turn's end becomes its session's history
         self.live: dict[str, Live] = {}
@@ -81,7 +81,7 @@ class RequestStreams:
     ) -> None:
         """Book an admitted request: its output is decoded after its prompt."""
         sampling = gen.sampling
-        detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.decoder, ids, sampling.skip_special_tokens)
         live = Live(gen.stream, detok, StopMatcher(sampling.stop), len(ids))
         live.logprobs = [] if sampling.wants_logprobs else None
         live.weight_version = weight_version

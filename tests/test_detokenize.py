@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
 import time
 import tracemalloc
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from shoal.actors.detokenize import IncrementalDetokenizer
+from shoal.actors.detokenize import IncrementalDetokenizer, fast_decoder
 from shoal.actors.stops import StopMatcher, failure_function
 
 CORPUS = [
@@ -285,3 +287,29 @@ def test_failure_function_matches_its_definition(pattern: str) -> None:
         for i in range(len(pattern))
     ]
     assert failure_function(pattern) == expected
+
+
+def test_the_fast_decoder_decodes_as_the_tokenizer_does(tiny_model: Any) -> None:
+    """fast_decoder hands the detokenizer the Rust tokenizer only where it gives transformers'
+    text: here, for the tiny model's tokenizer and SmolLM2's kind (no clean-up of spaces),
+    on random windows of ids, special tokens kept and skipped."""
+    tokenizer = tiny_model.tokenizer
+    decoder = fast_decoder(tokenizer)
+    assert decoder is tokenizer.backend_tokenizer  # the fast path is taken
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    for _ in range(2000):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
+        for skip in (True, False):
+            assert decoder.decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode() -> None:
+    tokenizer = byte_level_tokenizer()
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert fast_decoder(tokenizer) is tokenizer
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
