@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib
 import importlib.util
 import signal
 import socket
@@ -33,11 +34,20 @@ from shoal.disagg.wire import RoomRequest, RoomResult, prompt_digest
 
 __all__ = ["serve"]  # the fixture, used by name
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("sglang_router") is None
-    or importlib.util.find_spec("mooncake") is None,
-    reason="needs the test extra's sglang-router and mooncake-transfer-engine-non-cuda",
-)
+
+def missing_parts() -> str | None:
+    """Why this module cannot run here, or None: the test extra's router, and Mooncake's
+    engine, which also needs the system library libibverbs1 (.ci/run installs it)."""
+    if importlib.util.find_spec("sglang_router") is None:
+        return "needs the test extra's sglang-router"
+    try:
+        importlib.import_module("mooncake.engine")
+    except ImportError as exc:
+        return f"Mooncake's transfer engine does not load ({exc}): apt-get install libibverbs1"
+    return None
+
+
+pytestmark = pytest.mark.skipif(missing_parts() is not None, reason=str(missing_parts()))
 NEW_TOKENS = 8
 WAIT_S = 30.0
 
