@@ -12,9 +12,10 @@ from shoal.actors.kv_receive import ReceiveRooms
 from shoal.actors.kv_send import SendRooms
 from shoal.actors.kv_transfer import KVTransfer
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import PeerArrived, PeerCancel, PeerGone, SchedulerMsg, TransferMsg
+from shoal.actors.messages import SchedulerMsg
 from shoal.actors.stages import Stage
 from shoal.actors.supervise import FaultInjector
+from shoal.actors.transfer_messages import PeerArrived, PeerCancel, PeerGone, TransferMsg
 from shoal.config import EngineOptions
 from shoal.disagg.backend import LocalBackend, LocalFabric, TransferBackend
 from shoal.disagg.bootstrap import RoomHandlers

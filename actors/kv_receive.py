@@ -25,17 +25,9 @@ from typing import Any
 import aiohttp
 
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import (
-    Bootstrap,
-    CancelEnded,
-    DropRoom,
-    ExpectKV,
-    PollEnded,
-    SchedulerMsg,
-    TransferEnded,
-    TransferMsg,
-)
+from shoal.actors.messages import Bootstrap, SchedulerMsg, TransferEnded
 from shoal.actors.replies import TransferStats
+from shoal.actors.transfer_messages import CancelEnded, DropRoom, ExpectKV, PollEnded, TransferMsg
 from shoal.disagg.bootstrap import Unreachable, ask_room, cancel_room
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.wire import RoomRequest

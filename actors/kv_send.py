@@ -25,17 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import (
+from shoal.actors.messages import SchedulerMsg, TransferEnded
+from shoal.actors.replies import TransferStats, answer
+from shoal.actors.transfer_messages import (
     ClaimRoom,
     PeerArrived,
     RoomDeadline,
-    SchedulerMsg,
     SendKV,
-    TransferEnded,
     TransferMsg,
     WriteEnded,
 )
-from shoal.actors.replies import TransferStats, answer
 from shoal.disagg.backend import TransferBackend
 from shoal.disagg.layout import KVLayout, page_copies
 from shoal.disagg.wire import RoomRequest, RoomResult

@@ -19,7 +19,10 @@ import logging
 from shoal.actors.kv_receive import ReceiveRooms
 from shoal.actors.kv_send import SendRooms
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import (
+from shoal.actors.messages import SchedulerMsg, Shutdown
+from shoal.actors.replies import answer
+from shoal.actors.supervise import FaultInjector, fail_replies, serve
+from shoal.actors.transfer_messages import (
     CancelEnded,
     ClaimRoom,
     DropRoom,
@@ -29,15 +32,11 @@ from shoal.actors.messages import (
     PeerGone,
     PollEnded,
     RoomDeadline,
-    SchedulerMsg,
     SendKV,
-    Shutdown,
     TransferCountsAsk,
     TransferMsg,
     WriteEnded,
 )
-from shoal.actors.replies import answer
-from shoal.actors.supervise import FaultInjector, fail_replies, serve
 from shoal.disagg.backend import TransferBackend
 from shoal.results import InternalError
 

@@ -38,12 +38,12 @@ from shoal.actors.messages import (
     SeqChunk,
     StepDone,
     TransferEnded,
-    TransferMsg,
     TrimReq,
 )
 from shoal.actors.prefix_sharing import prefixes_in_progress, publishes_due
 from shoal.actors.replies import SchedulerSnapshot
 from shoal.actors.request import Phase, PlannerConfig, Req, finish_reason
+from shoal.actors.transfer_messages import TransferMsg
 from shoal.actors.window_trims import window_trims
 from shoal.results import ErrorCode, FinishReason
 

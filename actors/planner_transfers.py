@@ -17,8 +17,9 @@ request meanwhile (an abort, a failed step, the engine parking for a weight upda
 
 from __future__ import annotations
 
-from shoal.actors.messages import Admitted, ClaimRoom, DropRoom, ExpectKV, SendKV, TransferEnded
+from shoal.actors.messages import Admitted, TransferEnded
 from shoal.actors.request import Phase, Req, finish_reason
+from shoal.actors.transfer_messages import ClaimRoom, DropRoom, ExpectKV, SendKV
 from shoal.disagg.wire import prompt_digest
 from shoal.results import TokenLogprob
 

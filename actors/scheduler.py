@@ -44,12 +44,12 @@ from shoal.actors.messages import (
     StepDone,
     TokenizerMsg,
     TransferEnded,
-    TransferMsg,
 )
 from shoal.actors.planner import Planner
 from shoal.actors.planner_transfers import concerns
 from shoal.actors.replies import answer
 from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
+from shoal.actors.transfer_messages import TransferMsg
 from shoal.results import InternalError
 
 log = logging.getLogger("shoal.scheduler")

@@ -28,7 +28,6 @@ from shoal.actors.messages import (
     SchedulerMsg,
     Shutdown,
     TokenizerMsg,
-    TransferMsg,
 )
 from shoal.actors.planner import Planner
 from shoal.actors.request import PlannerConfig
@@ -36,6 +35,7 @@ from shoal.actors.scheduler import Scheduler
 from shoal.actors.stages import Stage, StageMonitor, split_layers, stage_devices
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.tokenizer import Tokenizer
+from shoal.actors.transfer_messages import TransferMsg
 from shoal.cache.kv import KVCache
 from shoal.config import EngineOptions, Resolved
 from shoal.disagg.backend import LocalFabric

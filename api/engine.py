@@ -28,7 +28,6 @@ from shoal.actors.messages import (
     CacheStats,
     CheckIntegrity,
     Deliver,
-    DropRoom,
     EndSession,
     FlushWhenIdle,
     Gate,
@@ -36,12 +35,12 @@ from shoal.actors.messages import (
     OpenSession,
     Pause,
     Snapshot,
-    TransferCountsAsk,
     UpdateWeights,
 )
 from shoal.actors.replies import SchedulerSnapshot, TransferStats, UpdateOutcome
 from shoal.actors.stages import StageMonitor
 from shoal.actors.supervise import FaultInjector
+from shoal.actors.transfer_messages import DropRoom, TransferCountsAsk
 from shoal.actors.wiring import Actors, cpu_kernels, start_actors
 from shoal.api.sampling_wire import SAMPLING_FIELDS, sampling_from
 from shoal.api.session import Session

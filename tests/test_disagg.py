@@ -29,7 +29,8 @@ from conftest import EngineFactory, Reference
 from test_engine_parity import mixed_prompts
 
 from shoal import Engine
-from shoal.actors.messages import Bootstrap, Shutdown, TransferMsg
+from shoal.actors.messages import Bootstrap, Shutdown
+from shoal.actors.transfer_messages import TransferMsg
 from shoal.disagg.backend import LocalFabric
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.wire import RoomRequest
