@@ -3,6 +3,7 @@
     python bench/step_profile.py                      # batch 1 and 16, context 256
     python bench/step_profile.py --batch 1 4 16 64 --context 512 --linear dense packed
     python bench/step_profile.py --attention torch cpu  # gather + SDPA against the C++ kernel
+    python bench/step_profile.py --attention cpu --fused on off  # the layers chained in C++
 
 Runs the model forward directly (no actors): B sequences of `--context` cached tokens each
 decode one token, with the step's attention metadata built as the executor builds it, then
@@ -20,12 +21,15 @@ Works on any revision whose model (LlamaModel, or a family's build) takes (confi
 device) — the linear
 kind is passed only when asked for, and the attention is the torch reference unless `--attention
 cpu` is asked for, and the model is imported from where the revision has it — so the same
-script gives "before" and "after".
+script gives "before" and "after". `--fused off` makes a decode step take the Python forward
+where the revision would chain its layers in C++ (models/fused_layers.py); the kernels the
+chain calls still land in their buckets, and its own C++ is `other`.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import statistics
 import time
@@ -83,7 +87,7 @@ def model_class(loaded: Any) -> Any:
     return LlamaModel
 
 
-def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
+def build(kind: str | None, attention: str, fused: str) -> tuple[Any, Any, Any]:
     from shoal.kernels.attention import TorchAttention
     from shoal.kernels.loading.loader import load_model
 
@@ -94,13 +98,23 @@ def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
 
     loaded = load_model(None)
     cpu = torch.device("cpu")
-    extra = () if kind is None else (kind,)
+    extra: tuple[Any, ...] = () if kind is None else (kind,)
+    elementwise = None
     if kind == "int8" or attention == "cpu":  # int8 linears are compiled too
         from shoal.kernels.cpu_kernels import load_cpu_kernels
         from shoal.kernels.loading.loader import default_cache_dir
 
-        load_cpu_kernels(default_cache_dir())
-    model = model_class(loaded)(loaded.config, loaded.weights, torch.float32, cpu, *extra)
+        kernels = load_cpu_kernels(default_cache_dir())
+        if attention == "cpu":
+            from shoal.kernels.elementwise import CompiledElementwise
+
+            elementwise = CompiledElementwise(kernels)
+    build_model = model_class(loaded)
+    if elementwise is not None and "elementwise" in inspect.signature(build_model).parameters:
+        extra = (kind or "packed", elementwise)  # revisions that chain layers build it at load
+    model = build_model(loaded.config, loaded.weights, torch.float32, cpu, *extra)
+    if fused == "off" and hasattr(model, "fused"):
+        model.fused = None
     pool = KVPool(loaded.config, POOL_PAGES * PAGE_SIZE, torch.float32, cpu)
     for layer in (*pool.k, *pool.v):  # touched: untouched zero pages would read unrealistically
         layer.normal_()
@@ -110,7 +124,7 @@ def build(kind: str | None, attention: str) -> tuple[Any, Any, Any]:
         from shoal.kernels.loading.loader import default_cache_dir
 
         kernels = load_cpu_kernels(default_cache_dir())
-        model.elementwise = CompiledElementwise(kernels)
+        model.elementwise = elementwise or CompiledElementwise(kernels)
         store = getattr(kernels, "store_kv", None)  # older revisions: torch's index_copy_
         return model, pool, TorchAttention(PAGE_SIZE, kernels.paged_decode, store)
     return model, pool, TorchAttention(PAGE_SIZE)
@@ -184,15 +198,22 @@ def main(argv: list[str] | None = None) -> None:
         "--attention", nargs="+", default=["torch"], choices=["torch", "cpu"],
         help="torch (gather + SDPA, torch's element-wise ops) or cpu (the compiled kernels)",
     )  # fmt: skip
+    parser.add_argument(
+        "--fused", nargs="+", default=["on"], choices=["on", "off"],
+        help="off: decode steps take the Python forward, not the layers chained in C++",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     desc = machine()
-    for kind, attention in itertools.product(args.linear or [None], args.attention):
-        model, pool, backend = build(kind, attention)
+    runs = itertools.product(args.linear or [None], args.attention, args.fused)
+    for kind, attention, fused in runs:
+        model, pool, backend = build(kind, attention, fused)
         for batch in args.batch:
             result = profile_step(model, pool, backend, batch, args.context, args.steps)
             line = {"linear": kind or "default", "attention": attention, "batch": batch}
+            if len(args.fused) > 1:
+                line["fused"] = fused
             line["context"] = args.context
             line |= {k: round(v, 2) for k, v in result.items()}
             emit("step", line | {"machine": desc}, None)

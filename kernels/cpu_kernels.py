@@ -12,6 +12,9 @@
                                            (`PackedLinear` at a few rows, linear.py)
     q8_linear      csrc/block_linear.cpp   x w.T + b with weights in int8 or 4-bit blocks of
     q4_linear                              32, x in int16 (`quantization="int8"`, quant.py)
+    DecoderLayers  csrc/decoder_layers.cpp a class: the standard layers of a decode-only step,
+                                           the kernels above chained in C++
+                                           (models/fused_layers.py)
 
 They are what `attention="cpu"` (the default on the CPU in float32) runs: the decode attention
 here, prompt chunks through the torch reference, and the element-wise ops through
@@ -38,8 +41,11 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("paged_decode.cpp", "elementwise.cpp", "linear.cpp", "block_linear.cpp")
-)
+    for name in (
+        "paged_decode.cpp", "elementwise.cpp", "linear.cpp", "block_linear.cpp",
+        "decoder_layers.cpp",
+    )
+)  # fmt: skip
 
 # torch's CPU capability -> compiler flags. CPU_CAPABILITY selects ATen's vector type
 # (at::vec::Vectorized) as torch's own kernels are built for that capability; no contraction

@@ -26,6 +26,8 @@
 
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include "blocks.h"
 #include "tiles.h"
 
@@ -163,6 +165,10 @@ void run(const char* op, const W& weights, int64_t n, int64_t k_len, const at::T
   shoal_tiles::for_each_tile(x.size(0), n, tile);
 }
 
+}  // namespace
+
+namespace shoal_ops {
+
 void q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
                const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 2 && x.dim() == 2 && q.size(1) % kBlock == 0 &&
@@ -208,13 +214,13 @@ void q4_dequantize(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m
   dequantize("q4_dequantize", weights, n, out);
 }
 
-}  // namespace
+}  // namespace shoal_ops
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor q, Tensor d, Tensor? bias, Tensor(a!) out) -> ()",
-        &q8_linear);
+        &shoal_ops::q8_linear);
   m.def("q4_linear(Tensor x, Tensor q, Tensor d, Tensor m, Tensor? bias, Tensor(a!) out) -> ()",
-        &q4_linear);
-  m.def("q8_dequantize(Tensor q, Tensor d, Tensor(a!) out) -> ()", &q8_dequantize);
-  m.def("q4_dequantize(Tensor q, Tensor d, Tensor m, Tensor(a!) out) -> ()", &q4_dequantize);
+        &shoal_ops::q4_linear);
+  m.def("q8_dequantize(Tensor q, Tensor d, Tensor(a!) out) -> ()", &shoal_ops::q8_dequantize);
+  m.def("q4_dequantize(Tensor q, Tensor d, Tensor m, Tensor(a!) out) -> ()", &shoal_ops::q4_dequantize);
 }

@@ -18,6 +18,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -57,6 +59,10 @@ void check_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
                   weight.numel() == x.size(1) && out.sizes() == x.sizes(),
               "rms_norm: weight [C] and out [T, C] must match x [T, C]");
 }
+
+}  // namespace
+
+namespace shoal_ops {
 
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out) {
   check_norm(x, weight, out);
@@ -162,14 +168,14 @@ void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   });
 }
 
-}  // namespace
+}  // namespace shoal_ops
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", &rms_norm);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", &shoal_ops::rms_norm);
   m.def(
       "add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps, Tensor(b!) out) "
       "-> ()",
-      &add_rms_norm);
-  m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope);
-  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()", &silu_mul);
+      &shoal_ops::add_rms_norm);
+  m.def("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &shoal_ops::rope);
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()", &shoal_ops::silu_mul);
 }

@@ -17,6 +17,8 @@
 
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include "tiles.h"
 
 namespace {
@@ -68,6 +70,10 @@ struct FloatTile {
   }
 };
 
+}  // namespace
+
+namespace shoal_ops {
+
 void f32_linear(const at::Tensor& x, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat &&
@@ -86,8 +92,8 @@ void f32_linear(const at::Tensor& x, const at::Tensor& weight,
   for_each_tile(x.size(0), n, tile);
 }
 
-}  // namespace
+}  // namespace shoal_ops
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
-  m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()", &f32_linear);
+  m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()", &shoal_ops::f32_linear);
 }

@@ -28,6 +28,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -148,6 +150,10 @@ void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   }
 }
 
+}  // namespace
+
+namespace shoal_ops {
+
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& page_ids, const at::Tensor& seq_lens,
                   const at::Tensor& token_index, int64_t page_size, double scale,
@@ -243,15 +249,15 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   }
 }
 
-}  // namespace
+}  // namespace shoal_ops
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
   m.def(
       "store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()",
-      &store_kv);
+      &shoal_ops::store_kv);
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_ids, Tensor seq_lens, "
       "Tensor token_index, int page_size, float scale, Tensor(a!) out, int window=0, "
       "float softcap=0.) -> ()",
-      &paged_decode);
+      &shoal_ops::paged_decode);
 }

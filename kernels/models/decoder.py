@@ -23,10 +23,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels.attention import AttentionMetadata
 from shoal.kernels.batch import Attention
 from shoal.kernels.elementwise import Elementwise, TorchElementwise
 from shoal.kernels.linear import LinearKind
 from shoal.kernels.loading.config import ModelConfig
+from shoal.kernels.models.fused_layers import FusedLayers, fused_layers
 from shoal.kernels.models.kv_pool import KVPool
 from shoal.kernels.models.layout import ModelSource, Part, part_of
 from shoal.kernels.models.weights import (
@@ -93,7 +95,15 @@ class DecoderModel:
             self.weights = build_weights(
                 self.config, source, self.dtype, self.device, self.linear_kind
             )
-            return
+        else:
+            self._reload(source)
+        # Built again after a reload: packed and int8 linears repack into new tensors.
+        part_windows = self.windows[self.part.layers.start : self.part.layers.stop]
+        self.fused: FusedLayers | None = fused_layers(
+            self.config, self.weights.layers, part_windows, self.elementwise, self.scale
+        )
+
+    def _reload(self, source: ModelSource) -> None:
         own = self.weights
         for old, new in zip(own.tensors(), plain_tensors(self.config, source), strict=True):
             old.copy_(new)
@@ -144,6 +154,10 @@ class DecoderModel:
         eps = cfg.rms_norm_eps
         layers = self.weights.layers
         rotations = [(cos[positions], sin[positions]) for cos, sin in self.tables]
+        fused = self.fused
+        if fused is not None and fused.takes(attention, int(h.shape[0])):
+            assert isinstance(attention, AttentionMetadata)
+            return fused(h, *rotations[0], attention, kv)
         first = self.part.layers.start
         x = ops.rms_norm(h, layers[0].norms.input, eps)
         for layer_id, layer in enumerate(layers):

@@ -1,0 +1,198 @@
+// A run of decoder layers for a step whose every token is a decode, chained in C++: the same
+// kernels, in the same order, as the Python forward calls one by one (kernels/models/
+// decoder.py), so the same bits, without the ~20 torch dispatches and Python calls around each
+// layer's kernels (about 2 ms of a 10 ms one-sequence int8 step on the 2-core VM).
+//
+//   layers = torch.classes.shoal_cpu.DecoderLayers(tensors, layout, heads, kv_heads, head_dim,
+//                                                  eps, scale, few_rows)
+//   layers.forward(h, cos, sin, k_caches, v_caches, slots, page_ids, seq_lens, token_index,
+//                  page_size) -> h
+//
+// The layers are the standard ones (Llama, Qwen 2, Mistral without a window): RMSNorm before
+// attention and before the MLP, one fused qkv projection (bias optional), RoPE over the whole
+// head, paged attention with no window or soft-cap, o, one fused gate_up, SiLU times up, down.
+//
+//   tensors   per layer: its input norm, its post-attention norm, then the four linears (qkv,
+//             o, gate_up, down), each as its parts and then its bias when it has one:
+//               kFloat32  the plain float32 weight [N, K] and oneDNN's packed form of it
+//                         (f32_linear up to `few_rows` rows, oneDNN's matmul above)
+//               kQ8       q, d              (q8_linear, block_linear.cpp)
+//               kQ4       q, d, m           (q4_linear)
+//   layout    per layer and linear: its kind, then 1 if it has a bias else 0 (8 a layer)
+//
+//   h         [T, hidden] float32, the residual stream: updated in place and returned
+//   cos, sin  [T, head_dim] the rotation of each token's position
+//   k_caches, v_caches   one [slots, Hkv, D] per layer, in order
+//   slots, page_ids, seq_lens, token_index, page_size   as store_kv and paged_decode take them;
+//             token_index must name every one of the T tokens (a step of decodes only)
+//
+// Each kernel checks its arguments as its own op does; a bad step raises, it never reads stray
+// memory.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+constexpr int64_t kFloat32 = 0;
+constexpr int64_t kQ8 = 1;
+constexpr int64_t kQ4 = 2;
+constexpr int64_t kLinearsPerLayer = 4;
+
+int64_t parts_of(int64_t kind) {
+  TORCH_CHECK(kind == kFloat32 || kind == kQ8 || kind == kQ4, "DecoderLayers: unknown kind ",
+              kind);
+  return kind == kQ4 ? 3 : 2;
+}
+
+// oneDNN's matmul on a packed weight, through the dispatcher as PackedLinear calls it.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x,
+                          packed,
+                          bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                          std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(),
+                          c10::IValue()};
+  op.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
+// Runs f as torch's profiler would see the op `name` (nothing to record when it is off), so
+// bench/step_profile.py sorts the chained kernels into its buckets as it does the ops.
+template <typename F>
+void traced(const char* name, F&& f) {
+  RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{});
+  f();
+}
+
+struct Linear {
+  int64_t kind;
+  std::vector<at::Tensor> parts;
+  std::optional<at::Tensor> bias;
+
+  int64_t out_features() const { return parts.at(0).size(0); }
+
+  at::Tensor operator()(const at::Tensor& x, int64_t few_rows) const {
+    if (kind == kFloat32 && x.size(0) > few_rows) return onednn_linear(x, parts[1], bias);
+    at::Tensor out = at::empty({x.size(0), out_features()}, x.options());
+    if (kind == kFloat32) {
+      traced("f32_linear", [&] { shoal_ops::f32_linear(x, parts[0], bias, out); });
+    } else if (kind == kQ8) {
+      traced("q8_linear", [&] { shoal_ops::q8_linear(x, parts[0], parts[1], bias, out); });
+    } else {
+      traced("q4_linear",
+             [&] { shoal_ops::q4_linear(x, parts[0], parts[1], parts[2], bias, out); });
+    }
+    return out;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+struct DecoderLayers : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  int64_t heads, kv_heads, head_dim, few_rows;
+  double eps, scale;
+
+  DecoderLayers(std::vector<at::Tensor> tensors, std::vector<int64_t> layout, int64_t heads,
+                int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t few_rows)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), few_rows(few_rows), eps(eps),
+        scale(scale) {
+    TORCH_CHECK(layout.size() % (2 * kLinearsPerLayer) == 0 && !layout.empty(),
+                "DecoderLayers: layout must hold 8 entries a layer");
+    TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "DecoderLayers: bad head counts");
+    size_t next = 0, kind = 0;
+    auto take = [&]() {
+      TORCH_CHECK(next < tensors.size(), "DecoderLayers: fewer tensors than the layout names");
+      return tensors[next++];
+    };
+    auto linear = [&]() {
+      Linear l{layout[kind], {}, std::nullopt};
+      const bool has_bias = layout[kind + 1] != 0;
+      kind += 2;
+      for (int64_t i = 0; i < parts_of(l.kind); ++i) l.parts.push_back(take());
+      if (has_bias) l.bias = take();
+      return l;
+    };
+    while (kind < layout.size()) {
+      at::Tensor input_norm = take(), post_attention_norm = take();
+      Linear qkv = linear(), o = linear(), gate_up = linear(), down = linear();
+      layers.push_back(Layer{input_norm, post_attention_norm, qkv, o, gate_up, down});
+    }
+    TORCH_CHECK(next == tensors.size(), "DecoderLayers: more tensors than the layout names");
+    for (const Layer& l : layers) {
+      TORCH_CHECK(l.qkv.out_features() == (heads + 2 * kv_heads) * head_dim &&
+                      l.gate_up.out_features() % 2 == 0,
+                  "DecoderLayers: qkv or gate_up has the wrong number of outputs");
+    }
+  }
+
+  at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin,
+                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                     at::Tensor slots, at::Tensor page_ids, at::Tensor seq_lens,
+                     at::Tensor token_index, int64_t page_size) {
+    RECORD_FUNCTION("decoder_layers", c10::ArrayRef<const c10::IValue>{});
+    const int64_t n = static_cast<int64_t>(layers.size()), tokens = h.size(0);
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n &&
+                    static_cast<int64_t>(v_caches.size()) == n,
+                "DecoderLayers: one K and one V cache a layer");
+    TORCH_CHECK(token_index.dim() == 1 && token_index.size(0) == tokens,
+                "DecoderLayers: every token of the step must be a decode");
+    const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+    at::Tensor x = at::empty_like(h);
+    at::Tensor attended = at::empty({tokens, heads, head_dim}, h.options());
+    traced("rms_norm", [&] { shoal_ops::rms_norm(h, layers[0].input_norm, eps, x); });
+    for (int64_t i = 0; i < n; ++i) {
+      const Layer& layer = layers[i];
+      const at::Tensor qkv = layer.qkv(x, few_rows);
+      const at::Tensor qk = qkv.narrow(1, 0, q_width + kv_width).view({tokens, -1, head_dim});
+      traced("rope", [&] { shoal_ops::rope(qk, cos, sin); });
+      const at::Tensor q = qk.narrow(1, 0, heads);
+      const at::Tensor k = qk.narrow(1, heads, kv_heads);
+      const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, -1, head_dim});
+      traced("store_kv", [&] { shoal_ops::store_kv(k_caches[i], v_caches[i], slots, k, v); });
+      traced("paged_decode", [&] {
+        shoal_ops::paged_decode(q, k_caches[i], v_caches[i], page_ids, seq_lens, token_index,
+                                page_size, scale, attended, 0, 0.);
+      });
+      const at::Tensor o = layer.o(attended.view({tokens, q_width}), few_rows);
+      traced("add_rms_norm",
+             [&] { shoal_ops::add_rms_norm(h, o, layer.post_attention_norm, eps, x); });
+      const at::Tensor gate_up = layer.gate_up(x, few_rows);
+      at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, h.options());
+      traced("silu_mul", [&] { shoal_ops::silu_mul(gate_up, act); });
+      const at::Tensor down = layer.down(act, few_rows);
+      if (i + 1 < n) {
+        traced("add_rms_norm",
+               [&] { shoal_ops::add_rms_norm(h, down, layers[i + 1].input_norm, eps, x); });
+      } else {
+        h.add_(down);
+      }
+    }
+    return h;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
+  m.class_<DecoderLayers>("DecoderLayers")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t,
+                       double, double, int64_t>())
+      .def("forward", &DecoderLayers::forward);
+}
