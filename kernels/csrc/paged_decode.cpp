@@ -1,7 +1,8 @@
 // Paged decode attention on the CPU: one new token per sequence attends to every token of its
 // row (or of its window), reading K and V in place from the pages (no gather into a padded
 // copy). The query heads that share a KV head are done together, so each K and V row is read
-// once per step and layer.
+// once per step and layer; with two or more sequences a thread, all of a sequence's heads are,
+// so each token's [Hkv, D] rows are read whole.
 //
 //   q, out        [T, H, D]          float32; row i of a sequence is token_index[i]
 //   k/v_cache     [slots, Hkv, D]    float32; slot = page * page_size + position % page_size
@@ -90,6 +91,8 @@ inline float softmax_unnormalized(float* row, int64_t len) {
 // each loop asks for the row this many keys ahead (cold pages measured 2x slower without it).
 constexpr int64_t kPrefetchAhead = 8;
 constexpr int64_t kFloatsPerLine = 16;
+// From this many sequences a thread on, a work item is a whole sequence (paged_decode).
+constexpr int64_t kSequencesPerThread = 2;
 
 inline void prefetch_row(const float* row, int64_t dim) {
   for (int64_t i = 0; i < dim; i += kFloatsPerLine) __builtin_prefetch(row + i, 0, 3);
@@ -172,44 +175,58 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t* tokens = token_index.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
 
-  // One work item: one sequence's query heads that share KV head `kv`.
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // [group, len]: logits, then unnormalized probabilities
-    std::vector<float> acc(group * dim);
-    std::vector<float> inv_sum(group);
+  // One work item: the query heads of one sequence that share KV heads kv0 .. kv0 + span - 1.
+  // With enough sequences to share out, a whole sequence (span = Hkv): each token's K and V
+  // rows are then read whole, [Hkv, D] contiguous, instead of one head's slice at a time.
+  // With fewer, one KV head (span = 1), so that every thread gets work. The arithmetic of each
+  // head is the same either way.
+  const int64_t span = batch >= kSequencesPerThread * at::get_num_threads() ? kv_heads : 1;
+  const int64_t items_per_seq = kv_heads / span, width = span * group;
+  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [width, len]: logits, then unnormalized probabilities
+    std::vector<float> acc(width * dim);
+    std::vector<float> inv_sum(width);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, kv = item % kv_heads;
+      const int64_t b = item / items_per_seq, kv0 = (item % items_per_seq) * span;
       // Keys first .. lens[b] - 1, the t-th of them at position first + t.
       const int64_t first = first_key(lens[b], window), len = lens[b] - first;
       const int64_t* row_pages = pages + b * max_pages;
-      const float* q_group = q_data + tokens[b] * q_stride + kv * group * dim;
+      const float* q_heads = q_data + tokens[b] * q_stride + kv0 * group * dim;
       auto row_of = [&](const float* cache, int64_t t) {
         const int64_t pos = first + t;
         const int64_t slot = row_pages[pos / page_size] * page_size + pos % page_size;
-        return cache + slot * slot_stride + kv * dim;
+        return cache + slot * slot_stride + kv0 * dim;
       };
-      scores.resize(group * len);
+      scores.resize(width * len);
       for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetchAhead < len) prefetch_row(row_of(k_data, t + kPrefetchAhead), dim);
-        const float* key = row_of(k_data, t);
-        for (int64_t j = 0; j < group; ++j) {
-          scores[j * len + t] = dot(q_group + j * dim, key, dim) * fscale;
+        if (t + kPrefetchAhead < len) prefetch_row(row_of(k_data, t + kPrefetchAhead), span * dim);
+        const float* keys = row_of(k_data, t);
+        for (int64_t kv = 0, j = 0; kv < span; ++kv) {
+          for (int64_t end_j = j + group; j < end_j; ++j) {
+            scores[j * len + t] = dot(q_heads + j * dim, keys + kv * dim, dim) * fscale;
+          }
         }
       }
-      if (fsoftcap > 0.f) soft_cap(scores.data(), group * len, fsoftcap);
-      for (int64_t j = 0; j < group; ++j) {
+      if (fsoftcap > 0.f) {  // a KV head's group at a time, as the vector lanes always fell
+        for (int64_t kv = 0; kv < span; ++kv) {
+          soft_cap(scores.data() + kv * group * len, group * len, fsoftcap);
+        }
+      }
+      for (int64_t j = 0; j < width; ++j) {
         inv_sum[j] = softmax_unnormalized(scores.data() + j * len, len);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetchAhead < len) prefetch_row(row_of(v_data, t + kPrefetchAhead), dim);
-        const float* value = row_of(v_data, t);
-        for (int64_t j = 0; j < group; ++j) {
-          add_scaled(scores[j * len + t], value, acc.data() + j * dim, dim);
+        if (t + kPrefetchAhead < len) prefetch_row(row_of(v_data, t + kPrefetchAhead), span * dim);
+        const float* values = row_of(v_data, t);
+        for (int64_t kv = 0, j = 0; kv < span; ++kv) {
+          for (int64_t end_j = j + group; j < end_j; ++j) {
+            add_scaled(scores[j * len + t], values + kv * dim, acc.data() + j * dim, dim);
+          }
         }
       }
-      for (int64_t j = 0; j < group; ++j) {
-        float* dst = out_data + tokens[b] * out_stride + (kv * group + j) * dim;
+      for (int64_t j = 0; j < width; ++j) {
+        float* dst = out_data + tokens[b] * out_stride + (kv0 * group + j) * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = acc[j * dim + d] * inv_sum[j];
       }
     }
