@@ -8,8 +8,8 @@
     add_rms_norm                           the residual add and the next RMSNorm, in one op
     rope                                   q and k rotated in place, in one op
     silu_mul                               silu(gate) * up of the fused gate_up, in one op
-    f32_linear     csrc/linear.cpp         x w.T + b for a few rows, float32 weights
-                                           (`PackedLinear` at a few rows, linear.py)
+    f32_linear     csrc/linear.cpp         x w.T + b, float32 weights packed in panels of 16
+                                           channels (`PackedLinear`, linear.py; panels.h)
     q8_linear      csrc/block_linear.cpp   x w.T + b with weights in int8 or 4-bit blocks of
     q4_linear                              32, x in int16 (`quantization="int8"`, quant.py)
     DecoderLayers  csrc/decoder_layers.cpp a class: the standard layers of a decode-only step,

@@ -2,9 +2,9 @@
 
     kind     class          where                 what a call does
     dense    DenseLinear    CUDA, and reference   F.linear on the weight as loaded
-    packed   PackedLinear   CPU, float32          oneDNN's matmul on the weight in its blocked
-                                                  layout (packed at load); up to 4 rows a
-                                                  compiled kernel on the plain weight
+    packed   PackedLinear   CPU, float32          a compiled kernel on the weight packed at load
+                                                  in panels of 16 channels (without the
+                                                  kernels: oneDNN's matmul on its own layout)
     int8     (quant.py)     CPU, opt-in           weights in 4-bit or int8 blocks of 32 along K,
                                                   activations rounded to int16, compiled kernels
                                                   (csrc/block_linear.cpp)
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 LinearKind = Literal["dense", "packed", "int8"]
 
+PANEL = 16  # output channels a panel (csrc/panels.h's kWidth)
 # oneDNN's packing takes the expected number of rows as a hint; any number works at call time.
-_ROWS_HINT = 16
-FEW_ROWS = 4  # up to this many rows, a packed linear runs f32_linear when it can
+_ONEDNN_ROWS_HINT = 16
 
 
 class Linear(Protocol):
@@ -54,17 +54,16 @@ class DenseLinear:
 
 
 class PackedLinear:
-    """float32 on the CPU: oneDNN's matmul on the weight reordered once into its blocked
-    layout, and, when the compiled CPU kernels are loaded, `f32_linear` (csrc/linear.cpp) on
-    the plain weight for steps of up to `FEW_ROWS` rows.
+    """float32 on the CPU, the weight packed once at load: with the compiled CPU kernels
+    loaded, into panels of 16 output channels for `f32_linear` (csrc/linear.cpp, panels.h);
+    without them, into oneDNN's blocked layout for its matmul.
 
-    Measured on a 2-core AVX2 EPYC with two threads, all of SmolLM2's projections in a row
-    (bench/README.md): oneDNN was the fastest of MKL's packed sgemm, `F.linear` and oneDNN at
-    every row count tried (1 to 512): at one row 1.25x MKL's packed form and 1.4x `F.linear`,
-    at 16-64 rows 1.2-1.5x `F.linear`, at 128-512 rows 1.0-1.3x. At one to four rows, where a
-    step is bound by reading the weights, `f32_linear` reads them faster still (one row 22 ms
-    against 31, four rows 29 against 35), so the weight is kept twice: 1.08 GB for SmolLM2
-    instead of 0.54. The two sum in different orders: results may differ in the last bits."""
+    Measured on a 2-core AVX2 EPYC with two threads, all of SmolLM2's projections and its
+    lm_head in a row (bench/README.md): oneDNN was the fastest of MKL's packed sgemm,
+    `F.linear` and oneDNN at every row count tried (1 to 512), and `f32_linear` on panels beat
+    oneDNN at every row count: 1 row 19.6 ms against 25.0, 16 rows 37.2 against 53.5, 64 rows
+    111 against 142, 512 rows 848 against 961. Each output is one chain of multiply-adds in k
+    order: results may differ from `F.linear` in the last bits."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = int(weight.shape[0])
@@ -73,18 +72,30 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if self.weight is not None and rows.shape[0] <= FEW_ROWS and rows.stride(-1) == 1:
+        if self.panels is not None:
             y = torch.empty(rows.shape[0], self.out_features)
-            torch.ops.shoal_cpu.f32_linear(rows, self.weight, self.bias, y)
+            torch.ops.shoal_cpu.f32_linear(rows.contiguous(), self.panels, self.bias, y)
         else:
             y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return y.view(*shape[:-1], self.out_features)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _ROWS_HINT)
-        few_rows = hasattr(torch.ops.shoal_cpu, "f32_linear")  # loaded: cpu_kernels.py
-        self.weight = weight.contiguous() if few_rows else None
+        compiled = hasattr(torch.ops.shoal_cpu, "f32_linear")  # loaded: cpu_kernels.py
+        self.panels = pack_panels(weight) if compiled else None
+        self.packed = None
+        if not compiled:
+            hint = _ONEDNN_ROWS_HINT
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16]: each panel's 16 output channels side by side for every k
+    (channels past N are zeros), the layout `f32_linear` reads."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:

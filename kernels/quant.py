@@ -16,6 +16,12 @@ kernels, cpu_kernels.py): each block's product is summed exactly in int32, then 
 scales in float32. The bundled SmolLM2 decodes through them at one row in ~2/3 of the time the
 earlier float-activation int8 kernel took, and as exactly as float32 bar the activations' 15
 bits (bench/README.md; 8-bit activations lost 3% of its top-1 agreement with float32).
+
+They are for steps of a few rows, which read the weights more than they compute. From
+MANY_ROWS rows on, the weights, dequantized once at load (every value as the blocks give it
+back) and kept in float32 panels, go through `f32_linear` as float32 weights do: a step of many
+rows computes, and the float32 panel kernel computes faster than the block kernels there. The
+panels cost the float32 model's memory again (0.54 GB for SmolLM2).
 """
 
 from __future__ import annotations
@@ -24,11 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.kernels.linear import pack_panels
+
 BLOCK = 32  # weights per scale, along K (the kernels' kBlock)
 _Q8_LEVELS = 127
 _Q4_LEVELS = 15
 _MIN_SCALE = 1e-12  # a block of zeros still needs a positive scale
-MANY_ROWS = 32  # from here on the kernels dequantize and use torch's GEMM (their kManyRows)
+# From this many rows on a step computes more than it reads the weights, and the float32 panel
+# kernel on the dequantized weight beats the block kernels (all of SmolLM2's linears: 8 rows
+# 24.7 ms in blocks against 29.0, 12 rows 37.0 against 32.3; bench/README.md).
+MANY_ROWS = 10
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,10 @@ class Int8Linear:
         if rows.dtype != torch.float32 or rows.stride(-1) != 1:
             rows = rows.float().contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
-        self.blocks.run(rows, self.bias, out)
+        if rows.shape[0] >= MANY_ROWS:
+            torch.ops.shoal_cpu.f32_linear(rows, self.panels, self.bias, out)
+        else:
+            self.blocks.run(rows, self.bias, out)
         y = out.view(*shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -91,6 +105,8 @@ class Int8Linear:
         assert tuple(weight.shape) == (self.out_features, self.in_features), weight.shape
         weight = weight.detach().float()
         self.blocks: Q4Blocks | Q8Blocks = exact_q4_blocks(weight) or q8_blocks(weight)
+        # The same weights in float32 panels, for steps of many rows (MANY_ROWS).
+        self.panels = pack_panels(self.blocks.dequantize())
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
 
     def dequantized_weight(self) -> torch.Tensor:

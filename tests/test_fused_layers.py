@@ -1,8 +1,8 @@
 """The layers chained in C++ for decode-only steps (kernels/models/fused_layers.py,
 csrc/decoder_layers.cpp) against the Python forward over the same kernels: the same bits in the
-logits and in every cache slot, for float32 (both the few-row kernel and oneDNN's matmul) and
-int8, a qkv bias, pipeline parts and a weight update; which models and steps it takes; and that
-a bad step raises instead of reading stray memory."""
+logits and in every cache slot, for float32 and int8, a qkv bias, pipeline parts and a weight
+update; which models and steps it takes; and that a bad step raises instead of reading stray
+memory."""
 
 from __future__ import annotations
 
@@ -19,20 +19,21 @@ from shoal.kernels.attention import AttentionMetadata, TorchAttention
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import CpuKernels, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise
-from shoal.kernels.linear import FEW_ROWS, LinearKind
+from shoal.kernels.linear import LinearKind
 from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model
 from shoal.kernels.models.decoder import DecoderModel
 from shoal.kernels.models.fused_layers import FusedLayers
 from shoal.kernels.models.kv_pool import KVPool
 from shoal.kernels.models.layout import Part
 from shoal.kernels.models.registry import family_of
+from shoal.kernels.quant import MANY_ROWS
 
 PAGE = 4
 NUM_PAGES = 256
-# One, three and seven sequences: seven rows run oneDNN's matmul in float32, fewer the
-# few-row kernel.
-LENS = [[5], [1, 17, 9], [3, 30, 12, 7, 64, 2, 41]]
-assert len(LENS[1]) <= FEW_ROWS < len(LENS[2])
+# One, three, seven and twelve sequences: seven rows are a whole tile of six in the float32
+# kernel and one left over; twelve reach int8's float32 panels (quant.MANY_ROWS).
+LENS = [[5], [1, 17, 9], [3, 30, 12, 7, 64, 2, 41], [4, 9, 33, 1, 2, 18, 25, 6, 11, 3, 40, 7]]
+assert len(LENS[2]) < MANY_ROWS <= len(LENS[3])
 
 
 @pytest.fixture(scope="module")

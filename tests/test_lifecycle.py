@@ -70,6 +70,16 @@ async def test_update_right_after_each_response_100_times(
         assert result.weight_version == i + 1 == engine.weight_version
 
 
+async def until_admitted(engine: Engine, rids: set[str]) -> None:
+    """Wait (up to 10 s) until the scheduler holds every one of these requests in a row."""
+    for _ in range(1000):
+        snap = await engine.snapshot()
+        if rids <= set(snap.rows):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not admitted: {sorted(rids - set(snap.rows))}")
+
+
 async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
     make_engine: EngineFactory,
     other_folder: Path,
@@ -78,13 +88,18 @@ async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
 ) -> None:
     engine = await make_engine(page_size=4, chunk_size=16)
     prompts = [prompt(5 + 3 * i, 100 + i) for i in range(16)]
-    streams = [engine.generate(input_ids=p, max_new_tokens=40, **greedy()) for p in prompts]
-    await asyncio.sleep(0.05)
-    update = asyncio.create_task(engine.update_weights_from_disk(other_folder))
-    await asyncio.sleep(0)  # the update is posted first
-    late = engine.generate(input_ids=prompts[0], max_new_tokens=8, **greedy())  # waits
-    await asyncio.sleep(0.05)
-    assert not update.done() and not late.ended  # both wait for the 16 in flight
+    engine.stages.hold(0)  # no step runs until released: none of the 16 can finish
+    try:
+        streams = [engine.generate(input_ids=p, max_new_tokens=40, **greedy()) for p in prompts]
+        await until_admitted(engine, {s.rid for s in streams})
+        update = asyncio.create_task(engine.update_weights_from_disk(other_folder))
+        await asyncio.sleep(0)  # the update is posted first
+        late = engine.generate(input_ids=prompts[0], max_new_tokens=8, **greedy())  # waits
+        await asyncio.sleep(0.05)
+        assert not any(s.ended for s in streams)
+        assert not update.done() and not late.ended  # both wait for the 16 in flight
+    finally:
+        engine.stages.release(0)
     done = await asyncio.gather(*(s.result() for s in streams))
     result = await update
     assert result.success, result.message

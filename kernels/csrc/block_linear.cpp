@@ -17,8 +17,9 @@
 // Q4_1's minimum multiplies the block's sum of the float x. Weights are prefetched 2 KB ahead.
 // The tiles and threads are tiles.h's.
 //
-// From 32 rows on (kManyRows), where a step computes rather than reads, the weight is instead
-// dequantized (as below) into a buffer and multiplied by torch's float32 GEMM.
+// They are for the few-row steps that read the weights more than they compute; from
+// quant.MANY_ROWS rows on, `Int8Linear` multiplies the dequantized weight kept in float32
+// panels instead (linear.cpp).
 //
 //   q8_dequantize(q, d, out)  /  q4_dequantize(q, d, m, out)    out [N, K] float32
 //
@@ -41,9 +42,6 @@ using shoal_blocks::Q8;
 using shoal_blocks::QuantizedRows;
 
 constexpr int64_t kPrefetchBytes = 2048;
-// From this many rows on, a float32 GEMM on the dequantized weight computes faster than the
-// tiles below, and the conversion is amortized over the rows (bench/README.md).
-constexpr int64_t kManyRows = 32;
 
 template <typename W>
 struct BlockTile {
@@ -134,34 +132,13 @@ void dequantize(const char* op, const W& weights, int64_t n, const at::Tensor& o
   shoal_blocks::dequantize_into(weights, n, out);
 }
 
-// The weight dequantized into a buffer this thread keeps (grown to the largest weight it met:
-// the lm_head, 113 MB for SmolLM2; fresh memory each call cost more in page faults than the
-// conversion), for a float32 GEMM.
-template <typename W>
-at::Tensor dequantized(const W& weights, int64_t n, int64_t k_len) {
-  thread_local at::Tensor buffer;
-  if (!buffer.defined() || buffer.numel() < n * k_len) buffer = at::empty({n * k_len}, at::kFloat);
-  at::Tensor w = buffer.narrow(0, 0, n * k_len).view({n, k_len});
-  shoal_blocks::dequantize_into(weights, n, w);
-  return w;
-}
-
 template <typename W>
 void run(const char* op, const W& weights, int64_t n, int64_t k_len, const at::Tensor& x,
          const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   shoal_tiles::check_rows(op, x, n, k_len, bias, out);
-  if (x.size(0) >= kManyRows) {
-    const at::Tensor w = dequantized(weights, n, k_len);
-    if (bias.has_value()) {
-      at::addmm_out(const_cast<at::Tensor&>(out), *bias, x, w.t());
-    } else {
-      at::mm_out(const_cast<at::Tensor&>(out), x, w.t());
-    }
-    return;
-  }
+  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const QuantizedRows& rows = shoal_blocks::quantize_rows(x, weights.blocks);
-  const BlockTile<W> tile{weights, &rows, bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                          out.data_ptr<float>(), out.stride(0)};
+  const BlockTile<W> tile{weights, &rows, bias_data, out.data_ptr<float>(), out.stride(0)};
   shoal_tiles::for_each_tile(x.size(0), n, tile);
 }
 

@@ -4,7 +4,7 @@
 // layer's kernels (about 2 ms of a 10 ms one-sequence int8 step on the 2-core VM).
 //
 //   layers = torch.classes.shoal_cpu.DecoderLayers(tensors, layout, heads, kv_heads, head_dim,
-//                                                  eps, scale, few_rows)
+//                                                  eps, scale, many_rows)
 //   layers.forward(h, cos, sin, k_caches, v_caches, slots, page_ids, seq_lens, token_index,
 //                  page_size) -> h
 //
@@ -14,11 +14,12 @@
 //
 //   tensors   per layer: its input norm, its post-attention norm, then the four linears (qkv,
 //             o, gate_up, down), each as its parts and then its bias when it has one:
-//               kFloat32  the plain float32 weight [N, K] and oneDNN's packed form of it
-//                         (f32_linear up to `few_rows` rows, oneDNN's matmul above)
-//               kQ8       q, d              (q8_linear, block_linear.cpp)
-//               kQ4       q, d, m           (q4_linear)
-//   layout    per layer and linear: its kind, then 1 if it has a bias else 0 (8 a layer)
+//               kFloat32  the float32 weight in panels (f32_linear, linear.cpp)
+//               kQ8       q, d, panels      (q8_linear, block_linear.cpp; from `many_rows`
+//                                           rows on f32_linear on the dequantized panels)
+//               kQ4       q, d, m, panels   (q4_linear; likewise)
+//   layout    per layer and linear: its kind, its output channels, then 1 if it has a bias
+//             else 0 (12 a layer)
 //
 //   h         [T, hidden] float32, the residual stream: updated in place and returned
 //   cos, sin  [T, head_dim] the rotation of each token's position
@@ -30,7 +31,6 @@
 // memory.
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -47,26 +47,12 @@ constexpr int64_t kFloat32 = 0;
 constexpr int64_t kQ8 = 1;
 constexpr int64_t kQ4 = 2;
 constexpr int64_t kLinearsPerLayer = 4;
+constexpr int64_t kLayoutPerLinear = 3;
 
 int64_t parts_of(int64_t kind) {
   TORCH_CHECK(kind == kFloat32 || kind == kQ8 || kind == kQ4, "DecoderLayers: unknown kind ",
               kind);
-  return kind == kQ4 ? 3 : 2;
-}
-
-// oneDNN's matmul on a packed weight, through the dispatcher as PackedLinear calls it.
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
-                         const std::optional<at::Tensor>& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x,
-                          packed,
-                          bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
-                          std::string("none"),
-                          c10::List<std::optional<at::Scalar>>(),
-                          c10::IValue()};
-  op.callBoxed(&stack);
-  return stack.at(0).toTensor();
+  return kind == kQ4 ? 4 : kind == kQ8 ? 3 : 1;
 }
 
 // Runs f as torch's profiler would see the op `name` (nothing to record when it is off), so
@@ -79,15 +65,15 @@ void traced(const char* name, F&& f) {
 
 struct Linear {
   int64_t kind;
+  int64_t out_features;
   std::vector<at::Tensor> parts;
   std::optional<at::Tensor> bias;
 
-  int64_t out_features() const { return parts.at(0).size(0); }
-
-  at::Tensor operator()(const at::Tensor& x, int64_t few_rows) const {
-    if (kind == kFloat32 && x.size(0) > few_rows) return onednn_linear(x, parts[1], bias);
-    at::Tensor out = at::empty({x.size(0), out_features()}, x.options());
-    if (kind == kFloat32) {
+  at::Tensor operator()(const at::Tensor& x, int64_t many_rows) const {
+    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    if (kind != kFloat32 && x.size(0) >= many_rows) {  // int8's float32 panels, the last part
+      traced("f32_linear", [&] { shoal_ops::f32_linear(x, parts.back(), bias, out); });
+    } else if (kind == kFloat32) {
       traced("f32_linear", [&] { shoal_ops::f32_linear(x, parts[0], bias, out); });
     } else if (kind == kQ8) {
       traced("q8_linear", [&] { shoal_ops::q8_linear(x, parts[0], parts[1], bias, out); });
@@ -106,15 +92,15 @@ struct Layer {
 
 struct DecoderLayers : torch::CustomClassHolder {
   std::vector<Layer> layers;
-  int64_t heads, kv_heads, head_dim, few_rows;
+  int64_t heads, kv_heads, head_dim, many_rows;
   double eps, scale;
 
   DecoderLayers(std::vector<at::Tensor> tensors, std::vector<int64_t> layout, int64_t heads,
-                int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t few_rows)
-      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), few_rows(few_rows), eps(eps),
+                int64_t kv_heads, int64_t head_dim, double eps, double scale, int64_t many_rows)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), many_rows(many_rows), eps(eps),
         scale(scale) {
-    TORCH_CHECK(layout.size() % (2 * kLinearsPerLayer) == 0 && !layout.empty(),
-                "DecoderLayers: layout must hold 8 entries a layer");
+    TORCH_CHECK(layout.size() % (kLayoutPerLinear * kLinearsPerLayer) == 0 && !layout.empty(),
+                "DecoderLayers: layout must hold 12 entries a layer");
     TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "DecoderLayers: bad head counts");
     size_t next = 0, kind = 0;
     auto take = [&]() {
@@ -122,9 +108,9 @@ struct DecoderLayers : torch::CustomClassHolder {
       return tensors[next++];
     };
     auto linear = [&]() {
-      Linear l{layout[kind], {}, std::nullopt};
-      const bool has_bias = layout[kind + 1] != 0;
-      kind += 2;
+      Linear l{layout[kind], layout[kind + 1], {}, std::nullopt};
+      const bool has_bias = layout[kind + 2] != 0;
+      kind += kLayoutPerLinear;
       for (int64_t i = 0; i < parts_of(l.kind); ++i) l.parts.push_back(take());
       if (has_bias) l.bias = take();
       return l;
@@ -136,8 +122,8 @@ struct DecoderLayers : torch::CustomClassHolder {
     }
     TORCH_CHECK(next == tensors.size(), "DecoderLayers: more tensors than the layout names");
     for (const Layer& l : layers) {
-      TORCH_CHECK(l.qkv.out_features() == (heads + 2 * kv_heads) * head_dim &&
-                      l.gate_up.out_features() % 2 == 0,
+      TORCH_CHECK(l.qkv.out_features == (heads + 2 * kv_heads) * head_dim &&
+                      l.gate_up.out_features % 2 == 0,
                   "DecoderLayers: qkv or gate_up has the wrong number of outputs");
     }
   }
@@ -159,7 +145,7 @@ struct DecoderLayers : torch::CustomClassHolder {
     traced("rms_norm", [&] { shoal_ops::rms_norm(h, layers[0].input_norm, eps, x); });
     for (int64_t i = 0; i < n; ++i) {
       const Layer& layer = layers[i];
-      const at::Tensor qkv = layer.qkv(x, few_rows);
+      const at::Tensor qkv = layer.qkv(x, many_rows);
       const at::Tensor qk = qkv.narrow(1, 0, q_width + kv_width).view({tokens, -1, head_dim});
       traced("rope", [&] { shoal_ops::rope(qk, cos, sin); });
       const at::Tensor q = qk.narrow(1, 0, heads);
@@ -170,13 +156,13 @@ struct DecoderLayers : torch::CustomClassHolder {
         shoal_ops::paged_decode(q, k_caches[i], v_caches[i], page_ids, seq_lens, token_index,
                                 page_size, scale, attended, 0, 0.);
       });
-      const at::Tensor o = layer.o(attended.view({tokens, q_width}), few_rows);
+      const at::Tensor o = layer.o(attended.view({tokens, q_width}), many_rows);
       traced("add_rms_norm",
              [&] { shoal_ops::add_rms_norm(h, o, layer.post_attention_norm, eps, x); });
-      const at::Tensor gate_up = layer.gate_up(x, few_rows);
+      const at::Tensor gate_up = layer.gate_up(x, many_rows);
       at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, h.options());
       traced("silu_mul", [&] { shoal_ops::silu_mul(gate_up, act); });
-      const at::Tensor down = layer.down(act, few_rows);
+      const at::Tensor down = layer.down(act, many_rows);
       if (i + 1 < n) {
         traced("add_rms_norm",
                [&] { shoal_ops::add_rms_norm(h, down, layers[i + 1].input_norm, eps, x); });

@@ -1,99 +1,49 @@
-// A float32 linear for the few-row steps that are bound by reading the weight (a decode of a
-// few sequences reads every weight once per token):
+// A float32 linear over weights packed once in panels of 16 output channels (panels.h):
 //
-//   f32_linear(x, weight, bias, out)    x [M, K] float32, rows contiguous
-//                                       weight [N, K] float32, contiguous
+//   f32_linear(x, panels, bias, out)    x [M, K] float32, rows contiguous
+//                                       panels [ceil(N / 16), K, 16] float32, contiguous
+//                                       (linear.py's `pack_panels`)
 //                                       bias [N] float32 or None
 //                                       out [M, N] float32, rows contiguous
 //
-// It is what `PackedLinear` runs at a few rows (linear.py): measured here (2-core AVX2 EPYC,
-// all of SmolLM2's projections at one row) it read the weights at ~25 GB/s against ~19 for
-// oneDNN.
-//
-// The tile: MR rows of x times NR output channels. For every eight k, each channel's eight
-// weights are loaded once and used for all MR rows; each row of x is loaded once and used for
-// every channel. MR x NR accumulators stay in registers over all of K; a horizontal sum ends
-// each. tiles.h cuts the output into tiles and threads.
+// It is what `PackedLinear` runs at every row count when the kernels are loaded (linear.py),
+// and `Int8Linear` from quant.MANY_ROWS rows on: measured here (2-core AVX2 EPYC) it was
+// faster than oneDNN's packed matmul from one row to 512.
 
 #include <torch/library.h>
 
 #include "ops.h"
-
+#include "panels.h"
 #include "tiles.h"
-
-namespace {
-
-using shoal_tiles::for_each_tile;
-
-struct FloatTile {
-  const float* x;
-  int64_t x_stride;
-  const float* w;
-  int64_t k_len;
-  const float* bias;
-  float* out;
-  int64_t out_stride;
-
-  // out[m0 + m, n0 + c] for m < MR, c < NR.
-  template <int MR, int NR>
-  void at(int64_t m0, int64_t n0) const {
-    const float* xs = x + m0 * x_stride;
-    const float* ws = w + n0 * k_len;
-    float sums[MR][NR] = {};
-    int64_t k = 0;
-#ifdef SHOAL_LINEAR_AVX2
-    __m256 acc[MR][NR];
-    for (int m = 0; m < MR; ++m)
-      for (int c = 0; c < NR; ++c) acc[m][c] = _mm256_setzero_ps();
-    for (; k + 8 <= k_len; k += 8) {
-      __m256 wv[NR];
-      for (int c = 0; c < NR; ++c) wv[c] = _mm256_loadu_ps(ws + c * k_len + k);
-      for (int m = 0; m < MR; ++m) {
-        const __m256 xv = _mm256_loadu_ps(xs + m * x_stride + k);
-        for (int c = 0; c < NR; ++c) acc[m][c] = _mm256_fmadd_ps(xv, wv[c], acc[m][c]);
-      }
-    }
-    for (int m = 0; m < MR; ++m)
-      for (int c = 0; c < NR; ++c) sums[m][c] = shoal_tiles::hsum(acc[m][c]);
-#endif
-    for (; k < k_len; ++k) {
-      for (int c = 0; c < NR; ++c) {
-        for (int m = 0; m < MR; ++m) sums[m][c] += xs[m * x_stride + k] * ws[c * k_len + k];
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      for (int c = 0; c < NR; ++c) {
-        const float y = sums[m][c] + (bias != nullptr ? bias[n0 + c] : 0.f);
-        out[(m0 + m) * out_stride + n0 + c] = y;
-      }
-    }
-  }
-};
-
-}  // namespace
 
 namespace shoal_ops {
 
-void f32_linear(const at::Tensor& x, const at::Tensor& weight,
+void f32_linear(const at::Tensor& x, const at::Tensor& panels,
                 const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat &&
-                  weight.dim() == 2 && weight.is_contiguous() && x.dim() == 2 &&
-                  weight.size(1) == x.size(1),
-              "f32_linear: weight must be a contiguous float32 [N, K] matching x [M, K]");
-  const int64_t n = weight.size(0), k_len = weight.size(1);
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat &&
+                  panels.dim() == 3 && panels.is_contiguous() &&
+                  panels.size(2) == shoal_panels::kWidth && x.dim() == 2 &&
+                  panels.size(1) == x.size(1) && out.dim() == 2 &&
+                  panels.size(0) == (out.size(1) + shoal_panels::kWidth - 1) / shoal_panels::kWidth,
+              "f32_linear: panels must be a contiguous float32 [ceil(N / 16), K, 16] for x [M, K] "
+              "and out [M, N]");
+  const int64_t n = out.size(1), k_len = x.size(1);
   shoal_tiles::check_rows("f32_linear", x, n, k_len, bias, out);
-  const FloatTile tile{x.data_ptr<float>(),
-                       x.stride(0),
-                       weight.data_ptr<float>(),
-                       k_len,
-                       bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                       out.data_ptr<float>(),
-                       out.stride(0)};
-  for_each_tile(x.size(0), n, tile);
+  const shoal_panels::Product product{x.data_ptr<float>(),
+                                      x.stride(0),
+                                      x.size(0),
+                                      panels.data_ptr<float>(),
+                                      k_len,
+                                      n,
+                                      bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                                      out.data_ptr<float>(),
+                                      out.stride(0)};
+  product.run();
 }
 
 }  // namespace shoal_ops
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
-  m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()", &shoal_ops::f32_linear);
+  m.def("f32_linear(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()",
+        &shoal_ops::f32_linear);
 }

@@ -27,7 +27,7 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
               const at::Tensor& k, const at::Tensor& v);
 
 // linear.cpp
-void f32_linear(const at::Tensor& x, const at::Tensor& weight,
+void f32_linear(const at::Tensor& x, const at::Tensor& panels,
                 const std::optional<at::Tensor>& bias, const at::Tensor& out);
 
 // block_linear.cpp

@@ -10,7 +10,7 @@ has a compiled form:
 
     the model   standard layers (no q/k norm, no sandwich norms, RoPE over the whole head, no
                 sliding window or soft-cap, a SiLU-gated dense MLP), the compiled element-wise
-                ops, every linear packed float32 (with its plain weight) or int8
+                ops, every linear packed float32 (in panels) or int8
     the step    every token a decode, attended by the compiled kernel (`attention="cpu"`)
 
 Anything else takes the Python forward, which stays the reference.
@@ -23,11 +23,11 @@ import torch
 from shoal.kernels.attention import AttentionMetadata
 from shoal.kernels.batch import Attention
 from shoal.kernels.elementwise import CompiledElementwise, Elementwise
-from shoal.kernels.linear import FEW_ROWS, Linear, PackedLinear
+from shoal.kernels.linear import Linear, PackedLinear
 from shoal.kernels.loading.config import ModelConfig
 from shoal.kernels.models.kv_pool import KVPool
 from shoal.kernels.models.weights import DenseWeights, LayerWeights
-from shoal.kernels.quant import Int8Linear, Q4Blocks, Q8Blocks
+from shoal.kernels.quant import MANY_ROWS, Int8Linear, Q4Blocks, Q8Blocks
 
 # A linear's kind as decoder_layers.cpp numbers them.
 FLOAT32, Q8, Q4 = 0, 1, 2
@@ -97,10 +97,10 @@ def fused_layers(
                 return None
             kind, parts, bias = form
             tensors += parts if bias is None else [*parts, bias]
-            layout += [kind, int(bias is not None)]
+            layout += [kind, linear.out_features, int(bias is not None)]
     built = torch.classes.shoal_cpu.DecoderLayers(
         tensors, layout, config.num_heads, config.num_kv_heads, config.head_dim,
-        config.rms_norm_eps, scale, FEW_ROWS,
+        config.rms_norm_eps, scale, MANY_ROWS,
     )  # fmt: skip
     return FusedLayers(built)
 
@@ -130,12 +130,12 @@ def kernel_form(
     linear: Linear,
 ) -> tuple[int, list[torch.Tensor], torch.Tensor | None] | None:
     """(kind, parts, bias) as decoder_layers.cpp takes a linear, or None without one."""
-    if isinstance(linear, PackedLinear) and linear.weight is not None:
-        return FLOAT32, [linear.weight, linear.packed], linear.bias
+    if isinstance(linear, PackedLinear) and linear.panels is not None:
+        return FLOAT32, [linear.panels], linear.bias
     if isinstance(linear, Int8Linear):
         blocks = linear.blocks
         if isinstance(blocks, Q4Blocks):
-            return Q4, [blocks.q, blocks.d, blocks.m], linear.bias
+            return Q4, [blocks.q, blocks.d, blocks.m, linear.panels], linear.bias
         if isinstance(blocks, Q8Blocks):
-            return Q8, [blocks.q, blocks.d], linear.bias
+            return Q8, [blocks.q, blocks.d, linear.panels], linear.bias
     return None
