@@ -6,8 +6,11 @@ fixed English text (bench/quality_text.txt, 2,714 tokens), bundled SmolLM2, CPU.
     python bench/quality.py --tokens 512          # the first 512 tokens only
 
 The text is cut into windows of --window tokens, each run from position 0 on an empty KV cache,
-fed to `DecoderModel.forward` --chunk tokens at a time (as the engine prefills); every position
-but a window's last predicts the next token. Both models see exactly the same tokens.
+fed to `DecoderModel.forward` --chunk tokens at a time; every position but a window's last
+predicts the next token. Both models see exactly the same tokens. The default chunk, 8, is
+under int8's `MANY_ROWS` (quant.py), so int8 runs its block kernels with int16 activations, as
+a decode of a few sequences does; from `MANY_ROWS` rows on it multiplies the same weights in
+float32 (a chunk of 512 measures that path: float32's own numbers on float32's own weights).
 
 Prints one line:
     quality linear=<kind> baseline=<kind> tokens=<n> predictions=<n> top1_agreement=<x>
@@ -139,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokens", type=int, default=None, help="only the text's first n")
     parser.add_argument("--window", type=int, default=1024, help="tokens per fresh context")
-    parser.add_argument("--chunk", type=int, default=512, help="tokens per forward call")
+    parser.add_argument(
+        "--chunk", type=int, default=8, help="tokens per forward call (int8: under MANY_ROWS)"
+    )
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:

@@ -46,6 +46,8 @@ SourceFn = Callable[[ModelConfig, dict[str, torch.Tensor]], ModelSource]
 
 
 class DecoderModel:
+    fused: FusedLayers | None  # a step of decodes through the C++ layers (fused_layers.py)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -96,10 +98,11 @@ class DecoderModel:
                 self.config, source, self.dtype, self.device, self.linear_kind
             )
         else:
+            self.fused = None  # a reload that fails partway leaves the Python forward, not this
             self._reload(source)
         # Built again after a reload: packed and int8 linears repack into new tensors.
         part_windows = self.windows[self.part.layers.start : self.part.layers.stop]
-        self.fused: FusedLayers | None = fused_layers(
+        self.fused = fused_layers(
             self.config, self.weights.layers, part_windows, self.elementwise, self.scale
         )
 
