@@ -3,8 +3,8 @@
 calls a layer around the same kernels.
 
 It runs the same compiled kernels in the same order, so the same bits; what it saves is the
-dispatch and Python around them: about 2 ms of a 10.6 ms one-sequence int8 step and of a
-24 ms float32 one on the 2-core VM (bench/README.md). It is built at load (and again after a
+dispatch and Python around them: 3.4 ms of an 11.0 ms one-sequence int8 step and 3.1 ms of a
+23.5 ms float32 one on the 2-core VM (bench/README.md). It is built at load (and again after a
 weight update, since a packed or int8 linear repacks into new tensors) only where every piece
 has a compiled form:
 
