@@ -26,7 +26,7 @@ import aiohttp
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Bootstrap, SchedulerMsg, TransferEnded
-from shoal.actors.replies import TransferStats
+from shoal.actors.replies import TransferStats, rooms_in_states
 from shoal.actors.transfer_messages import CancelEnded, DropRoom, ExpectKV, PollEnded, TransferMsg
 from shoal.disagg.bootstrap import Unreachable, ask_room, cancel_room
 from shoal.disagg.layout import KVLayout
@@ -74,10 +74,8 @@ class ReceiveRooms:
         self.num_transfers, self.num_bytes, self.transfer_s = 0, 0, 0.0  # received so far
 
     def stats(self) -> TransferStats:
-        out = dict.fromkeys(self.STATES, 0)
-        for room in self.rooms.values():
-            out[room.state] += 1
-        return TransferStats(out, self.num_transfers, self.num_bytes, self.transfer_s)
+        rooms = rooms_in_states(self.STATES, (room.state for room in self.rooms.values()))
+        return TransferStats(rooms, self.num_transfers, self.num_bytes, self.transfer_s)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.create_task(coro)

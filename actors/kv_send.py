@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import SchedulerMsg, TransferEnded
-from shoal.actors.replies import TransferStats, answer
+from shoal.actors.replies import TransferStats, answer, rooms_in_states
 from shoal.actors.transfer_messages import (
     ClaimRoom,
     PeerArrived,
@@ -88,10 +88,8 @@ class SendRooms:
         self.num_writes, self.num_bytes, self.write_s = 0, 0, 0.0  # done so far
 
     def stats(self) -> TransferStats:
-        out = dict.fromkeys(self.STATES, 0)
-        for room in self.rooms.values():
-            out[room.state] += 1
-        return TransferStats(out, self.num_writes, self.num_bytes, self.write_s)
+        rooms = rooms_in_states(self.STATES, (room.state for room in self.rooms.values()))
+        return TransferStats(rooms, self.num_writes, self.num_bytes, self.write_s)
 
     # ---- the two halves --------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ Any reply may instead raise InternalError: the actor failed while handling the m
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import NamedTuple, TypeVar
 
 import msgspec
@@ -67,6 +68,14 @@ class TransferStats(msgspec.Struct, frozen=True):
     transfers: int = 0
     bytes: int = 0
     seconds: float = 0.0
+
+
+def rooms_in_states(states: tuple[str, ...], in_states: Iterable[str]) -> dict[str, int]:
+    """How many rooms are in each of `states`, given each room's state (TransferStats.rooms)."""
+    out = dict.fromkeys(states, 0)
+    for state in in_states:
+        out[state] += 1
+    return out
 
 
 class UpdateOutcome(NamedTuple):

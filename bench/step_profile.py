@@ -118,13 +118,8 @@ def build(kind: str | None, attention: str, fused: str) -> tuple[Any, Any, Any]:
     pool = KVPool(loaded.config, POOL_PAGES * PAGE_SIZE, torch.float32, cpu)
     for layer in (*pool.k, *pool.v):  # touched: untouched zero pages would read unrealistically
         layer.normal_()
-    if attention == "cpu":  # the compiled kernels: decode attention and element-wise ops
-        from shoal.kernels.cpu_kernels import load_cpu_kernels
-        from shoal.kernels.elementwise import CompiledElementwise
-        from shoal.kernels.loading.loader import default_cache_dir
-
-        kernels = load_cpu_kernels(default_cache_dir())
-        model.elementwise = elementwise or CompiledElementwise(kernels)
+    if elementwise is not None:  # the compiled kernels: decode attention and element-wise ops
+        model.elementwise = elementwise  # older revisions take them only this way
         store = getattr(kernels, "store_kv", None)  # older revisions: torch's index_copy_
         return model, pool, TorchAttention(PAGE_SIZE, kernels.paged_decode, store)
     return model, pool, TorchAttention(PAGE_SIZE)
