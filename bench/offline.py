@@ -242,7 +242,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
     parser.add_argument(
-        "--max-mixed-prefill-tokens", type=int, default=defaults.max_mixed_prefill_tokens
+        "--max-mixed-prefill-tokens",
+        type=int,
+        default=0,
+        help="prompt tokens a step that also decodes may take (default 0: no cap beside "
+        "--max-batch-tokens; the engine's default, "
+        f"{defaults.max_mixed_prefill_tokens}, steadies streamed tokens, which an offline run "
+        "has none of; as vLLM's LLM class takes a larger token budget than its server)",
     )
     parser.add_argument(
         "--cuda-graph-max-batch",

@@ -10,6 +10,8 @@
     silu_mul                               silu(gate) * up of the fused gate_up, in one op
     f32_linear     csrc/linear.cpp         x w.T + b, float32 weights packed in panels of 16
                                            channels (`PackedLinear`, linear.py; panels.h)
+    f32_silu_mul                           silu(gate) * up of a gated MLP's gate_up in one op,
+                                           over gated panels (`GatedPanels`, linear.py)
     q8_linear      csrc/block_linear.cpp   x w.T + b with weights in int8 or 4-bit blocks of
     q4_linear                              32, x in int16 (`quantization="int8"`, quant.py)
     DecoderLayers  csrc/decoder_layers.cpp a class: the standard layers of a decode-only step,
@@ -104,6 +106,7 @@ class CpuKernels:
     rope: Any
     silu_mul: Any
     f32_linear: Any
+    f32_silu_mul: Any
     q8_linear: Any
     q4_linear: Any
 
@@ -126,6 +129,7 @@ def load_cpu_kernels(cache_dir: Path) -> CpuKernels:
         ops.rope,
         ops.silu_mul,
         ops.f32_linear,
+        ops.f32_silu_mul,
         ops.q8_linear,
         ops.q4_linear,
     )

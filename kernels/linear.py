@@ -5,6 +5,8 @@
     packed   PackedLinear   CPU, float32          a compiled kernel on the weight packed at load
                                                   in panels of 16 channels (without the
                                                   kernels: oneDNN's matmul on its own layout)
+             GatedPanels                          a SiLU-gated MLP's gate_up, with the kernels:
+                                                  `silu_mul(x)` multiplies and activates at once
     int8     (quant.py)     CPU, opt-in           weights in 4-bit or int8 blocks of 32 along K,
                                                   activations rounded to int16, compiled kernels
                                                   (csrc/block_linear.cpp)
@@ -89,6 +91,42 @@ class PackedLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint)
 
 
+class GatedPanels:
+    """A SiLU-gated MLP's fused gate_up ([2I, K]: the gate's rows, then the up's), float32 on
+    the CPU with the compiled kernels: packed in panels of 8 gate channels and their 8 up
+    channels, so that `silu_mul(x)` is one op (`f32_silu_mul`, linear.cpp) that multiplies and
+    activates while the tile is in registers, with the bits of `f32_linear` then `silu_mul`.
+    The separate op wrote the [T, 2I] product and read it back: 0.5 s of a 25 s offline run
+    here (bench/README.md). A call gives the product itself, [.., 2I], as any linear does."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        assert bias is None, "a gate_up with a bias stays a PackedLinear"
+        self.out_features = int(weight.shape[0])
+        self.inter = self.out_features // 2
+        self.load(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).contiguous()
+        panels = int(self.panels.shape[0])
+        y = torch.empty(rows.shape[0], panels * PANEL)
+        torch.ops.shoal_cpu.f32_linear(rows, self.panels, None, y)
+        halves = y.view(-1, panels, 2, PANEL // 2).transpose(1, 2).reshape(-1, 2, panels * 8)
+        return halves[:, :, : self.inter].reshape(*shape[:-1], self.out_features)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: [.., K] -> [.., I]."""
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).contiguous()
+        out = torch.empty(rows.shape[0], self.inter)
+        torch.ops.shoal_cpu.f32_silu_mul(rows, self.panels, out)
+        return out.view(*shape[:-1], self.inter)
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        assert bias is None
+        self.panels = pack_gated_panels(weight)
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / 16), K, 16]: each panel's 16 output channels side by side for every k
     (channels past N are zeros), the layout `f32_linear` reads."""
@@ -98,15 +136,31 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
+def pack_gated_panels(gate_up: torch.Tensor) -> torch.Tensor:
+    """[2I, K] (gate rows, then up rows) -> [ceil(I / 8), K, 16]: panel p holds gate channels
+    8p .. 8p + 7 and then the same up channels (past I: zeros), the layout `f32_silu_mul`
+    reads."""
+    two_inter, k = gate_up.shape
+    inter, half = two_inter // 2, PANEL // 2
+    padded = torch.zeros(2, -(-inter // half) * half, k, dtype=gate_up.dtype)
+    padded[:, :inter] = gate_up.view(2, inter, k)
+    return pack_panels(padded.view(2, -1, half, k).transpose(0, 1).reshape(-1, k))
+
+
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def make_linear(kind: LinearKind, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    """A linear of that kind over a weight the caller hands over (it may be kept)."""
+def make_linear(
+    kind: LinearKind, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+) -> Linear:
+    """A linear of that kind over a weight the caller hands over (it may be kept). `gated`:
+    the weight is a SiLU-gated MLP's fused gate_up, packed as `GatedPanels` where it can be."""
     if kind == "dense":
         return DenseLinear(weight, bias)
     if kind == "packed":
+        if gated and bias is None and hasattr(torch.ops.shoal_cpu, "f32_silu_mul"):
+            return GatedPanels(weight, bias)
         return PackedLinear(weight, bias)
     if kind == "int8":
         from shoal.kernels.quant import Int8Linear

@@ -22,7 +22,13 @@ from shoal.kernels.attention import TorchAttention, store_kv
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import CpuKernels, DecodeKernel, KernelUnavailable, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise, TorchElementwise
-from shoal.kernels.linear import PackedLinear, pack_panels
+from shoal.kernels.linear import (
+    GatedPanels,
+    PackedLinear,
+    make_linear,
+    pack_gated_panels,
+    pack_panels,
+)
 from shoal.kernels.loading.loader import LoadedModel, default_cache_dir
 from shoal.kernels.rope import cos_sin_table, inv_frequencies
 from shoal.params import SamplingParams
@@ -293,6 +299,25 @@ def test_f32_linear_equals_float64(kernels: CpuKernels, n: int, k: int, rows: in
         torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("rows", "k"), [(383, 64), (384, 64), (1000, 576), (700, 1536)])
+def test_f32_linear_rows_in_blocks_give_each_row_its_own_bits(
+    kernels: CpuKernels, rows: int, k: int
+) -> None:
+    """From 384 rows a thread takes the rows in blocks (panels.h); every row still comes out
+    exactly as that row alone does, the last block's ragged tail included."""
+    gen = torch.Generator().manual_seed(rows + k)
+    x, weight = torch.randn(rows, k, generator=gen), torch.randn(40, k, generator=gen)
+    bias = torch.randn(40, generator=gen)
+    panels = pack_panels(weight)
+    out = torch.full((rows, 40), float("nan"))
+    kernels.f32_linear(x, panels, bias, out)
+    for row in (0, 1, 55, 56, rows // 2, rows - 2, rows - 1):
+        alone = torch.empty(1, 40)
+        kernels.f32_linear(x[row : row + 1], panels, bias, alone)
+        assert torch.equal(out[row], alone[0]), row
+    assert not out.isnan().any()
+
+
 def test_f32_linear_refuses_what_it_cannot_read(kernels: CpuKernels) -> None:
     x, out = torch.randn(2, 64), torch.empty(2, 8)
     panels = pack_panels(torch.randn(8, 64))
@@ -323,3 +348,51 @@ def test_a_packed_linear_runs_the_panels_and_takes_updates(kernels: CpuKernels) 
         linear.load(new.clone(), bias.clone())
         torch.testing.assert_close(linear(x), F.linear(x, new, bias), rtol=1e-5, atol=1e-5)
         linear.load(old.clone(), bias.clone())
+
+
+@pytest.mark.parametrize(("inter", "k"), [(1536, 576), (20, 64), (8, 7), (40, 100)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 400])
+def test_gated_panels_give_the_bits_of_the_product_then_silu_mul(
+    kernels: CpuKernels, inter: int, k: int, rows: int
+) -> None:
+    """f32_silu_mul over gated panels is f32_linear and then silu_mul, bit for bit: every
+    channel, an intermediate size that is not a multiple of 8 (its last panel part empty,
+    its last channels past silu_mul's last whole vector), rows in blocks (400)."""
+    gen = torch.Generator().manual_seed(inter + k + rows)
+    x, gate_up = torch.randn(rows, k, generator=gen), torch.randn(2 * inter, k, generator=gen)
+    product = torch.empty(rows, 2 * inter)
+    kernels.f32_linear(x, pack_panels(gate_up), None, product)
+    expected = torch.empty(rows, inter)
+    kernels.silu_mul(product, expected)
+    fused = torch.full((rows, inter), float("nan"))
+    kernels.f32_silu_mul(x, pack_gated_panels(gate_up), fused)
+    assert torch.equal(fused, expected)
+    gated = GatedPanels(gate_up.clone(), None)
+    assert torch.equal(gated.silu_mul(x), expected)
+    assert torch.equal(gated(x), product)  # a call is the product, in the usual order
+
+
+def test_gated_panels_take_updates_and_refuse_what_they_cannot_read(kernels: CpuKernels) -> None:
+    gen = torch.Generator().manual_seed(3)
+    old, new = torch.randn(48, 64, generator=gen), torch.randn(48, 64, generator=gen)
+    x = torch.randn(7, 64, generator=gen)
+    gated = GatedPanels(old.clone(), None)
+    before = gated.silu_mul(x)
+    gated.load(new.clone(), None)
+    gate, up = F.linear(x, new).chunk(2, dim=-1)
+    torch.testing.assert_close(gated.silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(gated.silu_mul(x), before)
+    panels = pack_gated_panels(old)  # 24 channels: 3 panels
+    with pytest.raises(RuntimeError, match="f32_silu_mul"):
+        kernels.f32_silu_mul(x, panels, torch.empty(7, 16))  # 2 panels' worth
+    with pytest.raises(RuntimeError, match="f32_silu_mul"):
+        kernels.f32_silu_mul(torch.randn(7, 63), panels, torch.empty(7, 24))
+    with pytest.raises(RuntimeError, match="f32_silu_mul"):
+        kernels.f32_silu_mul(x, panels.double(), torch.empty(7, 24))
+
+
+def test_only_a_bias_free_gate_up_takes_gated_panels(kernels: CpuKernels) -> None:
+    weight = torch.randn(32, 16)
+    assert isinstance(make_linear("packed", weight, None, gated=True), GatedPanels)
+    assert isinstance(make_linear("packed", weight, torch.randn(32), gated=True), PackedLinear)
+    assert isinstance(make_linear("packed", weight, None), PackedLinear)

@@ -18,6 +18,8 @@
 //               kQ8       q, d, panels      (q8_linear, block_linear.cpp; from `many_rows`
 //                                           rows on f32_linear on the dequantized panels)
 //               kQ4       q, d, m, panels   (q4_linear; likewise)
+//               kGated    gate_up only: the float32 weight in gated panels, whose product is
+//                         the activation itself (f32_silu_mul, linear.cpp)
 //   layout    per layer and linear: its kind, its output channels, then 1 if it has a bias
 //             else 0 (12 a layer)
 //
@@ -46,12 +48,13 @@ namespace {
 constexpr int64_t kFloat32 = 0;
 constexpr int64_t kQ8 = 1;
 constexpr int64_t kQ4 = 2;
+constexpr int64_t kGated = 3;
 constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kLayoutPerLinear = 3;
 
 int64_t parts_of(int64_t kind) {
-  TORCH_CHECK(kind == kFloat32 || kind == kQ8 || kind == kQ4, "DecoderLayers: unknown kind ",
-              kind);
+  TORCH_CHECK(kind == kFloat32 || kind == kQ8 || kind == kQ4 || kind == kGated,
+              "DecoderLayers: unknown kind ", kind);
   return kind == kQ4 ? 4 : kind == kQ8 ? 3 : 1;
 }
 
@@ -70,6 +73,7 @@ struct Linear {
   std::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x, int64_t many_rows) const {
+    TORCH_CHECK(kind != kGated, "DecoderLayers: gated panels give an activation, not a product");
     at::Tensor out = at::empty({x.size(0), out_features}, x.options());
     if (kind != kFloat32 && x.size(0) >= many_rows) {  // int8's float32 panels, the last part
       traced("f32_linear", [&] { shoal_ops::f32_linear(x, parts.back(), bias, out); });
@@ -125,6 +129,9 @@ struct DecoderLayers : torch::CustomClassHolder {
       TORCH_CHECK(l.qkv.out_features == (heads + 2 * kv_heads) * head_dim &&
                       l.gate_up.out_features % 2 == 0,
                   "DecoderLayers: qkv or gate_up has the wrong number of outputs");
+      TORCH_CHECK(l.qkv.kind != kGated && l.o.kind != kGated && l.down.kind != kGated &&
+                      (l.gate_up.kind != kGated || !l.gate_up.bias.has_value()),
+                  "DecoderLayers: only a gate_up without a bias takes gated panels");
     }
   }
 
@@ -159,9 +166,14 @@ struct DecoderLayers : torch::CustomClassHolder {
       const at::Tensor o = layer.o(attended.view({tokens, q_width}), many_rows);
       traced("add_rms_norm",
              [&] { shoal_ops::add_rms_norm(h, o, layer.post_attention_norm, eps, x); });
-      const at::Tensor gate_up = layer.gate_up(x, many_rows);
-      at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, h.options());
-      traced("silu_mul", [&] { shoal_ops::silu_mul(gate_up, act); });
+      at::Tensor act = at::empty({tokens, layer.gate_up.out_features / 2}, h.options());
+      if (layer.gate_up.kind == kGated) {
+        traced("f32_silu_mul",
+               [&] { shoal_ops::f32_silu_mul(x, layer.gate_up.parts[0], act); });
+      } else {
+        const at::Tensor gate_up = layer.gate_up(x, many_rows);
+        traced("silu_mul", [&] { shoal_ops::silu_mul(gate_up, act); });
+      }
       const at::Tensor down = layer.down(act, many_rows);
       if (i + 1 < n) {
         traced("add_rms_norm",

@@ -6,6 +6,13 @@
 //                                       bias [N] float32 or None
 //                                       out [M, N] float32, rows contiguous
 //
+//   f32_silu_mul(x, panels, out)        silu(x gate.T) * (x up.T) of a SiLU-gated MLP's fused
+//                                       gate_up, out [M, I]; panels [ceil(I / 8), K, 16] hold
+//                                       8 gate channels and then their 8 up channels
+//                                       (linear.py's `pack_gated_panels`): the product and the
+//                                       activation in one pass, bit for bit f32_linear then
+//                                       silu_mul (elementwise.cpp)
+//
 // It is what `PackedLinear` runs at every row count when the kernels are loaded (linear.py),
 // and `Int8Linear` from quant.MANY_ROWS rows on: measured here (2-core AVX2 EPYC) it was
 // faster than oneDNN's packed matmul from one row to 512.
@@ -41,9 +48,27 @@ void f32_linear(const at::Tensor& x, const at::Tensor& panels,
   product.run();
 }
 
+void f32_silu_mul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& out) {
+  const int64_t n = out.size(1), k_len = x.size(1);
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat &&
+                  panels.dim() == 3 && panels.is_contiguous() &&
+                  panels.size(2) == shoal_panels::kWidth && x.dim() == 2 &&
+                  panels.size(1) == k_len && out.dim() == 2 &&
+                  panels.size(0) == (n + shoal_panels::kGatedWidth - 1) / shoal_panels::kGatedWidth,
+              "f32_silu_mul: panels must be a contiguous float32 [ceil(I / 8), K, 16] for x "
+              "[M, K] and out [M, I]");
+  shoal_tiles::check_rows("f32_silu_mul", x, n, k_len, std::nullopt, out);
+  shoal_panels::Product product{x.data_ptr<float>(),  x.stride(0), x.size(0),
+                                panels.data_ptr<float>(), k_len, n, nullptr,
+                                out.data_ptr<float>(), out.stride(0)};
+  product.gated = true;
+  product.run();
+}
+
 }  // namespace shoal_ops
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
   m.def("f32_linear(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()",
         &shoal_ops::f32_linear);
+  m.def("f32_silu_mul(Tensor x, Tensor panels, Tensor(a!) out) -> ()", &shoal_ops::f32_silu_mul);
 }

@@ -29,6 +29,7 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 // linear.cpp
 void f32_linear(const at::Tensor& x, const at::Tensor& panels,
                 const std::optional<at::Tensor>& bias, const at::Tensor& out);
+void f32_silu_mul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& out);
 
 // block_linear.cpp
 void q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from shoal.kernels.attention import AttentionMetadata
 from shoal.kernels.batch import Attention
 from shoal.kernels.elementwise import Elementwise, TorchElementwise
-from shoal.kernels.linear import LinearKind
+from shoal.kernels.linear import GatedPanels, LinearKind
 from shoal.kernels.loading.config import ModelConfig
 from shoal.kernels.models.fused_layers import FusedLayers, fused_layers
 from shoal.kernels.models.kv_pool import KVPool
@@ -239,6 +239,8 @@ class DecoderModel:
         mlp = layer.mlp
         if isinstance(mlp, Experts):
             return mlp(x)
+        if isinstance(mlp.gate_up, GatedPanels):
+            return mlp.down(mlp.gate_up.silu_mul(x))
         gate_up = mlp.gate_up(x)
         if self.config.activation == "silu":
             return mlp.down(self.elementwise.silu_mul(gate_up))

@@ -10,7 +10,7 @@ has a compiled form:
 
     the model   standard layers (no q/k norm, no sandwich norms, RoPE over the whole head, no
                 sliding window or soft-cap, a SiLU-gated dense MLP), the compiled element-wise
-                ops, every linear packed float32 (in panels) or int8
+                ops, every linear packed float32 (in panels, gate_up in gated ones) or int8
     the step    every token a decode, attended by the compiled kernel (`attention="cpu"`)
 
 Anything else takes the Python forward, which stays the reference.
@@ -23,14 +23,14 @@ import torch
 from shoal.kernels.attention import AttentionMetadata
 from shoal.kernels.batch import Attention
 from shoal.kernels.elementwise import CompiledElementwise, Elementwise
-from shoal.kernels.linear import Linear, PackedLinear
+from shoal.kernels.linear import GatedPanels, Linear, PackedLinear
 from shoal.kernels.loading.config import ModelConfig
 from shoal.kernels.models.kv_pool import KVPool
 from shoal.kernels.models.weights import DenseWeights, LayerWeights
 from shoal.kernels.quant import MANY_ROWS, Int8Linear, Q4Blocks, Q8Blocks
 
 # A linear's kind as decoder_layers.cpp numbers them.
-FLOAT32, Q8, Q4 = 0, 1, 2
+FLOAT32, Q8, Q4, GATED = 0, 1, 2, 3
 
 
 class FusedLayers:
@@ -132,6 +132,8 @@ def kernel_form(
     """(kind, parts, bias) as decoder_layers.cpp takes a linear, or None without one."""
     if isinstance(linear, PackedLinear) and linear.panels is not None:
         return FLOAT32, [linear.panels], linear.bias
+    if isinstance(linear, GatedPanels):
+        return GATED, [linear.panels], None
     if isinstance(linear, Int8Linear):
         blocks = linear.blocks
         if isinstance(blocks, Q4Blocks):

@@ -104,20 +104,23 @@ def build_weights(
     embed = None if source.embed is None else next(plain)
     norm = None if source.norm is None else next(plain)
     layers = []
-    linears = iter(
-        make_linear(kind, embed, None)  # tied: the embedding itself
-        if kind == "dense" and embed is not None and weight is source.embed
-        else make_linear(kind, own(weight), None if bias is None else own(bias))
-        for weight, bias in linear_weights(source)
-    )
-    lm_head = None if source.lm_head is None else next(linears)
+    gated = config.activation == "silu"  # a dense MLP's gate_up is SiLU-gated
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool = False) -> Linear:
+        # In the order of `linear_weights`, which a reload walks.
+        if kind == "dense" and embed is not None and weight is source.embed:
+            return make_linear(kind, embed, None)  # tied: the embedding itself
+        own_bias = None if bias is None else own(bias)
+        return make_linear(kind, own(weight), own_bias, gated=gate_up and gated)
+
+    lm_head = None if source.lm_head is None else linear(source.lm_head, None)
     for layer in source.layers:
         n = layer.norms
         input_norm, post_attention = next(plain), next(plain)
         optional = (n.pre_mlp, n.post_mlp, n.q, n.k)
         pre_mlp, post_mlp, q, k = (None if t is None else next(plain) for t in optional)
         norms = LayerNorms(input_norm, post_attention, pre_mlp, post_mlp, q, k)
-        qkv, o = next(linears), next(linears)
+        qkv, o = linear(*layer.qkv), linear(*layer.o)
         mlp: DenseWeights | Experts
         if isinstance(layer.mlp, ExpertMLP):
             assert config.moe is not None
@@ -130,6 +133,8 @@ def build_weights(
                 float32_weights=moe.float32_weights,
             )  # fmt: skip
         else:
-            mlp = DenseWeights(next(linears), next(linears))
+            mlp = DenseWeights(
+                linear(layer.mlp.gate_up, None, gate_up=True), linear(layer.mlp.down, None)
+            )
         layers.append(LayerWeights(norms, qkv, o, mlp))
     return ModelWeights(layers, embed, norm, lm_head)
