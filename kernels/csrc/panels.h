@@ -18,7 +18,8 @@
 // in each row tile after the first. Without it the first tile over each panel waited for the
 // panel's lines (37 KB at K = 576, which the hardware prefetcher fetches no faster than memory
 // gives them), the rest found them in L2: over SmolLM2's layers, weights from memory, 16 rows
-// went from 124 to 145 GFLOP/s, 41 rows from 160 to 182, 64 rows from 171 to 188.
+// went from 114-130 GFLOP/s to 130-147, 41 rows from 151-165 to 175-183, 64 from 162-171 to
+// 181-188.
 //
 // On the 2-core AVX2 EPYC it beat oneDNN's packed float32 matmul at every row count measured,
 // all of SmolLM2's linears in a row (bench/README.md): 1 row 19.6 ms against 25.0, 16 rows
