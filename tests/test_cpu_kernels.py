@@ -389,6 +389,8 @@ def test_gated_panels_take_updates_and_refuse_what_they_cannot_read(kernels: Cpu
         kernels.f32_silu_mul(torch.randn(7, 63), panels, torch.empty(7, 24))
     with pytest.raises(RuntimeError, match="f32_silu_mul"):
         kernels.f32_silu_mul(x, panels.double(), torch.empty(7, 24))
+    with pytest.raises(RuntimeError, match="f32_silu_mul"):
+        kernels.f32_silu_mul(x, panels, torch.empty(24))
 
 
 def test_only_a_bias_free_gate_up_takes_gated_panels(kernels: CpuKernels) -> None:

@@ -49,18 +49,18 @@ void f32_linear(const at::Tensor& x, const at::Tensor& panels,
 }
 
 void f32_silu_mul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "f32_silu_mul: x and out must be 2-d");
   const int64_t n = out.size(1), k_len = x.size(1);
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat &&
                   panels.dim() == 3 && panels.is_contiguous() &&
-                  panels.size(2) == shoal_panels::kWidth && x.dim() == 2 &&
-                  panels.size(1) == k_len && out.dim() == 2 &&
+                  panels.size(2) == shoal_panels::kWidth && panels.size(1) == k_len &&
                   panels.size(0) == (n + shoal_panels::kGatedWidth - 1) / shoal_panels::kGatedWidth,
               "f32_silu_mul: panels must be a contiguous float32 [ceil(I / 8), K, 16] for x "
               "[M, K] and out [M, I]");
   shoal_tiles::check_rows("f32_silu_mul", x, n, k_len, std::nullopt, out);
-  shoal_panels::Product product{x.data_ptr<float>(),  x.stride(0), x.size(0),
-                                panels.data_ptr<float>(), k_len, n, nullptr,
-                                out.data_ptr<float>(), out.stride(0)};
+  shoal_panels::Product product{x.data_ptr<float>(),      x.stride(0), x.size(0),
+                                panels.data_ptr<float>(), k_len,       n,
+                                nullptr,                  out.data_ptr<float>(), out.stride(0)};
   product.gated = true;
   product.run();
 }

@@ -143,7 +143,8 @@ struct Product {
     const int64_t c0 = p * kGatedWidth, cols = std::min(kGatedWidth, n - c0);
     const int64_t vector_end = n / Vec::size() * Vec::size();
     if (c0 + kGatedWidth <= vector_end) {
-      const Vec gate = Vec::loadu(sums, kGatedWidth), up = Vec::loadu(sums + kGatedWidth, kGatedWidth);
+      const Vec gate = Vec::loadu(sums, kGatedWidth);
+      const Vec up = Vec::loadu(sums + kGatedWidth, kGatedWidth);
       ((gate / (Vec(1.f) + gate.neg().exp())) * up).store(dst + c0, kGatedWidth);
       return;
     }
