@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "silu.h"
 
 #include <cmath>
 #include <cstdint>
@@ -152,7 +153,6 @@ void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   const float* gu = gate_up.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   const int64_t gu_stride = gate_up.stride(0), out_stride = out.stride(0);
-  const Vec one(1.f);
   at::parallel_for(0, out.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = gu + r * gu_stride;
@@ -160,10 +160,9 @@ void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
       float* row = out_data + r * out_stride;
       int64_t i = 0;
       for (; i + Vec::size() <= inter; i += Vec::size()) {
-        const Vec x = Vec::loadu(gate + i);
-        ((x / (one + x.neg().exp())) * Vec::loadu(up + i)).store(row + i);
+        shoal_silu::silu_mul(Vec::loadu(gate + i), Vec::loadu(up + i)).store(row + i);
       }
-      for (; i < inter; ++i) row[i] = (gate[i] / (1.f + std::exp(-gate[i]))) * up[i];
+      for (; i < inter; ++i) row[i] = shoal_silu::silu_mul(gate[i], up[i]);
     }
   });
 }

@@ -25,44 +25,46 @@
 
 namespace shoal_ops {
 
-void f32_linear(const at::Tensor& x, const at::Tensor& panels,
-                const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat &&
-                  panels.dim() == 3 && panels.is_contiguous() &&
-                  panels.size(2) == shoal_panels::kWidth && x.dim() == 2 &&
-                  panels.size(1) == x.size(1) && out.dim() == 2 &&
-                  panels.size(0) == (out.size(1) + shoal_panels::kWidth - 1) / shoal_panels::kWidth,
-              "f32_linear: panels must be a contiguous float32 [ceil(N / 16), K, 16] for x [M, K] "
-              "and out [M, N]");
-  const int64_t n = out.size(1), k_len = x.size(1);
-  shoal_tiles::check_rows("f32_linear", x, n, k_len, bias, out);
-  const shoal_panels::Product product{x.data_ptr<float>(),
-                                      x.stride(0),
-                                      x.size(0),
-                                      panels.data_ptr<float>(),
-                                      k_len,
-                                      n,
-                                      bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                      out.data_ptr<float>(),
-                                      out.stride(0)};
-  product.run();
-}
+namespace {
 
-void f32_silu_mul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "f32_silu_mul: x and out must be 2-d");
+// The checked product of x [M, K] and panels of `width` output channels each (16, or 8 gated
+// pairs) into out [M, N]: panels [ceil(N / width), K, 16].
+shoal_panels::Product checked_product(const char* op, const at::Tensor& x,
+                                      const at::Tensor& panels,
+                                      const std::optional<at::Tensor>& bias, const at::Tensor& out,
+                                      bool gated) {
+  const int64_t width = gated ? shoal_panels::kGatedWidth : shoal_panels::kWidth;
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, op, ": x and out must be 2-d");
   const int64_t n = out.size(1), k_len = x.size(1);
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat &&
                   panels.dim() == 3 && panels.is_contiguous() &&
                   panels.size(2) == shoal_panels::kWidth && panels.size(1) == k_len &&
-                  panels.size(0) == (n + shoal_panels::kGatedWidth - 1) / shoal_panels::kGatedWidth,
-              "f32_silu_mul: panels must be a contiguous float32 [ceil(I / 8), K, 16] for x "
-              "[M, K] and out [M, I]");
-  shoal_tiles::check_rows("f32_silu_mul", x, n, k_len, std::nullopt, out);
-  shoal_panels::Product product{x.data_ptr<float>(),      x.stride(0), x.size(0),
-                                panels.data_ptr<float>(), k_len,       n,
-                                nullptr,                  out.data_ptr<float>(), out.stride(0)};
-  product.gated = true;
-  product.run();
+                  panels.size(0) == (n + width - 1) / width,
+              op, ": panels must be a contiguous float32 [ceil(N / ", width,
+              "), K, 16] for x [M, K] and out [M, N]");
+  shoal_tiles::check_rows(op, x, n, k_len, bias, out);
+  shoal_panels::Product product{x.data_ptr<float>(),
+                                x.stride(0),
+                                x.size(0),
+                                panels.data_ptr<float>(),
+                                k_len,
+                                n,
+                                bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                                out.data_ptr<float>(),
+                                out.stride(0)};
+  product.gated = gated;
+  return product;
+}
+
+}  // namespace
+
+void f32_linear(const at::Tensor& x, const at::Tensor& panels,
+                const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  checked_product("f32_linear", x, panels, bias, out, false).run();
+}
+
+void f32_silu_mul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& out) {
+  checked_product("f32_silu_mul", x, panels, std::nullopt, out, true).run();
 }
 
 }  // namespace shoal_ops

@@ -32,11 +32,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#include "silu.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -136,21 +137,20 @@ struct Product {
   }
 
   // dst[8p ..] = silu(gate) * up of one row's gated panel p (sums: its 8 gates, its 8 ups),
-  // computed as elementwise.cpp's silu_mul computes each channel: in vector lanes below the
+  // each channel as elementwise.cpp's silu_mul computes it (silu.h): in vector lanes below the
   // last whole vector of its row, one by one past it; so the bits are silu_mul's.
   void silu_mul(const float* sums, float* dst, int64_t p) const {
-    using Vec = at::vec::Vectorized<float>;
+    using shoal_silu::Vec;
     const int64_t c0 = p * kGatedWidth, cols = std::min(kGatedWidth, n - c0);
     const int64_t vector_end = n / Vec::size() * Vec::size();
     if (c0 + kGatedWidth <= vector_end) {
       const Vec gate = Vec::loadu(sums, kGatedWidth);
       const Vec up = Vec::loadu(sums + kGatedWidth, kGatedWidth);
-      ((gate / (Vec(1.f) + gate.neg().exp())) * up).store(dst + c0, kGatedWidth);
+      shoal_silu::silu_mul(gate, up).store(dst + c0, kGatedWidth);
       return;
     }
     for (int64_t c = 0; c < cols; ++c) {
-      const float gate = sums[c], up = sums[kGatedWidth + c];
-      dst[c0 + c] = (gate / (1.f + std::exp(-gate))) * up;
+      dst[c0 + c] = shoal_silu::silu_mul(sums[c], sums[kGatedWidth + c]);
     }
   }
 
