@@ -7,9 +7,12 @@
                                                   kernels: oneDNN's matmul on its own layout)
              GatedPanels                          a SiLU-gated MLP's gate_up, with the kernels:
                                                   `silu_mul(x)` multiplies and activates at once
-    int8     (quant.py)     CPU, opt-in           weights in 4-bit or int8 blocks of 32 along K,
-                                                  activations rounded to int16, compiled kernels
-                                                  (csrc/block_linear.cpp)
+    int8     Int8Linear     CPU, opt-in           weights in 4-bit or int8 blocks of 32 along K,
+             (quant.py)                           activations rounded to int16, compiled kernels
+                                                  (csrc/block_linear.cpp); from many rows on,
+                                                  float32 panels of the dequantized weights
+             GatedInt8Linear                      likewise a SiLU-gated gate_up, its panels
+                                                  gated, with GatedPanels' `silu_mul(x)`
 
 `Linear.load` takes a new weight of the same shape (a weight update): a dense linear copies it
 into the tensor it already holds (a captured CUDA graph keeps reading that tensor); a packed one
@@ -108,11 +111,7 @@ class GatedPanels:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).contiguous()
-        panels = int(self.panels.shape[0])
-        y = torch.empty(rows.shape[0], panels * PANEL)
-        torch.ops.shoal_cpu.f32_linear(rows, self.panels, None, y)
-        halves = y.view(-1, panels, 2, PANEL // 2).transpose(1, 2).reshape(-1, 2, panels * 8)
-        return halves[:, :, : self.inter].reshape(*shape[:-1], self.out_features)
+        return gated_product(rows, self.panels, self.inter).view(*shape[:-1], self.out_features)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up: [.., K] -> [.., I]."""
@@ -147,6 +146,15 @@ def pack_gated_panels(gate_up: torch.Tensor) -> torch.Tensor:
     return pack_panels(padded.view(2, -1, half, k).transpose(0, 1).reshape(-1, k))
 
 
+def gated_product(rows: torch.Tensor, panels: torch.Tensor, inter: int) -> torch.Tensor:
+    """The product of gated panels as a plain gate_up's: [T, K] -> [T, 2I] (gate, then up)."""
+    count = int(panels.shape[0])
+    y = torch.empty(rows.shape[0], count * PANEL)
+    torch.ops.shoal_cpu.f32_linear(rows, panels, None, y)
+    halves = y.view(-1, count, 2, PANEL // 2).transpose(1, 2).reshape(-1, 2, count * 8)
+    return halves[:, :, :inter].reshape(-1, 2 * inter)
+
+
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
@@ -163,7 +171,9 @@ def make_linear(
             return GatedPanels(weight, bias)
         return PackedLinear(weight, bias)
     if kind == "int8":
-        from shoal.kernels.quant import Int8Linear
+        from shoal.kernels.quant import GatedInt8Linear, Int8Linear
 
+        if gated and bias is None:
+            return GatedInt8Linear(weight, bias)
         return Int8Linear(weight, bias)
     raise ValueError(f"unknown linear kind {kind!r}")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.kernels.linear import pack_panels
+from shoal.kernels.linear import gated_product, pack_gated_panels, pack_panels
 
 BLOCK = 32  # weights per scale, along K (the kernels' kBlock)
 _Q8_LEVELS = 127
@@ -89,9 +89,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-            rows = rows.float().contiguous()
+        rows = _float_rows(x, self.in_features)
         out = torch.empty(rows.shape[0], self.out_features)
         if rows.shape[0] >= MANY_ROWS:
             torch.ops.shoal_cpu.f32_linear(rows, self.panels, self.bias, out)
@@ -106,12 +104,57 @@ class Int8Linear:
         weight = weight.detach().float()
         self.blocks: Q4Blocks | Q8Blocks = exact_q4_blocks(weight) or q8_blocks(weight)
         # The same weights in float32 panels, for steps of many rows (MANY_ROWS).
-        self.panels = pack_panels(self.blocks.dequantize())
+        self.panels = self._pack(self.blocks.dequantize())
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the kernel multiplies by (for tests)."""
         return self.blocks.dequantize()
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return pack_panels(weight)
+
+
+class GatedInt8Linear(Int8Linear):
+    """A SiLU-gated MLP's fused gate_up ([2I, K]: the gate's rows, then the up's) in blocks,
+    its float32 panels gated as `GatedPanels` holds them, so that from MANY_ROWS rows on
+    `silu_mul(x)` is one op (`f32_silu_mul`) with the bits of the product and then `silu_mul`;
+    fewer rows take the blocks' product and then `silu_mul`, as a plain one does."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        assert bias is None, "a gate_up with a bias stays an Int8Linear"
+        self.inter = int(weight.shape[0]) // 2
+        super().__init__(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _float_rows(x, self.in_features)
+        if rows.shape[0] < MANY_ROWS:
+            return super().__call__(x)
+        y = gated_product(rows, self.panels, self.inter)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: [.., K] -> [.., I]."""
+        rows = _float_rows(x, self.in_features)
+        out = torch.empty(rows.shape[0], self.inter)
+        if rows.shape[0] >= MANY_ROWS:
+            torch.ops.shoal_cpu.f32_silu_mul(rows, self.panels, out)
+        else:
+            product = torch.empty(rows.shape[0], self.out_features)
+            self.blocks.run(rows, None, product)
+            torch.ops.shoal_cpu.silu_mul(product, out)
+        return out.view(*x.shape[:-1], self.inter).to(x.dtype)
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return pack_gated_panels(weight)
+
+
+def _float_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as contiguous float32 rows [T, K], as the kernels take them."""
+    rows = x.reshape(-1, in_features)
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.float().contiguous()
+    return rows
 
 
 def q8_blocks(weight: torch.Tensor) -> Q8Blocks:

@@ -25,6 +25,7 @@ from shoal.kernels.models.weights import linear_weights
 from shoal.kernels.quant import (
     BLOCK,
     MANY_ROWS,
+    GatedInt8Linear,
     Int8Linear,
     Q4Blocks,
     Q8Blocks,
@@ -164,6 +165,30 @@ def test_load_takes_the_new_weight() -> None:
     assert rel_error(linear(x), F.linear(x, new_w, new_b)) < REL_TOL
     assert rel_error(before, F.linear(x, new_w, new_b)) > 0.5
     torch.testing.assert_close(linear(x), Int8Linear(new_w, new_b)(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 5, MANY_ROWS - 1, MANY_ROWS, 33])
+@pytest.mark.parametrize("q4", [True, False])
+def test_a_gated_gate_up_gives_the_plain_ones_bits(m: int, q4: bool) -> None:
+    """A SiLU-gated gate_up's `silu_mul` is the plain linear's product then silu_mul, bit for
+    bit, below MANY_ROWS (the blocks) and from it on (the gated float32 panels); a call is the
+    product; a weight update takes the new weight."""
+    inter, k = 20, 64
+    old = q4_1_weight(2 * inter, k, seed=m) if q4 else torch.randn(2 * inter, k) * 0.1
+    new = old.flip(0)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    gated = make_linear("int8", old.clone(), None, gated=True)
+    assert isinstance(gated, GatedInt8Linear)
+    assert isinstance(make_linear("int8", old, torch.zeros(2 * inter), gated=True), Int8Linear)
+    for weight in (old, new):
+        gated.load(weight.clone(), None)
+        plain = Int8Linear(weight.clone(), None)
+        assert type(gated.blocks) is type(plain.blocks) is (Q4Blocks if q4 else Q8Blocks)
+        product = plain(x)
+        expected = torch.empty(m, inter)
+        torch.ops.shoal_cpu.silu_mul(product, expected)
+        assert torch.equal(gated.silu_mul(x), expected)
+        assert torch.equal(gated(x), product)
 
 
 def test_the_kernels_refuse_what_they_cannot_read() -> None:

@@ -18,10 +18,11 @@
 //               kQ8       q, d, panels      (q8_linear, block_linear.cpp; from `many_rows`
 //                                           rows on f32_linear on the dequantized panels)
 //               kQ4       q, d, m, panels   (q4_linear; likewise)
-//               kGated    gate_up only: the float32 weight in gated panels, whose product is
-//                         the activation itself (f32_silu_mul, linear.cpp)
-//   layout    per layer and linear: its kind, its output channels, then 1 if it has a bias
-//             else 0 (12 a layer)
+//   layout    per layer and linear: its kind, its output channels, 1 if it has a bias else 0,
+//             then 1 if its panels are gated else 0 (16 a layer). Gated panels (gate_up only,
+//             without a bias) hold 8 gate channels and their 8 up channels each, and their
+//             product is the activation itself (f32_silu_mul, linear.cpp); an int8 gate_up's
+//             blocks stay as they are, for steps of fewer than `many_rows` rows
 //
 //   h         [T, hidden] float32, the residual stream: updated in place and returned
 //   cos, sin  [T, head_dim] the rotation of each token's position
@@ -48,13 +49,12 @@ namespace {
 constexpr int64_t kFloat32 = 0;
 constexpr int64_t kQ8 = 1;
 constexpr int64_t kQ4 = 2;
-constexpr int64_t kGated = 3;
 constexpr int64_t kLinearsPerLayer = 4;
-constexpr int64_t kLayoutPerLinear = 3;
+constexpr int64_t kLayoutPerLinear = 4;
 
 int64_t parts_of(int64_t kind) {
-  TORCH_CHECK(kind == kFloat32 || kind == kQ8 || kind == kQ4 || kind == kGated,
-              "DecoderLayers: unknown kind ", kind);
+  TORCH_CHECK(kind == kFloat32 || kind == kQ8 || kind == kQ4, "DecoderLayers: unknown kind ",
+              kind);
   return kind == kQ4 ? 4 : kind == kQ8 ? 3 : 1;
 }
 
@@ -69,16 +69,22 @@ void traced(const char* name, F&& f) {
 struct Linear {
   int64_t kind;
   int64_t out_features;
+  bool gated;  // the panels (the last part) are gated ones: silu_mul, not operator()
   std::vector<at::Tensor> parts;
   std::optional<at::Tensor> bias;
 
+  // Whether a step of `rows` rows multiplies by the float32 panels (the last part).
+  bool on_panels(int64_t rows, int64_t many_rows) const {
+    return kind == kFloat32 || rows >= many_rows;
+  }
+
   at::Tensor operator()(const at::Tensor& x, int64_t many_rows) const {
-    TORCH_CHECK(kind != kGated, "DecoderLayers: gated panels give an activation, not a product");
+    const bool panels = on_panels(x.size(0), many_rows);
+    TORCH_CHECK(!(gated && panels),
+                "DecoderLayers: gated panels give an activation, not a product");
     at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-    if (kind != kFloat32 && x.size(0) >= many_rows) {  // int8's float32 panels, the last part
+    if (panels) {
       traced("f32_linear", [&] { shoal_ops::f32_linear(x, parts.back(), bias, out); });
-    } else if (kind == kFloat32) {
-      traced("f32_linear", [&] { shoal_ops::f32_linear(x, parts[0], bias, out); });
     } else if (kind == kQ8) {
       traced("q8_linear", [&] { shoal_ops::q8_linear(x, parts[0], parts[1], bias, out); });
     } else {
@@ -86,6 +92,18 @@ struct Linear {
              [&] { shoal_ops::q4_linear(x, parts[0], parts[1], parts[2], bias, out); });
     }
     return out;
+  }
+
+  // silu(gate) * up of a gate_up: [T, out_features / 2].
+  at::Tensor silu_mul(const at::Tensor& x, int64_t many_rows) const {
+    at::Tensor act = at::empty({x.size(0), out_features / 2}, x.options());
+    if (gated && on_panels(x.size(0), many_rows)) {
+      traced("f32_silu_mul", [&] { shoal_ops::f32_silu_mul(x, parts.back(), act); });
+    } else {
+      const at::Tensor product = (*this)(x, many_rows);
+      traced("silu_mul", [&] { shoal_ops::silu_mul(product, act); });
+    }
+    return act;
   }
 };
 
@@ -104,7 +122,7 @@ struct DecoderLayers : torch::CustomClassHolder {
       : heads(heads), kv_heads(kv_heads), head_dim(head_dim), many_rows(many_rows), eps(eps),
         scale(scale) {
     TORCH_CHECK(layout.size() % (kLayoutPerLinear * kLinearsPerLayer) == 0 && !layout.empty(),
-                "DecoderLayers: layout must hold 12 entries a layer");
+                "DecoderLayers: layout must hold 16 entries a layer");
     TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "DecoderLayers: bad head counts");
     size_t next = 0, entry = 0;  // the next tensor, the next layout entry
     auto take = [&]() {
@@ -112,7 +130,7 @@ struct DecoderLayers : torch::CustomClassHolder {
       return tensors[next++];
     };
     auto linear = [&]() {
-      Linear l{layout[entry], layout[entry + 1], {}, std::nullopt};
+      Linear l{layout[entry], layout[entry + 1], layout[entry + 3] != 0, {}, std::nullopt};
       const bool has_bias = layout[entry + 2] != 0;
       entry += kLayoutPerLinear;
       for (int64_t i = 0; i < parts_of(l.kind); ++i) l.parts.push_back(take());
@@ -129,8 +147,8 @@ struct DecoderLayers : torch::CustomClassHolder {
       TORCH_CHECK(l.qkv.out_features == (heads + 2 * kv_heads) * head_dim &&
                       l.gate_up.out_features % 2 == 0,
                   "DecoderLayers: qkv or gate_up has the wrong number of outputs");
-      TORCH_CHECK(l.qkv.kind != kGated && l.o.kind != kGated && l.down.kind != kGated &&
-                      (l.gate_up.kind != kGated || !l.gate_up.bias.has_value()),
+      TORCH_CHECK(!l.qkv.gated && !l.o.gated && !l.down.gated &&
+                      (!l.gate_up.gated || !l.gate_up.bias.has_value()),
                   "DecoderLayers: only a gate_up without a bias takes gated panels");
     }
   }
@@ -166,15 +184,7 @@ struct DecoderLayers : torch::CustomClassHolder {
       const at::Tensor o = layer.o(attended.view({tokens, q_width}), many_rows);
       traced("add_rms_norm",
              [&] { shoal_ops::add_rms_norm(h, o, layer.post_attention_norm, eps, x); });
-      at::Tensor act = at::empty({tokens, layer.gate_up.out_features / 2}, h.options());
-      if (layer.gate_up.kind == kGated) {
-        traced("f32_silu_mul",
-               [&] { shoal_ops::f32_silu_mul(x, layer.gate_up.parts[0], act); });
-      } else {
-        const at::Tensor gate_up = layer.gate_up(x, many_rows);
-        traced("silu_mul", [&] { shoal_ops::silu_mul(gate_up, act); });
-      }
-      const at::Tensor down = layer.down(act, many_rows);
+      const at::Tensor down = layer.down(layer.gate_up.silu_mul(x, many_rows), many_rows);
       if (i + 1 < n) {
         traced("add_rms_norm",
                [&] { shoal_ops::add_rms_norm(h, down, layers[i + 1].input_norm, eps, x); });

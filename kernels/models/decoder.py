@@ -39,6 +39,7 @@ from shoal.kernels.models.weights import (
     plain_tensors,
 )
 from shoal.kernels.moe import Experts
+from shoal.kernels.quant import GatedInt8Linear
 from shoal.kernels.rope import apply_rope, rope_tables
 
 # A family's mapping from a full set of HF-named weights to the forward's layout.
@@ -239,7 +240,7 @@ class DecoderModel:
         mlp = layer.mlp
         if isinstance(mlp, Experts):
             return mlp(x)
-        if isinstance(mlp.gate_up, GatedPanels):
+        if isinstance(mlp.gate_up, GatedPanels | GatedInt8Linear):
             return mlp.down(mlp.gate_up.silu_mul(x))
         gate_up = mlp.gate_up(x)
         if self.config.activation == "silu":

@@ -11,6 +11,7 @@ has a compiled form:
     the model   standard layers (no q/k norm, no sandwich norms, RoPE over the whole head, no
                 sliding window or soft-cap, a SiLU-gated dense MLP), the compiled element-wise
                 ops, every linear packed float32 (in panels, gate_up in gated ones) or int8
+                (a gate_up's float32 panels gated too)
     the step    every token a decode, attended by the compiled kernel (`attention="cpu"`)
 
 Anything else takes the Python forward, which stays the reference.
@@ -27,10 +28,10 @@ from shoal.kernels.linear import GatedPanels, Linear, PackedLinear
 from shoal.kernels.loading.config import ModelConfig
 from shoal.kernels.models.kv_pool import KVPool
 from shoal.kernels.models.weights import DenseWeights, LayerWeights
-from shoal.kernels.quant import MANY_ROWS, Int8Linear, Q4Blocks, Q8Blocks
+from shoal.kernels.quant import MANY_ROWS, GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks
 
 # A linear's kind as decoder_layers.cpp numbers them.
-FLOAT32, Q8, Q4, GATED = 0, 1, 2, 3
+FLOAT32, Q8, Q4 = 0, 1, 2
 
 
 class FusedLayers:
@@ -95,9 +96,9 @@ def fused_layers(
             form = kernel_form(linear)
             if form is None:
                 return None
-            kind, parts, bias = form
+            kind, parts, bias, gated = form
             tensors += parts if bias is None else [*parts, bias]
-            layout += [kind, linear.out_features, int(bias is not None)]
+            layout += [kind, linear.out_features, int(bias is not None), int(gated)]
     built = torch.classes.shoal_cpu.DecoderLayers(
         tensors, layout, config.num_heads, config.num_kv_heads, config.head_dim,
         config.rms_norm_eps, scale, MANY_ROWS,
@@ -128,16 +129,18 @@ def standard(config: ModelConfig, windows: tuple[int | None, ...]) -> bool:
 
 def kernel_form(
     linear: Linear,
-) -> tuple[int, list[torch.Tensor], torch.Tensor | None] | None:
-    """(kind, parts, bias) as decoder_layers.cpp takes a linear, or None without one."""
+) -> tuple[int, list[torch.Tensor], torch.Tensor | None, bool] | None:
+    """(kind, parts, bias, gated panels) as decoder_layers.cpp takes a linear, or None
+    without one."""
     if isinstance(linear, PackedLinear) and linear.panels is not None:
-        return FLOAT32, [linear.panels], linear.bias
+        return FLOAT32, [linear.panels], linear.bias, False
     if isinstance(linear, GatedPanels):
-        return GATED, [linear.panels], None
+        return FLOAT32, [linear.panels], None, True
     if isinstance(linear, Int8Linear):
+        gated = isinstance(linear, GatedInt8Linear)
         blocks = linear.blocks
         if isinstance(blocks, Q4Blocks):
-            return Q4, [blocks.q, blocks.d, blocks.m, linear.panels], linear.bias
+            return Q4, [blocks.q, blocks.d, blocks.m, linear.panels], linear.bias, gated
         if isinstance(blocks, Q8Blocks):
-            return Q8, [blocks.q, blocks.d, linear.panels], linear.bias
+            return Q8, [blocks.q, blocks.d, linear.panels], linear.bias, gated
     return None
