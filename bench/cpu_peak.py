@@ -1,0 +1,139 @@
+"""The CPU's multiply-add ceiling: how many multiply-adds a second its vector units can do in
+float32 and in 8-bit integers, with no memory traffic at all. The figure any CPU kernel here is
+held against (docs/cpu-step.md), and the bound on what an int8 matmul can gain over float32.
+
+    python bench/cpu_peak.py                    # 1 and 2 threads, AVX2
+    python bench/cpu_peak.py --threads 2 --iters 20000000
+
+Each thread runs twelve independent chains (enough to hide every latency) of
+    float32   vfmadd: 8 multiply-adds an instruction
+    int8      vpmaddubsw (32 u8 x s8 products, pairs summed to s16), vpmaddwd by ones (to s32),
+              vpaddd into the accumulator: 32 multiply-adds for three instructions, the fastest
+              exact int8 sum AVX2 has without VNNI
+One line per thread count:
+    cpu_peak threads=<n> f32_gmacs=<x> f32_gflops=<2x> int8_gmacs=<y> int8_over_f32=<y/x>
+             machine=<desc>
+Needs a compiler (torch's extension builder, as the CPU kernels do) and AVX2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_format import emit, machine
+from torch.utils.cpp_extension import load_inline
+
+CHAINS = 12
+_SOURCE = r"""
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <atomic>
+
+// Each returns a value that depends on every chain, so nothing is optimized away.
+double f32_chains(int64_t iters) {
+  std::atomic<int64_t> sink{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      __m256 acc[12];
+      for (int c = 0; c < 12; ++c) acc[c] = _mm256_set1_ps(float(c));
+      __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
+      for (int64_t i = 0; i < iters; ++i) {
+        for (int c = 0; c < 12; ++c) acc[c] = _mm256_fmadd_ps(acc[c], x, y);
+        asm volatile("" : "+x"(x));
+      }
+      float f[8];
+      __m256 s = acc[0];
+      for (int c = 1; c < 12; ++c) s = _mm256_add_ps(s, acc[c]);
+      _mm256_storeu_ps(f, s);
+      sink += int64_t(f[0]);
+    }
+  });
+  return double(sink);
+}
+
+double int8_chains(int64_t iters) {
+  std::atomic<int64_t> sink{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      __m256i acc[12], a[6];
+      for (int c = 0; c < 12; ++c) acc[c] = _mm256_set1_epi32(c);
+      for (int c = 0; c < 6; ++c) a[c] = _mm256_set1_epi8(char(7 + 2 * c));
+      __m256i w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(-5);
+      const __m256i ones = _mm256_set1_epi16(1);
+      auto step = [&](__m256i sum, __m256i x, __m256i w) {
+        return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), ones));
+      };
+      for (int64_t i = 0; i < iters; ++i) {
+        for (int c = 0; c < 6; ++c) {
+          acc[c] = step(acc[c], a[c], w0);
+          acc[c + 6] = step(acc[c + 6], a[c], w1);
+        }
+        asm volatile("" : "+x"(w0), "+x"(w1));
+      }
+      int32_t f[8];
+      __m256i s = acc[0];
+      for (int c = 1; c < 12; ++c) s = _mm256_add_epi32(s, acc[c]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(f), s);
+      sink += f[0];
+    }
+  });
+  return double(sink);
+}
+"""
+
+
+def build(folder: Path) -> object:
+    return load_inline(
+        name="shoal_cpu_peak",
+        cpp_sources=_SOURCE,
+        functions=["f32_chains", "int8_chains"],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+    )
+
+
+def rate(run: object, iters: int, per_chain_step: int, threads: int) -> float:
+    """Multiply-adds a second, in billions, the best of three runs."""
+    run(1000)  # type: ignore[operator]
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        run(iters)  # type: ignore[operator]
+        best = min(best, time.perf_counter() - start)
+    return threads * iters * CHAINS * per_chain_step / best / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--iters", type=int, default=20_000_000, help="chain steps a thread")
+    parser.add_argument("--out", type=Path, help="append each line as JSON")
+    args = parser.parse_args(argv)
+    own_threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as folder:
+        peak = build(Path(folder))
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            f32 = rate(peak.f32_chains, args.iters, 8, threads)  # type: ignore[attr-defined]
+            int8 = rate(peak.int8_chains, args.iters, 32, threads)  # type: ignore[attr-defined]
+            line = {
+                "threads": threads,
+                "f32_gmacs": round(f32, 1),
+                "f32_gflops": round(2 * f32, 1),
+                "int8_gmacs": round(int8, 1),
+                "int8_over_f32": round(int8 / f32, 2),
+                "machine": machine(),
+            }
+            emit("cpu_peak", line, args.out)
+    torch.set_num_threads(own_threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
