@@ -143,11 +143,14 @@ class DeviceState:
                     f"{other.architecture()} instead of {config.architecture()}"
                 )
             weights = load_weights(folder, config, dtype=self.model.dtype)
-            # Validated whole above; every stage (idle: an update waits for that) takes its part.
+            # Validated whole above. Every stage builds its part beside the serving weights
+            # first, and only then does any take it (idle: an update waits for that), so a
+            # failure partway leaves the old weights in every stage, never a mix.
+            staged = [model.stage(weights) for model in self.models]
             self.streams.synchronize()
             with self.streams.computing():
-                for model in self.models:
-                    model.load(weights)
+                for model, part in zip(self.models, staged, strict=True):
+                    model.commit(part)
             self.streams.synchronize()
         except CheckpointError as exc:
             log.warning("refused checkpoint %r: %s", model_path, exc, exc_info=True)

@@ -15,10 +15,14 @@ import torch
 from conftest import EngineFactory
 from safetensors.torch import load_file, save_file
 from test_http_support import ServeFactory, serve
+from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
+from shoal.kernels.linear import Linear
 from shoal.kernels.loading.checkpoint import CheckpointError, read_header
 from shoal.kernels.loading.loader import load_model
+from shoal.kernels.models import weights as weights_module
+from shoal.kernels.models.decoder import DecoderModel
 
 __all__ = ["serve"]
 
@@ -237,6 +241,18 @@ CASES: list[tuple[str, Break, str]] = [
         "the checkpoint is missing tensor model.norm.weight",
     ),
     (
+        "tensor-nan",
+        lambda f: edit_tensors(f, model__norm__weight=torch.full((64,), float("nan"))),
+        "tensor model.norm.weight holds values that are not finite in float32",
+    ),
+    (
+        "tensor-infinite",
+        lambda f: edit_tensors(
+            f, model__layers__1__mlp__down_proj__weight=torch.full((64, 128), float("inf"))
+        ),
+        "tensor model.layers.1.mlp.down_proj.weight holds values that are not finite",
+    ),
+    (
         "tensor-unexpected",
         lambda f: edit_tensors(f, model__extra__weight=torch.ones(4)),
         "the checkpoint has unexpected tensor model.extra.weight",
@@ -354,6 +370,75 @@ async def test_an_unexpected_failure_is_a_refusal_not_a_dead_engine(
     assert await greedy_tokens(engine) == before
     result = await engine.update_weights_from_disk(tiny_folder)
     assert result.success, result.message  # a good checkpoint still loads afterwards
+
+
+async def other_weights(tmp_path: Path, engine: Engine) -> tuple[Path, list[int]]:
+    """A checkpoint of the same architecture with other weights, and its greedy tokens."""
+    folder = make_tiny_model_folder(tmp_path / "other", seed=1)
+    reference = await Engine(load_model(folder, progress=False), seed=0).start()
+    try:
+        tokens = await greedy_tokens(reference)
+    finally:
+        await reference.close()
+    assert tokens != await greedy_tokens(engine)
+    return folder, tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # packed linears; dense ones
+async def test_a_stage_that_fails_to_build_leaves_the_old_weights_in_every_stage(
+    make_engine: EngineFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """The second pipeline stage fails to build its part (out of memory, say) after the first
+    built its own: the update is refused and both stages serve the old weights, not a mix;
+    the same update then goes through."""
+    engine = await make_engine(pipeline_stages=2, dtype=dtype)
+    before = await greedy_tokens(engine)
+    folder, after = await other_weights(tmp_path, engine)
+    staged = DecoderModel.stage
+    calls: list[int] = []
+
+    def failing_second(self: DecoderModel, weights: dict[str, torch.Tensor]) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of memory")
+        return staged(self, weights)
+
+    monkeypatch.setattr(DecoderModel, "stage", failing_second)
+    result = await engine.update_weights_from_disk(folder)
+    assert not result.success and "could not be read" in result.message, result.message
+    assert len(calls) == 2 and engine.dead_reason is None and engine.weight_version == 0
+    assert await greedy_tokens(engine) == before
+    monkeypatch.undo()
+    result = await engine.update_weights_from_disk(folder)
+    assert result.success, result.message
+    assert await greedy_tokens(engine) == after
+
+
+async def test_a_linear_that_fails_to_pack_leaves_every_weight_as_it_was(
+    make_engine: EngineFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packing the new weights fails halfway through the model's linears: none of the first
+    half is serving."""
+    engine = await make_engine()
+    before = await greedy_tokens(engine)
+    folder, after = await other_weights(tmp_path, engine)
+    make_linear = weights_module.make_linear
+    calls: list[int] = []
+
+    def failing_third(*args: Any, **kwargs: Any) -> Linear:
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("out of memory")
+        return make_linear(*args, **kwargs)
+
+    monkeypatch.setattr(weights_module, "make_linear", failing_third)
+    result = await engine.update_weights_from_disk(folder)
+    assert not result.success and engine.dead_reason is None, result.message
+    assert len(calls) == 3
+    assert await greedy_tokens(engine) == before
+    monkeypatch.undo()
+    assert (await engine.update_weights_from_disk(folder)).success
+    assert await greedy_tokens(engine) == after
 
 
 # ---- through HTTP: the three failures that used to kill the server ------------------------

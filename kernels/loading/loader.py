@@ -11,9 +11,11 @@ from tokenizer.json; transformers is imported lazily and only its tokenizer clas
 
 Every load validates the checkpoint before it reads any tensor data (checkpoint.py): config.json
 field by field, then every safetensors header, each tensor's name, dtype and shape against the
-config, and the shard index if there is one. A bad checkpoint raises CheckpointError (a
-ValueError) saying what is wrong with which file, which is what lets a weight update from disk
-(checkpoint_folder, read_model_config, load_weights) refuse it and keep serving the old weights.
+config, and the shard index if there is one; once read and cast, every value must be finite (a
+NaN or an infinity in a weight gives every request NaN logits). A bad checkpoint raises
+CheckpointError (a ValueError) saying what is wrong with which file, which is what lets a weight
+update from disk (checkpoint_folder, read_model_config, load_weights) refuse it and keep serving
+the old weights.
 At start-up load_model says which folder it was.
 """
 
@@ -173,8 +175,9 @@ def load_weights(
     """All tensors the forward reads from the folder's safetensors files, cast to `dtype`.
 
     Every header is validated against `config` first (CheckpointError); only then is tensor
-    data read. The result owns its memory (copied out of the mmap), so the files may be
-    replaced later, as a trainer does when it writes the next checkpoint over the last one.
+    data read, and every value checked finite once cast (CheckpointError). The result owns its
+    memory (copied out of the mmap), so the files may be replaced later, as a trainer does when
+    it writes the next checkpoint over the last one.
     """
     from safetensors import safe_open
 
@@ -192,7 +195,20 @@ def load_weights(
                 if entry.file_name == file_name:
                     raw[name] = f.get_tensor(name)
     check_weights(raw, config)
-    return {name: tensor.to(dtype, copy=True) for name, tensor in raw.items()}
+    weights = {name: tensor.to(dtype, copy=True) for name, tensor in raw.items()}
+    check_finite(weights)
+    return weights
+
+
+def check_finite(weights: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointError naming the first tensor with a NaN or an infinity (a value past
+    the range of the dtype it was cast to counts: it became one)."""
+    for name, tensor in weights.items():
+        if not bool(torch.isfinite(tensor).all()):
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            raise CheckpointError(
+                f"tensor {name} holds values that are not finite in {dtype} (NaN or infinity)"
+            )
 
 
 def load_tokenizer(folder: Path) -> HFTokenizer:

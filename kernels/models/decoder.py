@@ -19,6 +19,7 @@ One layer, as transformers computes it (Gemma's extra norms in brackets)::
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from shoal.kernels.models.kv_pool import KVPool
 from shoal.kernels.models.layout import ModelSource, Part, part_of
 from shoal.kernels.models.weights import (
     LayerWeights,
+    ModelWeights,
     build_weights,
     expert_weights,
     linear_weights,
@@ -44,6 +46,19 @@ from shoal.kernels.rope import apply_rope, rope_tables
 
 # A family's mapping from a full set of HF-named weights to the forward's layout.
 SourceFn = Callable[[ModelConfig, dict[str, torch.Tensor]], ModelSource]
+
+
+@dataclass
+class StagedWeights:
+    """A weight update's new weights for one model part, ready to serve (`DecoderModel.stage`):
+    either rebuilt whole (packed and int8 linears) or, to be copied in place, the host tensors
+    in the order `ModelWeights` walks its own."""
+
+    rebuilt: ModelWeights | None = None
+    fused: FusedLayers | None = None
+    plain: list[torch.Tensor] = field(default_factory=list)
+    linears: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class DecoderModel:
@@ -87,41 +102,58 @@ class DecoderModel:
         self.load(weights)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
-        """Take a full set of HF-named weights (already checked for names and shapes).
-
-        A later load copies into the tensors of the first (and each linear takes its new weight
-        as its kind does, see linear.py), so whatever holds them (a captured CUDA graph) reads
-        the new weights.
-        """
-        source = part_of(self.source(self.config, weights), self.part)
+        """Take a full set of HF-named weights (already checked for names and shapes): the
+        first load builds; a later one is a weight update, `commit(stage(weights))`."""
         if not hasattr(self, "weights"):
+            source = part_of(self.source(self.config, weights), self.part)
             self.weights = build_weights(
                 self.config, source, self.dtype, self.device, self.linear_kind
             )
+            self.fused = self._fused(self.weights)
         else:
-            self.fused = None  # a reload that fails partway leaves the Python forward, not this
-            self._reload(source)
-        # Built again after a reload: packed and int8 linears repack into new tensors.
-        part_windows = self.windows[self.part.layers.start : self.part.layers.stop]
-        self.fused = fused_layers(
-            self.config, self.weights.layers, part_windows, self.elementwise, self.scale
-        )
+            self.commit(self.stage(weights))
 
-    def _reload(self, source: ModelSource) -> None:
+    def stage(self, weights: dict[str, torch.Tensor]) -> StagedWeights:
+        """Everything of a weight update that can fail (mapping, casting, packing, quantizing),
+        done beside the serving weights, which it leaves as they are. A pipeline stages every
+        part before it commits any, so a failure anywhere leaves the old weights everywhere.
+
+        Packed and int8 linears (CPU) are built anew: for a moment the old and the new packed
+        weights are both held. Dense ones (CUDA, and the reference) are copied into in place
+        at the commit, since a captured CUDA graph reads those very tensors; here they are
+        only cast, on the host."""
+        source = part_of(self.source(self.config, weights), self.part)
+        if self.linear_kind != "dense":
+            built = build_weights(self.config, source, self.dtype, self.device, self.linear_kind)
+            return StagedWeights(rebuilt=built, fused=self._fused(built))
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.dtype)
+
+        linears = [(cast(w), None if b is None else cast(b)) for w, b in linear_weights(source)]
+        experts = [
+            (cast(moe.router), cast(moe.gate_up), cast(moe.down)) for moe in expert_weights(source)
+        ]
+        plain = [cast(t) for t in plain_tensors(self.config, source)]
+        return StagedWeights(plain=plain, linears=linears, experts=experts)
+
+    def commit(self, staged: StagedWeights) -> None:
+        """Serve staged weights: swap them in, or copy them into the tensors in place (which
+        fails only if the device does)."""
+        if staged.rebuilt is not None:
+            self.weights, self.fused = staged.rebuilt, staged.fused
+            return
         own = self.weights
-        for old, new in zip(own.tensors(), plain_tensors(self.config, source), strict=True):
+        for old, new in zip(own.tensors(), staged.plain, strict=True):
             old.copy_(new)
-        for linear, (weight, bias) in zip(own.linears(), linear_weights(source), strict=True):
-            # Copies: a packed linear keeps the tensor it is given, never the caller's.
-            cast = weight.to(device=self.device, dtype=self.dtype, copy=True)
-            own_bias = None if bias is None else bias.to(self.device, self.dtype, copy=True)
-            linear.load(cast, own_bias)
-        for experts, moe in zip(own.experts(), expert_weights(source), strict=True):
-            router, gate_up, down = (
-                t.to(self.device, self.dtype, copy=True)
-                for t in (moe.router, moe.gate_up, moe.down)
-            )
+        for linear, (weight, bias) in zip(own.linears(), staged.linears, strict=True):
+            linear.load(weight, bias)
+        for experts, (router, gate_up, down) in zip(own.experts(), staged.experts, strict=True):
             experts.load(router, gate_up, down)
+
+    def _fused(self, weights: ModelWeights) -> FusedLayers | None:
+        part_windows = self.windows[self.part.layers.start : self.part.layers.stop]
+        return fused_layers(self.config, weights.layers, part_windows, self.elementwise, self.scale)
 
     @torch.inference_mode()
     def forward(
