@@ -18,6 +18,11 @@ DEFAULT_LIMITS = InputLimits()
 T = TypeVar("T")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A CPU step's time grows with every prompt token it carries (about 1.1 ms each for SmolLM2 on
+# the 2-core VM), so a cap keeps running streams steady; 64 halved 128's inter-token p99 at
+# 16 streams for the same throughput (docs/cpu-step.md, "Scheduling for latency"). A GPU step
+# barely notices a chunk, and no cap is what SGLang and vLLM do there.
+CPU_MIXED_PREFILL_TOKENS = 64
 
 
 def option(default: T, says: str) -> T:
@@ -41,10 +46,10 @@ class EngineOptions:
     max_running_requests: int = option(64, "requests running at once (rows of a batch)")
     chunk_size: int = option(512, "prompt tokens one request may prefill in a step")
     max_batch_tokens: int = option(2048, "tokens one step may run, prompts and decodes together")
-    max_mixed_prefill_tokens: int = option(
-        128,
-        "prompt tokens a step that also decodes may take (0: up to max_batch_tokens); lower: "
-        "steadier inter-token latency under load, a newcomer's first token a little later",
+    max_mixed_prefill_tokens: int | None = option(
+        None,
+        "prompt tokens a step that also decodes may take (unset: 64 on the CPU, no cap on a "
+        "GPU; 0: up to max_batch_tokens); lower: steadier inter-token latency under load",
     )
     max_inflight: int = option(2, "batches launched ahead of their results (1: no overlap)")
     pipeline_stages: int = option(
@@ -147,7 +152,7 @@ class EngineOptions:
         for name in (
             "max_mixed_prefill_tokens", "cuda_graph_max_batch", "max_sessions", "pipeline_depth",
         ):  # fmt: skip
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.disaggregation_timeout_s > 0:
             raise ValueError(
@@ -206,6 +211,7 @@ class Resolved:
     attention: str  # "torch" | "triton" | "cpu"
     cuda_graph_max_batch: int  # 0 = no graphs (always 0 off CUDA or without Triton)
     linear_kind: LinearKind  # how the forward multiplies by weights (kernels/linear.py)
+    mixed_prefill_tokens: int  # prompt tokens a step that also decodes may take; 0: no cap
 
 
 def resolve(
@@ -235,7 +241,10 @@ def resolve(
     max_pages_per_row = -(-context // page_size) + 1
     layout = CacheLayout(page_size, num_pages, options.max_running_requests, max_pages_per_row)
     linear = resolve_linear(options, device, dtype)
-    return Resolved(layout, context, dtype, device, attention, graphs, linear)
+    mixed = options.max_mixed_prefill_tokens
+    if mixed is None:
+        mixed = CPU_MIXED_PREFILL_TOKENS if device.type == "cpu" else 0
+    return Resolved(layout, context, dtype, device, attention, graphs, linear, mixed)
 
 
 def resolve_linear(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> LinearKind:

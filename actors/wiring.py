@@ -219,7 +219,7 @@ def start_actors(
             max_running=layout.num_rows,
             chunk_size=options.chunk_size,
             max_batch_tokens=max(options.max_batch_tokens, layout.num_rows),
-            max_mixed_prefill_tokens=options.max_mixed_prefill_tokens,
+            max_mixed_prefill_tokens=resolved.mixed_prefill_tokens,
             eos_token_ids=config.eos_token_ids,
             prefix_cache=options.prefix_cache,
             page_size=layout.page_size,

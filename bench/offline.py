@@ -246,9 +246,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         help="prompt tokens a step that also decodes may take (default 0: no cap beside "
-        "--max-batch-tokens; the engine's default, "
-        f"{defaults.max_mixed_prefill_tokens}, steadies streamed tokens, which an offline run "
-        "has none of; as vLLM's LLM class takes a larger token budget than its server)",
+        "--max-batch-tokens; the engine's default on the CPU, 64, steadies streamed tokens, "
+        "which an offline run has none of; as vLLM's LLM class takes a larger token budget "
+        "than its server)",
     )
     parser.add_argument(
         "--cuda-graph-max-batch",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.config import CHOICES, EngineOptions, resolve
+from shoal.config import CHOICES, CPU_MIXED_PREFILL_TOKENS, EngineOptions, resolve
 
 
 @pytest.mark.parametrize(
@@ -55,3 +55,25 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         resolve(EngineOptions(device="cpu", attention="triton"), model_context=8192)
+
+
+def test_the_mixed_prefill_cap_is_64_on_the_cpu_and_none_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset: a CPU step carries at most 64 prompt tokens beside decodes, a GPU step any
+    number (0); a value given is taken as it is, on either."""
+    cpu = EngineOptions(device="cpu")
+    assert resolve(cpu, model_context=8192).mixed_prefill_tokens == CPU_MIXED_PREFILL_TOKENS == 64
+    for given in (0, 200):
+        options = EngineOptions(device="cpu", max_mixed_prefill_tokens=given)
+        assert resolve(options, model_context=8192).mixed_prefill_tokens == given
+    monkeypatch.setattr(
+        "shoal.config.resolve_device", lambda _: (torch.device("cuda"), torch.bfloat16)
+    )
+    monkeypatch.setattr("shoal.config.resolve_attention", lambda *_: "torch")
+    gpu = EngineOptions(kv_cache_tokens=4096)
+    assert resolve(gpu, model_context=8192).mixed_prefill_tokens == 0
+    options = EngineOptions(kv_cache_tokens=4096, max_mixed_prefill_tokens=128)
+    assert resolve(options, model_context=8192).mixed_prefill_tokens == 128
+    with pytest.raises(ValueError, match="max_mixed_prefill_tokens must be >= 0"):
+        EngineOptions(max_mixed_prefill_tokens=-1).validate()
