@@ -20,8 +20,10 @@ bits (bench/README.md; 8-bit activations lost 3% of its top-1 agreement with flo
 They are for steps of a few rows, which read the weights more than they compute. From
 MANY_ROWS rows on, the weights, dequantized once at load (every value as the blocks give it
 back) and kept in float32 panels, go through `f32_linear` as float32 weights do: a step of many
-rows computes, and the float32 panel kernel computes faster than the block kernels there. The
-panels cost the float32 model's memory again (0.54 GB for SmolLM2).
+rows computes, and the float32 panel kernel computes faster than the block kernels there. A
+SiLU-gated MLP's gate_up keeps them gated (`GatedInt8Linear`), so that it multiplies and
+activates in one op, as float32's does. The panels cost the float32 model's memory again (0.54
+GB for SmolLM2).
 """
 
 from __future__ import annotations
