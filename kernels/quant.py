@@ -129,10 +129,9 @@ class GatedInt8Linear(Int8Linear):
         super().__init__(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _float_rows(x, self.in_features)
-        if rows.shape[0] < MANY_ROWS:
+        if x.numel() // self.in_features < MANY_ROWS:
             return super().__call__(x)
-        y = gated_product(rows, self.panels, self.inter)
+        y = gated_product(_float_rows(x, self.in_features), self.panels, self.inter)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -114,28 +114,24 @@ class DecoderModel:
             self.commit(self.stage(weights))
 
     def stage(self, weights: dict[str, torch.Tensor]) -> StagedWeights:
-        """Everything of a weight update that can fail (mapping, casting, packing, quantizing),
+        """Everything of a weight update that can fail (mapping, packing, quantizing),
         done beside the serving weights, which it leaves as they are. A pipeline stages every
         part before it commits any, so a failure anywhere leaves the old weights everywhere.
 
         Packed and int8 linears (CPU) are built anew: for a moment the old and the new packed
         weights are both held. Dense ones (CUDA, and the reference) are copied into in place
-        at the commit, since a captured CUDA graph reads those very tensors; here they are
-        only cast, on the host."""
+        at the commit (`copy_` casts), since a captured CUDA graph reads those very tensors;
+        here they are only mapped to the forward's layout."""
         source = part_of(self.source(self.config, weights), self.part)
         if self.linear_kind != "dense":
             built = build_weights(self.config, source, self.dtype, self.device, self.linear_kind)
             return StagedWeights(rebuilt=built, fused=self._fused(built))
-
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(self.dtype)
-
-        linears = [(cast(w), None if b is None else cast(b)) for w, b in linear_weights(source)]
-        experts = [
-            (cast(moe.router), cast(moe.gate_up), cast(moe.down)) for moe in expert_weights(source)
-        ]
-        plain = [cast(t) for t in plain_tensors(self.config, source)]
-        return StagedWeights(plain=plain, linears=linears, experts=experts)
+        experts = [(moe.router, moe.gate_up, moe.down) for moe in expert_weights(source)]
+        return StagedWeights(
+            plain=plain_tensors(self.config, source),
+            linears=linear_weights(source),
+            experts=experts,
+        )
 
     def commit(self, staged: StagedWeights) -> None:
         """Serve staged weights: swap them in, or copy them into the tensors in place (which
