@@ -10,6 +10,7 @@ from typing import Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import torch
 
+from shoal.disagg.peers import PrefillPeers
 from shoal.kernels.linear import LinearKind, packing_available
 from shoal.limits import InputLimits
 from shoal.memory import DeviceMemory, kv_cache_tokens
@@ -23,6 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # 16 streams for the same throughput (docs/cpu-step.md, "Scheduling for latency"). A GPU step
 # barely notices a chunk, and no cap is what SGLang and vLLM do there.
 CPU_MIXED_PREFILL_TOKENS = 64
+DEFAULT_SESSION_TIMEOUT_S = 600.0  # a session's idle timeout when its opener names none
 
 
 def option(default: T, says: str) -> T:
@@ -100,6 +102,12 @@ class EngineOptions:
         True, "keep computed KV in the radix tree for later prompts to reuse"
     )
     max_sessions: int = option(256, "sessions open at once (more are refused)")
+    max_sessions_per_client: int = option(
+        64, "sessions one client (over HTTP: a peer address) may hold open at once"
+    )
+    max_session_timeout_s: float = option(
+        3600.0, "the longest idle timeout_s a session may ask for (longer is refused)"
+    )
     disaggregation_mode: Literal["null", "prefill", "decode"] = option(
         "null",
         "prefill/decode disaggregation (docs/disaggregation.md): prefill computes prompts and "
@@ -120,6 +128,11 @@ class EngineOptions:
     )
     disaggregation_timeout_s: float = option(
         60.0, "how long a request's KV transfer, or a room missing a half, may wait"
+    )
+    disaggregation_prefill_peers: str = option(
+        "127.0.0.1:8998",
+        "the prefill servers' bootstrap endpoints a decode server may contact, comma-separated "
+        "host:port (a request naming another is refused)",
     )
     # input limits every door shares, the Python API included (limits.py, docs/limits.md)
     max_stop_strings: int = option(DEFAULT_LIMITS.max_stop_strings, "stop strings per request")
@@ -146,6 +159,7 @@ class EngineOptions:
             "max_batch_tokens",
             "max_inflight",
             "pipeline_stages",
+            "max_sessions_per_client",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -154,10 +168,10 @@ class EngineOptions:
         ):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.disaggregation_timeout_s > 0:
-            raise ValueError(
-                f"disaggregation_timeout_s must be > 0, got {self.disaggregation_timeout_s}"
-            )
+        for name in ("disaggregation_timeout_s", "max_session_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        PrefillPeers.parse(self.disaggregation_prefill_peers)  # ValueError saying which entry
         if not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ValueError(
                 "disaggregation_bootstrap_port must be a port (0 to 65535), got "

@@ -31,6 +31,8 @@ ErrorCode = Literal[
     "session_busy",  # the session's last turn still streams
     "too_many_sessions",  # the engine's cap on open sessions is reached
     "peer_refused",  # disaggregation: the other server refused this request as given
+    "weights_mismatch",  # disaggregation: the other server serves other weights (a 400:
+    # SGLang's router passes a 400 on and never retries it; a 409 it turns into a retried 500)
 ]
 ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)
 

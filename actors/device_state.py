@@ -22,8 +22,10 @@ import torch
 from shoal.actors.messages import Launch
 from shoal.actors.pending_step import PendingStep, RowState
 from shoal.actors.stages import Microbatch, Stage, StageMonitor, StagePipeline
+from shoal.heap import trim_host_heap
 from shoal.kernels.batch import AttentionBackend, BatchShape
 from shoal.kernels.loading.checkpoint import CheckpointError
+from shoal.kernels.loading.identity import weights_digest
 from shoal.kernels.loading.loader import checkpoint_folder, load_weights, read_model_config
 from shoal.kernels.models.decoder import DecoderModel
 from shoal.kernels.models.kv_pool import KVPool
@@ -62,9 +64,13 @@ class DeviceState:
         eos_token_ids: tuple[int, ...],
         later_stages: list[Stage] | None = None,
         streams: StepStreams | None = None,
+        weights_digest: str = "",
     ) -> None:
         """`model` and `kv` are the whole model's, or pipeline stage 0's part with the later
-        stages' in `later_stages` (actors/stages.py)."""
+        stages' in `later_stages` (actors/stages.py). `weights_digest`: the loaded weights'
+        identity (kernels/loading/identity.py), kept current by every update (read from the
+        event loop by disaggregation's transfer actor: a str, replaced whole)."""
+        self.weights_digest = weights_digest
         device = model.device
         self.model = model
         self.kv = kv
@@ -126,6 +132,14 @@ class DeviceState:
         )
 
     def load_weights(self, model_path: str) -> str | None:
+        """`_load_weights`, then the freed host memory (the checkpoint as read, the replaced
+        weights) goes back to the OS (heap.py): ten updates hold RSS where one leaves it."""
+        try:
+            return self._load_weights(model_path)
+        finally:
+            trim_host_heap()  # after the load's frame, with its tensors, is gone
+
+    def _load_weights(self, model_path: str) -> str | None:
         """Copy a same-architecture checkpoint into the weights in place (captured graphs keep
         reading the same tensors); None, or why it was refused (old weights stay).
 
@@ -143,6 +157,7 @@ class DeviceState:
                     f"{other.architecture()} instead of {config.architecture()}"
                 )
             weights = load_weights(folder, config, dtype=self.model.dtype)
+            digest = weights_digest(weights, self.model.linear_kind)  # before: cannot fail after
             # Validated whole above. Every stage builds its part beside the serving weights
             # first, and only then does any take it (idle: an update waits for that), so a
             # failure partway leaves the old weights in every stage, never a mix.
@@ -152,8 +167,9 @@ class DeviceState:
                 for model, part in zip(self.models, staged, strict=True):
                     model.commit(part)
             self.streams.synchronize()
+            self.weights_digest = digest
         except CheckpointError as exc:
-            log.warning("refused checkpoint %r: %s", model_path, exc, exc_info=True)
+            log.warning("refused checkpoint %r: %s", model_path, exc)  # expected: no traceback
             return f"could not load the checkpoint: {exc}"
         except Exception:
             log.exception("loading checkpoint %r failed", model_path)

@@ -20,6 +20,7 @@ from shoal.config import EngineOptions
 from shoal.disagg.backend import LocalBackend, LocalFabric, TransferBackend
 from shoal.disagg.bootstrap import RoomHandlers
 from shoal.disagg.layout import KVLayout
+from shoal.disagg.peers import PrefillPeers
 from shoal.disagg.wire import RoomRequest, RoomResult
 
 
@@ -62,9 +63,14 @@ def build_transfer(
     page_size: int,
     scheduler: Mailbox[SchedulerMsg],
     weight_version: Callable[[], int],
+    weights_digest: Callable[[], str],
     fabric: LocalFabric | None,
     faults: FaultInjector | None,
+    peer_key: str | None = None,
 ) -> tuple[KVTransfer, Mailbox[TransferMsg]]:
+    """`weight_version`: the public counter a prefill server reports; `weights_digest`: the
+    weights' identity both sides compare (kernels/loading/identity.py); `peer_key`: the key
+    a decode server's calls to its prefill servers carry."""
     mailbox: Mailbox[TransferMsg] = Mailbox("transfer")
     on_gpu = any(stage.kv.k[0].device.type != "cpu" for stage in stages)
     if on_gpu and options.disaggregation_transfer_backend == "local":
@@ -75,11 +81,15 @@ def build_transfer(
     timeout_s = options.disaggregation_timeout_s
     rooms: SendRooms | ReceiveRooms
     if options.disaggregation_mode == "prefill":
-        rooms = SendRooms(backend, layout, mailbox, scheduler, timeout_s, weight_version)
-    else:
-        rooms = ReceiveRooms(
-            backend.endpoint, layout, mailbox, scheduler, timeout_s, weight_version
+        rooms = SendRooms(
+            backend, layout, mailbox, scheduler, timeout_s, weight_version, weights_digest
         )
+    else:
+        peers = PrefillPeers.parse(options.disaggregation_prefill_peers)
+        rooms = ReceiveRooms(
+            backend.endpoint, layout, mailbox, scheduler, timeout_s, weights_digest, peers,
+            peer_key,
+        )  # fmt: skip
     return KVTransfer(rooms, backend, mailbox, scheduler, faults), mailbox
 
 

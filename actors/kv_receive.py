@@ -3,15 +3,24 @@
     waiting ──the prefill server answers──▶ done (TransferEnded with its first token)
        │                                  ▶ failed (its cause)
        ├── unreachable and surely stopped (refused, reset) ──▶ failed
-       └── DropRoom, or a timeout ──▶ cancelling ──the prefill server confirms, or is
-                                         ▲          surely stopped──▶ failed
-                                         └── not confirmed: asked again every second
+       └── DropRoom, a timeout, a fault ──▶ cancelling ──the prefill server confirms, or
+                 │                             ▲          is surely stopped──▶ failed
+                 │                             └── not confirmed: asked again every second
+                 └─▶ the request ends now (TransferEnded held): its caller is answered
 
-The request's pages are reserved (the planner holds them) from ExpectKV until TransferEnded,
-and TransferEnded is sent only once no write of the room can still land in them: the prefill
-server answers a room only after its write returned, confirms a cancel only after that, and
-a peer whose connection was refused or reset has stopped. A peer that is alive but silent
-keeps the pages (state "cancelling") until it answers: better held than overwritten.
+Every wait on the prefill server is bounded: the room's POST by disaggregation_timeout_s,
+each cancel by the same. The request's pages are reserved (the planner holds them) from
+ExpectKV until the last TransferEnded, sent only once no write of the room can still land in
+them: the prefill server answers a room only after its write returned, confirms a cancel
+only after that, and a peer whose connection was refused or reset has stopped. A room that
+goes to "cancelling" ends its request at once (TransferEnded with `held`: the caller gets
+the error), but its pages stay quarantined, counted in state "cancelling", until the peer
+confirms or is gone: better held than overwritten.
+
+Only the peers of `disaggregation_prefill_peers` are contacted (disagg/peers.py; the Engine
+refuses a request naming another), with the server's key (disagg/bootstrap.py), and the KV
+is taken only from a peer serving the same weights (its digest; else code
+"weights_mismatch", a 400 the router passes on without a retry).
 """
 
 from __future__ import annotations
@@ -30,9 +39,12 @@ from shoal.actors.replies import TransferStats, rooms_in_states
 from shoal.actors.transfer_messages import CancelEnded, DropRoom, ExpectKV, PollEnded, TransferMsg
 from shoal.disagg.bootstrap import Unreachable, ask_room, cancel_room
 from shoal.disagg.layout import KVLayout
-from shoal.disagg.wire import RoomRequest
+from shoal.disagg.peers import PrefillPeers
+from shoal.disagg.wire import RoomRequest, RoomResult
+from shoal.results import ErrorCode
 
 CANCEL_RETRY_S = 1.0
+DROP_CANCEL_S = 5.0  # a cancel for a room never asked: fire and forget, bounded
 
 
 @dataclass
@@ -60,14 +72,19 @@ class ReceiveRooms:
         mailbox: Mailbox[TransferMsg],
         scheduler: Mailbox[SchedulerMsg],
         timeout_s: float,
-        weight_version: Callable[[], int],
+        weights_digest: Callable[[], str],
+        peers: PrefillPeers,
+        key: str | None = None,
     ) -> None:
+        """`peers`: the only prefill servers contacted; `key`: what every call carries."""
         self.endpoint = endpoint
         self.layout = layout
         self.mailbox = mailbox
         self.scheduler = scheduler
         self.timeout_s = timeout_s
-        self.weight_version = weight_version
+        self.weights_digest = weights_digest
+        self.peers = peers
+        self.key = key
         self.rooms: dict[int, ReceiveRoom] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
@@ -96,9 +113,13 @@ class ReceiveRooms:
             cause = f"room {number} is already in use by another request"
             self.scheduler.put(TransferEnded(msg.rid, number, cause))
             return
+        refusal = self.peers.refusal(msg.bootstrap.host, msg.bootstrap.port)
+        if refusal is not None:  # the Engine refuses it first: never reached
+            self.scheduler.put(TransferEnded(msg.rid, number, refusal[1], code="invalid_value"))
+            return
         request = RoomRequest(
             self.endpoint, self.layout, msg.pages, msg.skip_tokens, msg.num_tokens,
-            msg.prompt_digest,
+            msg.prompt_digest, self.weights_digest(),
         )  # fmt: skip
         room = self.rooms[number] = ReceiveRoom(msg.rid, msg.bootstrap)
         room.num_bytes = 2 * self.layout.num_layers * self.layout.page_bytes * len(msg.pages)
@@ -106,7 +127,7 @@ class ReceiveRooms:
         self._spawn(self._poll(number, base_url(msg.bootstrap), request))
 
     async def _poll(self, number: int, url: str, request: RoomRequest) -> None:
-        outcome = await ask_room(self._session(), url, number, request, self.timeout_s)
+        outcome = await ask_room(self._session(), url, number, request, self.timeout_s, self.key)
         if isinstance(outcome, Unreachable):
             self.mailbox.put(PollEnded(number, None, outcome.why, outcome.stopped))
         else:
@@ -123,16 +144,13 @@ class ReceiveRooms:
             else:
                 self._cancel(room, msg.room, msg.why)
             return
-        if not result.ok:
-            self._end(msg.room, f"the prefill server: {result.error}", result.refused)
+        mismatch = self._weights_mismatch(result)
+        if mismatch is not None:  # answered: its write, if any, has returned
+            self._end(msg.room, mismatch, "weights_mismatch")
             return
-        version = self.weight_version()
-        if result.weight_version != version:
-            cause = (
-                f"the prefill server computed this KV under weight_version "
-                f"{result.weight_version}; this server serves {version}"
-            )
-            self._end(msg.room, cause)
+        if not result.ok:
+            code: ErrorCode | None = "peer_refused" if result.refused else None
+            self._end(msg.room, f"the prefill server: {result.error}", code)
             return
         del self.rooms[msg.room]
         self.num_transfers += 1
@@ -142,25 +160,44 @@ class ReceiveRooms:
             TransferEnded(room.rid, msg.room, None, result.first_token, result.logprob)
         )
 
+    def _weights_mismatch(self, result: RoomResult) -> str | None:
+        """Why KV of this answer cannot be used here (None: it can): the prefill server
+        serves other weights than this server."""
+        mine = self.weights_digest()
+        if result.weights_digest == mine:
+            return None
+        return (
+            f"the prefill server serves other weights (weights digest "
+            f"{result.weights_digest[:40] or 'none'}, weight_version {result.weight_version}; "
+            f"this server's digest is {mine}): load the same checkpoint on both"
+        )
+
     def drop(self, msg: DropRoom) -> None:
         room = self.rooms.get(msg.bootstrap.room)
         if room is None or room.rid != msg.rid:
             # Never asked: tell the prefill server so its half ends now, not at a deadline.
-            url = base_url(msg.bootstrap)
-            self._spawn(cancel_room(self._session(), url, msg.bootstrap.room, msg.cause, 5.0))
+            b = msg.bootstrap
+            if self.peers.refusal(b.host, b.port) is None:  # only a listed peer, ever
+                url, timeout_s = base_url(b), min(self.timeout_s, DROP_CANCEL_S)
+                self._spawn(
+                    cancel_room(self._session(), url, b.room, msg.cause, timeout_s, self.key)
+                )
             return
         if room.state == "waiting":
             self._cancel(room, msg.bootstrap.room, msg.cause)
 
     def _cancel(self, room: ReceiveRoom, number: int, cause: str) -> None:
-        # The wait, if still open, is left to end by itself: the prefill server answers it
-        # with this cause once the cancel lands (closing it would say only "gone").
+        """The request ends now with the cause (its caller is answered; one ended already
+        hears nothing new); its pages stay held until the cancel is confirmed. The wait, if
+        still open, is left to end by itself: the prefill server answers it with this cause
+        once the cancel lands (closing it would say only "gone")."""
         room.state, room.cause = "cancelling", cause
+        self.scheduler.put(TransferEnded(room.rid, number, cause, held=True))
         self._spawn(self._send_cancel(number, base_url(room.bootstrap), cause, delay_s=0.0))
 
     async def _send_cancel(self, number: int, url: str, cause: str, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
-        outcome = await cancel_room(self._session(), url, number, cause, self.timeout_s)
+        outcome = await cancel_room(self._session(), url, number, cause, self.timeout_s, self.key)
         if outcome is None or outcome.stopped:
             self.mailbox.put(CancelEnded(number, True))
         else:
@@ -190,9 +227,9 @@ class ReceiveRooms:
         else:
             self.cancelled(CancelEnded(number, False, cause))
 
-    def _end(self, number: int, cause: str, refused: bool = False) -> None:
+    def _end(self, number: int, cause: str, code: ErrorCode | None = None) -> None:
         room = self.rooms.pop(number)
-        self.scheduler.put(TransferEnded(room.rid, number, cause, refused=refused))
+        self.scheduler.put(TransferEnded(room.rid, number, cause, code=code))
 
     async def shutdown(self) -> None:
         for task in list(self.tasks):

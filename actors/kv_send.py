@@ -1,7 +1,10 @@
 """The prefill side's rooms: one state machine per room, owned by the transfer actor.
 
 A room needs two halves, the local request (ClaimRoom, then SendKV once its KV is computed)
-and the decode server's pages (PeerArrived, from the bootstrap endpoint), in either order::
+and the decode server's pages (PeerArrived, from the bootstrap endpoint), in either order.
+Both halves present, the room is written only if they agree: the same prompt, KV layout and
+weights (the decode server's weights digest is this server's: kernels/loading/identity.py;
+otherwise both requests end with code "weights_mismatch", a 400, before anything is written)::
 
     bootstrap ──both halves──▶ prefilling ──SendKV──▶ transferring ──WriteEnded──▶ done
         │                          │                       │
@@ -38,6 +41,7 @@ from shoal.actors.transfer_messages import (
 from shoal.disagg.backend import TransferBackend
 from shoal.disagg.layout import KVLayout, page_copies
 from shoal.disagg.wire import RoomRequest, RoomResult
+from shoal.results import ErrorCode
 
 MAX_ENDED = 4096  # causes kept for rooms that ended, oldest forgotten first
 SHUTDOWN_WRITE_WAIT_S = 60.0
@@ -76,6 +80,7 @@ class SendRooms:
         scheduler: Mailbox[SchedulerMsg],
         timeout_s: float,
         weight_version: Callable[[], int],
+        weights_digest: Callable[[], str],
     ) -> None:
         self.backend = backend
         self.layout = layout
@@ -83,6 +88,7 @@ class SendRooms:
         self.scheduler = scheduler
         self.timeout_s = timeout_s
         self.weight_version = weight_version
+        self.weights_digest = weights_digest
         self.rooms: dict[int, SendRoom] = {}
         self.ended: OrderedDict[int, tuple[str, bool]] = OrderedDict()  # (cause, refused)
         self.num_writes, self.num_bytes, self.write_s = 0, 0, 0.0  # done so far
@@ -109,11 +115,11 @@ class SendRooms:
     def arrived(self, msg: PeerArrived) -> None:
         if msg.room in self.ended:
             cause, refused = self.ended[msg.room]
-            answer(msg.reply, RoomResult(False, cause, refused))
+            answer(msg.reply, self._failed(cause, refused))
             return
         room = self._room(msg.room)
         if room.peer is not None:
-            answer(msg.reply, RoomResult(False, f"room {msg.room} already has a decode server"))
+            answer(msg.reply, self._failed(f"room {msg.room} already has a decode server"))
             return
         room.peer, room.reply = msg.request, msg.reply
         self._check(room)
@@ -144,7 +150,14 @@ class SendRooms:
         peer = room.peer
         if peer is None or room.rid is None:
             return
-        if peer.prompt_digest != room.digest:
+        mine = self.weights_digest()
+        if peer.weights_digest != mine:
+            cause = (
+                f"the two servers serve different weights (weights digest {mine} on the "
+                f"prefill server, {peer.weights_digest[:40] or 'none'} on the decode server)"
+            )
+            self.end(room, cause, code="weights_mismatch")
+        elif peer.prompt_digest != room.digest:
             self.end(room, "the decode server holds a different prompt for this room")
         elif (mismatch := self.layout.mismatch(peer.layout)) is not None:
             self.end(room, mismatch)
@@ -190,9 +203,12 @@ class SendRooms:
         assert kv is not None and room.rid is not None
         del self.rooms[room.room]
         if room.reply is not None:
-            version = self.weight_version()
             result = RoomResult(
-                True, first_token=kv.first_token, logprob=kv.logprob, weight_version=version
+                True,
+                first_token=kv.first_token,
+                logprob=kv.logprob,
+                weight_version=self.weight_version(),
+                weights_digest=self.weights_digest(),
             )
             answer(room.reply, result)
         self.scheduler.put(TransferEnded(room.rid, room.room, None))
@@ -244,17 +260,25 @@ class SendRooms:
         missing = "decode server" if room.peer is None else "prefill request"
         self.end(room, f"no {missing} arrived for room {room.room} within {self.timeout_s:g}s")
 
-    def end(self, room: SendRoom, cause: str, refused: bool = False) -> None:
-        """The one place a room fails: both halves hear the cause."""
+    def end(
+        self, room: SendRoom, cause: str, refused: bool = False, code: ErrorCode | None = None
+    ) -> None:
+        """The one place a room fails: both halves hear the cause (`code`: its kind, for the
+        local request's caller)."""
         assert not room.writing
         del self.rooms[room.room]
         self._remember(room.room, cause, refused)
         if room.reply is not None:
-            answer(room.reply, RoomResult(False, cause, refused))
+            answer(room.reply, self._failed(cause, refused))
         if room.rid is not None:
-            self.scheduler.put(TransferEnded(room.rid, room.room, cause))
+            self.scheduler.put(TransferEnded(room.rid, room.room, cause, code=code))
         for cancel in room.cancels:
             answer(cancel, None)
+
+    def _failed(self, cause: str, refused: bool = False) -> RoomResult:
+        """A failed room's answer; it names this server's weights, so that a decode server
+        serving other ones knows why (a 400, not a 5xx)."""
+        return RoomResult(False, cause, refused, weights_digest=self.weights_digest())
 
     def _remember(self, number: int, cause: str, refused: bool = False) -> None:
         self.ended[number] = (cause, refused)

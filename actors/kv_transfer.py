@@ -7,9 +7,10 @@ decode server's `ReceiveRooms` (actors/kv_receive.py); this file is the mailbox 
     bootstrap endpoint ──PeerArrived/PeerCancel/PeerGone──▶ transfer     (prefill side)
     its own tasks ──WriteEnded/PollEnded/CancelEnded/RoomDeadline──▶ transfer
 
-Every SendKV and every ExpectKV is answered by exactly one TransferEnded, sent once nothing
-of that room can still write into the request's pages; the planner keeps the pages until
-then.
+Every SendKV and every ExpectKV is answered by exactly one final TransferEnded, sent once
+nothing of that room can still write into the request's pages; the planner keeps the pages
+until then. On a decode server one `held` TransferEnded may come first: the request ends
+then (its caller is answered within the timeout), its pages only at the final one.
 """
 
 from __future__ import annotations

@@ -109,12 +109,14 @@ class Pause(msgspec.Struct, frozen=True, tag=True):
 
 
 class OpenSession(msgspec.Struct, frozen=True, tag=True):
-    """Open a session; the reply raises RequestError if it cannot be (id in use, too many)."""
+    """Open a session; the reply raises RequestError if it cannot be (id in use, too many,
+    too many of its client's)."""
 
     session_id: str
     timeout_s: float
     max_tokens: int | None
     reply: asyncio.Future[None]
+    client: str | None = None  # who holds it (over HTTP: the peer address); None: not counted
 
 
 class EndSession(msgspec.Struct, frozen=True, tag=True):
@@ -173,14 +175,19 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
 
 class TransferEnded(msgspec.Struct, frozen=True, tag=True):
     """A room's KV transfer is over and nothing of it can still write into or read from the
-    request's pages. error None: done (a decode server gets the prefill's first token)."""
+    request's pages. error None: done (a decode server gets the prefill's first token).
+
+    `held`: over for the request, not yet for its pages: a decode server's peer that may
+    still write into them has not confirmed a cancel. The request ends now with the error;
+    its pages stay until a last TransferEnded (held False) says nothing can write."""
 
     rid: str
     room: int
     error: str | None
     first_token: int = -1
     logprob: TokenLogprob | None = None
-    refused: bool = False  # the error: the other server refused the request as given
+    code: ErrorCode | None = None  # the error's kind, when a client's status follows from it
+    held: bool = False
 
 
 class Snapshot(msgspec.Struct, frozen=True, tag=True):

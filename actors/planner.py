@@ -203,14 +203,13 @@ class Planner:
         req = self.reqs.get(done.rid)
         if req is None or not transfers.concerns(req, done):
             return []
-        req.transfer_open = False
+        req.transfer_open = done.held  # held: the pages wait for a last TransferEnded
         self.stalled = False
         if req.phase is Phase.FINISHING:
             return []  # ended meanwhile; now it may be released
         if done.error is not None:
-            req.role = None  # the room is over: nothing to tell the transfer actor
-            code: ErrorCode | None = "peer_refused" if done.refused else None
-            return self.fail(req.rid, f"KV transfer failed: {done.error}", code)
+            req.role = None  # the room is over for the request: nothing to tell the actor
+            return self.fail(req.rid, f"KV transfer failed: {done.error}", done.code)
         token, logprob, ends = transfers.succeeded(req, done, self.config.eos_token_ids)
         finish = req.finish if ends else None
         return [

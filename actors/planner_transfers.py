@@ -12,7 +12,9 @@ pages like any other, then waits in TRANSFER (ExpectKV) instead of prefilling::
 
 In TRANSFER a request holds its pages and `transfer_open` keeps them from release until the
 transfer actor's TransferEnded says nothing can still write or read them, whatever ended the
-request meanwhile (an abort, a failed step, the engine parking for a weight update).
+request meanwhile (an abort, a failed step, the engine parking for a weight update). A `held`
+TransferEnded (a decode server's silent peer) ends the request but leaves `transfer_open`:
+its pages wait, quarantined, for the final one.
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ class Scheduler:
             case Plan():
                 raise Fatal("the scheduler could not apply a plan") from error
             case TransferEnded(rid=rid) as ended if concerns(planner.reqs.get(rid), ended):
-                planner.reqs[rid].transfer_open = False  # the transfer is over, whatever failed
+                # the transfer is over, whatever failed (for its pages too, unless held)
+                planner.reqs[rid].transfer_open = ended.held
                 self._send(planner.fail(rid, str(error)))
         self._maybe_plan()
         self._send_transfers()

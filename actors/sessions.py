@@ -9,6 +9,8 @@ turn appends new input to it; the KV of the history stays in the cache manager b
                      └─ abort / disconnect: the history rolls back to the last completed turn
 
 Closing during a turn waits for the turn's release; an idle session past its timeout is reaped.
+At most max_sessions are open, and at most max_sessions_per_client of one client's (the opener
+names it: over HTTP the peer address), so one client cannot take every session.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class SessionState:
     session_id: str
     timeout_s: float
     max_tokens: int | None
+    client: str | None = None  # who opened it; counted in SessionBook.per_client while open
     tokens: list[int] = field(default_factory=list)  # the history of completed turns
     messages: list[dict[str, Any]] = field(default_factory=list)  # same, as chat messages
     closing_text: str = ""  # what the template adds after a reply that the model did not emit
@@ -56,12 +59,18 @@ def turn_input_ids(tokenizer: Any, state: SessionState, gen: Generate) -> list[i
     if not state.tokens:
         text = render_chat(tokenizer, new, add_generation_prompt=True)
         return list(tokenizer.encode(text, add_special_tokens=False))
+    if not state.messages:  # checked first: the template refuses an empty conversation
+        raise RequestError(
+            "this session's history cannot be extended with messages: it is not a chat "
+            "conversation (a turn sent text or input_ids); send text or input_ids",
+            "messages",
+        )
     before = render_chat(tokenizer, state.messages)
     after = render_chat(tokenizer, state.messages + new, add_generation_prompt=True)
-    if not state.messages or not after.startswith(before):
+    if not after.startswith(before):
         raise RequestError(
-            "this session's history cannot be extended with messages (its turns used text or "
-            "input_ids, or the chat template is not incremental): send text or input_ids",
+            "this session's history cannot be extended with messages: the chat template does "
+            "not render the conversation incrementally; send text or input_ids",
             "messages",
         )
     delta = state.closing_text + after[len(before) :]
@@ -101,9 +110,13 @@ class SessionBook:
         admit: Callable[[Generate, SessionState], None],
         cache: Mailbox[CacheMsg],
         expire: Callable[[EndSession], None],
+        max_sessions_per_client: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_sessions = max_sessions
+        self.max_per_client = max_sessions_per_client or max_sessions
+        # a client -> how many of states' sessions it opened (no entry at 0)
+        self.per_client: dict[str, int] = {}
         self.validate = validate
         self.admit = admit
         self.cache = cache
@@ -121,8 +134,18 @@ class SessionBook:
             many = f"too many open sessions (the cap is {self.max_sessions})"
             refuse(msg.reply, RequestError(many, None, "too_many_sessions"))
             return
-        state = SessionState(msg.session_id, msg.timeout_s, msg.max_tokens)
+        held = self.per_client.get(msg.client, 0) if msg.client is not None else 0
+        if held >= self.max_per_client:
+            mine = (
+                f"this client already holds {held} open sessions, the most one client may "
+                "(max_sessions_per_client): close one first"
+            )
+            refuse(msg.reply, RequestError(mine, None, "too_many_sessions"))
+            return
+        state = SessionState(msg.session_id, msg.timeout_s, msg.max_tokens, msg.client)
         self.states[msg.session_id] = state
+        if msg.client is not None:
+            self.per_client[msg.client] = held + 1
         self.arm_timer(state)
         answer(msg.reply, None)
 
@@ -205,6 +228,10 @@ class SessionBook:
     def close(self, state: SessionState, msg: EndSession | None = None) -> None:
         msg = msg or state.closing
         del self.states[state.session_id]
+        if state.client is not None:
+            left = self.per_client.pop(state.client) - 1
+            if left:
+                self.per_client[state.client] = left
         if state.timer is not None:
             state.timer.cancel()
         for gen in state.queued:

@@ -65,6 +65,7 @@ class Tokenizer:
         seed: int | None,
         max_sessions: int = 256,
         faults: FaultInjector | None = None,
+        max_sessions_per_client: int | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.scheduler = scheduler
@@ -73,7 +74,13 @@ class Tokenizer:
         self.lock = UpdateLock()
         self.writer = WeightWriter(mailbox, scheduler, executor, cache)
         self.sessions = SessionBook(
-            tokenizer, max_sessions, self.intake.check, self.admit, cache, mailbox.put
+            tokenizer,
+            max_sessions,
+            self.intake.check,
+            self.admit,
+            cache,
+            mailbox.put,
+            max_sessions_per_client,
         )
         self.streams = RequestStreams(tokenizer, scheduler, self.sessions)
 

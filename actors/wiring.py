@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from threading import Event
 from typing import Any
 
 from shoal.actors.cache_manager import CacheManager
@@ -43,6 +44,7 @@ from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise
+from shoal.kernels.loading.identity import weights_digest
 from shoal.kernels.loading.loader import LoadedModel
 from shoal.kernels.models.kv_pool import KVPool
 from shoal.kernels.models.layout import Part
@@ -62,6 +64,8 @@ class Actors:
     tokenizer: Tokenizer
     stages: StageMonitor  # microbatches in each pipeline stage (one stage: the executor)
     transfer_box: Mailbox[TransferMsg] | None = None  # disaggregation's transfer actor
+    # the serving weights' identity (kernels/loading/identity.py), current after updates
+    weights_digest: Callable[[], str] = lambda: ""
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     stopping: bool = False
     dead_reason: str | None = None
@@ -107,15 +111,18 @@ class Actors:
         on_death(reason)
 
 
-def cpu_kernels(resolved: Resolved, cache_dir: Path, asked_attention: str) -> CpuKernels | None:
+def cpu_kernels(
+    resolved: Resolved, cache_dir: Path, asked_attention: str, cancel: Event | None = None
+) -> CpuKernels | None:
     """The compiled CPU kernels when the resolved attention is "cpu" or the linears are int8
-    (built on first use). When they cannot be built, int8 and an explicit `attention="cpu"`
-    fail the start, and "auto" falls back to the torch reference with a warning."""
+    (built on first use; StartCancelled if `cancel` is set meanwhile). When they cannot be
+    built, int8 and an explicit `attention="cpu"` fail the start, and "auto" falls back to the
+    torch reference with a warning."""
     wanted = resolved.attention == "cpu" or resolved.linear_kind == "int8"
     if not wanted:
         return None
     try:
-        return load_cpu_kernels(cache_dir)
+        return load_cpu_kernels(cache_dir, cancel)
     except KernelUnavailable as error:
         if resolved.linear_kind == "int8":
             raise ValueError(f"quantization int8: {error}") from error
@@ -185,7 +192,9 @@ def start_actors(
     on_death: Callable[[str], None],
     faults: FaultInjector | None = None,
     fabric: LocalFabric | None = None,
+    peer_key: str | None = None,
 ) -> Actors:
+    """`peer_key`: the key of disaggregation's bootstrap calls (actors/disagg_wiring.py)."""
     layout = resolved.cache
     config = loaded.config
     tokenizer_box: Mailbox[TokenizerMsg] = Mailbox("tokenizer")
@@ -213,6 +222,7 @@ def start_actors(
         config.eos_token_ids,
         later_stages=stages[1:],
         streams=first.streams,
+        weights_digest=weights_digest(loaded.weights, resolved.linear_kind),
     )
     planner = Planner(
         PlannerConfig(
@@ -239,10 +249,12 @@ def start_actors(
         options.seed,
         options.max_sessions,
         faults,
+        options.max_sessions_per_client,
     )
     actors = Actors(
         tokenizer_box, scheduler_box, cache_box, executor_box, tokenizer, device_state.monitor
     )
+    actors.weights_digest = lambda: device_state.weights_digest
     runs = {}
     if options.disaggregation_mode != "null":
         transfer, actors.transfer_box = build_transfer(
@@ -251,8 +263,10 @@ def start_actors(
             layout.page_size,
             scheduler_box,
             lambda: tokenizer.weight_version,
+            actors.weights_digest,
             fabric,
             faults,
+            peer_key,
         )
         runs["transfer"] = transfer.run()
     runs |= {

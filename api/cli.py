@@ -13,13 +13,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from shoal.api.cache_command import add_cache_parser, run_cache_command
 from shoal.api.engine import Engine
 from shoal.api.engine_flags import add_engine_flags, engine_options
 from shoal.api.http.limits import HttpLimits
 from shoal.api.http.server import Server, ServerOptions
+from shoal.api.port_check import check_can_listen
 from shoal.api.sampling_wire import add_sampling_flags, sampling_from_args
+from shoal.kernels.cache_files import StartCancelled
 
 HTTP_LIMITS = HttpLimits.__struct_fields__  # --max-json-depth ... on serve
+# What stops `serve`, during the start-up (cancelled) and after (open streams ended cleanly).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def add_engine_options(parser: argparse.ArgumentParser, command: str) -> None:
@@ -32,9 +37,10 @@ def add_engine_options(parser: argparse.ArgumentParser, command: str) -> None:
     add_engine_flags(parser, command)
 
 
-def engine_from_args(args: argparse.Namespace) -> Engine:
-    """The engine the flags ask for: EngineOptions built in one place (engine_options)."""
-    return Engine(args.model, **asdict(engine_options(args)))
+def engine_from_args(args: argparse.Namespace, peer_key: str | None = None) -> Engine:
+    """The engine the flags ask for: EngineOptions built in one place (engine_options).
+    `peer_key`: serve's --api-key, which disaggregation's bootstrap calls carry too."""
+    return Engine(args.model, peer_key=peer_key, **asdict(engine_options(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         "server's own; '*': any. Other Origin headers answer 403",
     )
     serve.add_argument(
+        "--allowed-hosts",
+        type=_origins,
+        default=server_defaults.allowed_hosts,
+        help="comma-separated host names the server is reached by, besides IP addresses, "
+        "localhost and --host ('.example.com': it and every name under it; '*': any). "
+        "Other Host headers answer 403 (a guard against DNS rebinding)",
+    )
+    serve.add_argument(
         "--body-timeout-s",
         type=float,
         default=server_defaults.body_timeout_s,
@@ -85,6 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="the request line and each header line: longer answers 400",
     )
     serve.add_argument("--max-headers", type=int, default=server_defaults.max_headers)
+    serve.add_argument(
+        "--stream-write-timeout-s",
+        type=float,
+        default=server_defaults.stream_write_timeout_s,
+        help="cut a streaming client (SSE, session websocket) that reads nothing for this "
+        "long, and abort its requests",
+    )
+    serve.add_argument(
+        "--sse-keepalive-s",
+        type=float,
+        default=server_defaults.sse_keepalive_s,
+        help="send an SSE comment (': keep-alive') after this long without an event; 0: never",
+    )
+    serve.add_argument(
+        "--incremental-streaming-output",
+        action="store_true",
+        help="/generate stream events carry only the text, ids and logprobs new since the "
+        "previous event (SGLang's flag), not everything so far",
+    )
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=server_defaults.max_body_bytes)
     serve.add_argument(
@@ -96,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         http_limits.add_argument(flag, type=int, default=getattr(server_defaults, name))
     add_engine_options(serve, "serve")
+    add_cache_parser(commands)
     return parser
 
 
@@ -130,17 +164,23 @@ async def generate(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Serve until SIGINT / SIGTERM, then end open streams with an error event and exit."""
+    """Serve until SIGINT / SIGTERM / SIGHUP, then end open streams with an error event and
+    exit 0; one of them during the start-up cancels it (the conversion or the kernel build
+    stops and removes what it wrote) and exits 0 within seconds."""
     options = ServerOptions(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
         allowed_origins=args.allowed_origins,
+        allowed_hosts=args.allowed_hosts,
         body_timeout_s=args.body_timeout_s,
         header_timeout_s=args.header_timeout_s,
         max_header_bytes=args.max_header_bytes,
         max_headers=args.max_headers,
+        stream_write_timeout_s=args.stream_write_timeout_s,
+        sse_keepalive_s=args.sse_keepalive_s,
+        incremental_streaming_output=args.incremental_streaming_output,
         served_model_name=args.served_model_name or _model_name(args.model),
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,
@@ -148,24 +188,36 @@ async def serve(args: argparse.Namespace) -> int:
         **{name: getattr(args, name) for name in HTTP_LIMITS},
     )
     options.validate()
-    engine = engine_from_args(args)
+    engine = engine_from_args(args, peer_key=args.api_key)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with engine, Server(engine, options) as server:
-        print(
-            f"shoal serving {server.model_names[0]} at {server.url} "
-            f"(engine ready in {engine.startup_s:.1f}s)",
-            flush=True,
-        )
-        await stop.wait()
-        print("shoal: shutting down", file=sys.stderr, flush=True)
+    for sig in STOP_SIGNALS:  # during the start too: it is cancelled (Engine.cancel_start)
+        loop.add_signal_handler(sig, _stop, stop, engine, sig)
+    await check_can_listen(args.host, args.port)  # before the model loads
+    try:
+        async with engine, Server(engine, options) as server:
+            print(
+                f"shoal serving {server.model_names[0]} at {server.url} "
+                f"(engine ready in {engine.startup_s:.1f}s)",
+                flush=True,
+            )
+            await stop.wait()
+            print("shoal: shutting down", file=sys.stderr, flush=True)
+    except StartCancelled:
+        print("shoal: start-up cancelled, exiting", file=sys.stderr, flush=True)
     return 0
 
 
+def _stop(stop: asyncio.Event, engine: Engine, sig: signal.Signals) -> None:
+    if not stop.is_set():
+        print(f"shoal: {sig.name} received", file=sys.stderr, flush=True)
+    stop.set()
+    engine.cancel_start()
+
+
 def _origins(text: str) -> tuple[str, ...]:
-    """--allowed-origins "http://a:8080, https://b" -> ("http://a:8080", "https://b")."""
+    """--allowed-origins "http://a:8080, https://b" -> ("http://a:8080", "https://b"); the
+    same split for --allowed-hosts."""
     return tuple(entry.strip() for entry in text.split(",") if entry.strip())
 
 
@@ -188,7 +240,10 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("shoal.startup").setLevel(logging.INFO)  # kernel build progress, waits
     args = build_parser().parse_args(argv)
+    if args.command == "cache":
+        return run_cache_command(args)
     if args.command == "generate":
         try:
             return asyncio.run(generate(args))

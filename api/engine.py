@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 import uuid
 from functools import partial
@@ -42,12 +43,22 @@ from shoal.actors.stages import StageMonitor
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.transfer_messages import DropRoom, TransferCountsAsk
 from shoal.actors.wiring import Actors, cpu_kernels, start_actors
+from shoal.api.http.bootstrap_listener import listener_rules
 from shoal.api.sampling_wire import SAMPLING_FIELDS, sampling_from
 from shoal.api.session import Session
 from shoal.cache.stats import KVStats
-from shoal.config import EngineOptions, Resolved, resolve, resolve_device
+from shoal.config import (
+    DEFAULT_SESSION_TIMEOUT_S,
+    EngineOptions,
+    Resolved,
+    resolve,
+    resolve_device,
+)
 from shoal.disagg.backend import LocalFabric
 from shoal.disagg.bootstrap import BootstrapServer
+from shoal.disagg.peers import PrefillPeers
+from shoal.heap import trim_host_heap
+from shoal.kernels.cache_files import raise_if_cancelled
 from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model
 from shoal.limits import check_prompt_size
 from shoal.memory import DeviceMemory, measure_device_memory
@@ -72,16 +83,22 @@ class Engine:
         model: str | Path | LoadedModel | None = None,
         *,
         fabric: LocalFabric | None = None,
+        peer_key: str | None = None,
         **options: Any,
     ) -> None:
         """`fabric`: with disaggregation_transfer_backend "local", the engines that share one
-        LocalFabric move KV between each other (disagg/backend.py)."""
+        LocalFabric move KV between each other (disagg/backend.py). `peer_key`: with
+        disaggregation, the key of the bootstrap calls between the servers (`serve` passes
+        its --api-key): a prefill server's listener requires it, a decode server sends it."""
         self.options = EngineOptions(**options)
         self.options.validate()
+        self.prefill_peers = PrefillPeers.parse(self.options.disaggregation_prefill_peers)
+        self.peer_key = peer_key or None
         self.limits = self.options.input_limits()
         self._model = model
         self._actors: Actors | None = None
         self._ids = itertools.count()
+        self._paused = False  # as the caller last asked: pause_generation / continue_generation
         self.loaded: LoadedModel | None = None
         self.resolved: Resolved | None = None
         self.attention = ""  # the attention backend in use once started: torch, triton or cpu
@@ -90,6 +107,7 @@ class Engine:
         self.faults = FaultInjector()  # tests arm it to fail one message (actors/supervise.py)
         self.fabric = fabric
         self.bootstrap: BootstrapServer | None = None  # a prefill server's endpoint
+        self._start_cancel = threading.Event()  # cancel_start(): read by the start's threads
 
     # ---- life ------------------------------------------------------------------------------
 
@@ -101,7 +119,9 @@ class Engine:
             loaded = self._model
         else:
             _, dtype = resolve_device(self.options)
-            loaded = await asyncio.to_thread(load_model, self._model, dtype=dtype)
+            loaded = await asyncio.to_thread(
+                load_model, self._model, dtype=dtype, cancel=self._start_cancel
+            )
         self.loaded = loaded
         self.resolved = resolve(
             self.options,
@@ -110,12 +130,24 @@ class Engine:
             has_experts=loaded.config.moe is not None,
         )
         kernels = await asyncio.to_thread(  # the CPU kernels may compile: off the loop
-            cpu_kernels, self.resolved, default_cache_dir(), self.options.attention
+            cpu_kernels,
+            self.resolved,
+            default_cache_dir(),
+            self.options.attention,
+            self._start_cancel,
         )
+        raise_if_cancelled(self._start_cancel)  # nothing is running yet: nothing to stop
         fell_back = self.resolved.attention == "cpu" and kernels is None
         self.attention = "torch" if fell_back else self.resolved.attention
         self._actors = start_actors(
-            loaded, self.options, self.resolved, kernels, self._on_death, self.faults, self.fabric
+            loaded,
+            self.options,
+            self.resolved,
+            kernels,
+            self._on_death,
+            self.faults,
+            self.fabric,
+            self.peer_key,
         )
         if self.options.disaggregation_mode == "prefill":
             assert self._actors.transfer_box is not None
@@ -123,6 +155,7 @@ class Engine:
                 room_handlers(self._actors.transfer_box),
                 self.options.disaggregation_bootstrap_host,
                 self.options.disaggregation_bootstrap_port,
+                listener_rules(self.peer_key),  # the HTTP app's limits, errors and key
             )
             try:
                 await self.bootstrap.start()
@@ -131,8 +164,15 @@ class Engine:
                 raise ValueError(f"the bootstrap endpoint could not listen: {exc}") from exc
         if loaded is not self._model:
             loaded.weights.clear()  # the model holds its own copies; a caller's stay whole
+            trim_host_heap()  # the read copies are freed: give their pages back (heap.py)
         self.startup_s = time.perf_counter() - began
         return self
+
+    def cancel_start(self) -> None:
+        """Make a start in progress stop (from a signal handler or any thread): the conversion
+        and the kernel build stop at their next check, within a second or two, and remove what
+        they were writing, and start() raises StartCancelled. No effect once started."""
+        self._start_cancel.set()
 
     def _device_memory(self, loaded: LoadedModel) -> DeviceMemory | None:
         """What sizes the KV pool on CUDA when kv_cache_tokens is unset (memory.py); None
@@ -224,6 +264,7 @@ class Engine:
             bootstrap = None
         if bootstrap is not None and session_id is not None:
             raise RequestError("a session turn cannot be disaggregated", "bootstrap_room")
+        self._check_peer(bootstrap)
         actors = self.actors
         rid = rid if rid is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(rid, self.abort)
@@ -244,8 +285,30 @@ class Engine:
 
     def drop_room(self, bootstrap: Bootstrap, cause: str, refused: bool = True) -> None:
         """A door refused a disaggregated request before it reached the engine (a bad field):
-        end its room on both servers with the cause."""
+        end its room on both servers with the cause (a decode server tells only a listed
+        prefill server)."""
+        try:
+            self._check_peer(bootstrap)
+        except RequestError:
+            return
         self._end_room("", bootstrap, cause, refused)
+
+    def _check_peer(self, bootstrap: Bootstrap | None) -> None:
+        """A decode server contacts only the prefill servers of its own configuration
+        (disaggregation_prefill_peers), never one a client names: RequestError naming the
+        field, before anything is reserved."""
+        if bootstrap is None or self.options.disaggregation_mode != "decode":
+            return
+        refusal = self.prefill_peers.refusal(bootstrap.host, bootstrap.port)
+        if refusal is not None:
+            field, why = refusal
+            raise RequestError(why, field)
+
+    @property
+    def weights_digest(self) -> str:
+        """The serving weights' identity (kernels/loading/identity.py): what disaggregated
+        servers compare; it survives restarts, unlike weight_version."""
+        return self.actors.weights_digest()
 
     async def transfer_counts(self) -> dict[str, int]:
         """Disaggregation's rooms in each state ({} without disaggregation)."""
@@ -268,20 +331,29 @@ class Engine:
 
     async def open_session(
         self,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
         max_tokens: int | None = None,
         session_id: str | None = None,
+        client: str | None = None,
     ) -> Session:
-        """Open a streaming session; idle past timeout_s it is closed. max_tokens caps its
-        whole history. RequestError if it cannot be opened (a bad option, id in use, too many
-        sessions: code "too_many_sessions")."""
-        if not timeout_s > 0:
-            raise RequestError(f"timeout_s must be > 0, got {timeout_s}", "timeout_s")
+        """Open a streaming session; idle past timeout_s (at most max_session_timeout_s; not
+        given: 600 s or that bound if lower) it is closed. max_tokens caps its whole history.
+        `client` (the HTTP doors: the peer address) holds at most max_sessions_per_client.
+        RequestError if it cannot be opened (a bad option, id in use, too many sessions: code
+        "too_many_sessions")."""
+        bound_s = self.options.max_session_timeout_s
+        timeout_s = min(DEFAULT_SESSION_TIMEOUT_S, bound_s) if timeout_s is None else timeout_s
+        if not 0 < timeout_s <= bound_s:
+            raise RequestError(
+                f"timeout_s must be in (0, {bound_s:g}] (max_session_timeout_s), got {timeout_s:g}",
+                "timeout_s",
+            )
         if max_tokens is not None and max_tokens < 2:
             raise RequestError(f"max_tokens must be >= 2, got {max_tokens}", "max_tokens")
         session_id = session_id or f"session-{uuid.uuid4().hex}"
         reply: asyncio.Future[None] = self._future()
-        self.actors.tokenizer_box.put(OpenSession(session_id, timeout_s, max_tokens, reply))
+        opening = OpenSession(session_id, timeout_s, max_tokens, reply, client)
+        self.actors.tokenizer_box.put(opening)
         await reply  # raises the refusal
         return Session(self, session_id)
 
@@ -328,9 +400,16 @@ class Engine:
     def pause_generation(self) -> None:
         """New requests queue; running ones stop being scheduled and keep their KV."""
         self.actors.tokenizer_box.put(Pause(True))
+        self._paused = True
 
     def continue_generation(self) -> None:
         self.actors.tokenizer_box.put(Pause(False))
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        """Whether generation is paused (by pause_generation, until continue_generation)."""
+        return self._paused
 
     @property
     def weight_version(self) -> int:

@@ -22,23 +22,28 @@ They are what `attention="cpu"` (the default on the CPU in float32) runs: the de
 here, prompt chunks through the torch reference, and the element-wise ops through
 `elementwise.CompiledElementwise` in the model.
 
-The sources are compiled by torch's extension builder (a C++ compiler and ninja are needed;
-about 25 s on 2 cores) into `<cache_dir>/kernels/<name>/`, named by the CPU's vector capability
-as torch reports it, so a cache shared by machines of different CPUs never loads code built for
-another. A later start only loads the built library (torch's builder rebuilds when a source or
-the flags change). The ops are `torch.ops.shoal_cpu.*`, registered once per process.
+The sources are compiled by torch's extension builder (a C++ compiler and ninja are needed)
+once per key into `<cache_dir>/kernels/shoal_cpu_kernels_<capability>_<key>/` (kernel_build.py:
+the key hashes the sources and headers, the flags, torch's version and location and Python's, so
+two environments never rebuild each other's; the capability is the CPU's vector capability as
+torch reports it, so a cache shared by machines of different CPUs never loads code built for
+another). The build takes 1-2 minutes on 2 cores (AVX512, g++ 12, -O3: 55 s on idle cores, 116 s
+beside other work), in a child process that a cancelled start stops; a later start only loads
+the built library. The ops are `torch.ops.shoal_cpu.*`, registered once per process.
 """
 
 from __future__ import annotations
 
-import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-log = logging.getLogger(__name__)
+from shoal.kernels.kernel_build import ExtensionSpec, KernelUnavailable, load_extension
+
+__all__ = ["CpuKernels", "KernelUnavailable", "capability", "load_cpu_kernels"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
@@ -61,10 +66,6 @@ CAPABILITY_FLAGS: dict[str, list[str]] = {
     "DEFAULT": ["-DCPU_CAPABILITY=DEFAULT"],
 }  # fmt: skip
 COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernels could not be built or loaded here (no compiler, an unsupported CPU...)."""
 
 
 class StoreKernel(Protocol):
@@ -116,10 +117,25 @@ def capability() -> str:
     return reported if reported in CAPABILITY_FLAGS else "DEFAULT"
 
 
-def load_cpu_kernels(cache_dir: Path) -> CpuKernels:
-    """The ops, built into `cache_dir` the first time (KernelUnavailable if they cannot be)."""
+def spec() -> ExtensionSpec:
+    """The kernels for this CPU's capability, as kernel_build builds them."""
+    return ExtensionSpec(
+        name=f"shoal_cpu_kernels_{capability().lower()}",
+        sources=SOURCES,
+        depends=tuple(sorted(CSRC.glob("*.h"))),
+        cflags=(*COMMON_FLAGS, *CAPABILITY_FLAGS[capability()]),
+        ldflags=("-fopenmp",),
+        takes="about 2 minutes on 2 cores",
+    )
+
+
+def load_cpu_kernels(cache_dir: Path, cancel: threading.Event | None = None) -> CpuKernels:
+    """The ops, built into `cache_dir` the first time (KernelUnavailable if they cannot be;
+    StartCancelled when `cancel` is set while they build)."""
     if not hasattr(torch.ops.shoal_cpu, "store_kv"):
-        build(cache_dir)
+        library = load_extension(spec(), cache_dir, cancel=cancel)
+        if not hasattr(torch.ops.shoal_cpu, "store_kv"):
+            raise KernelUnavailable(f"the CPU kernels in {library} registered no op")
     ops = torch.ops.shoal_cpu
     return CpuKernels(
         ops.paged_decode,
@@ -133,26 +149,3 @@ def load_cpu_kernels(cache_dir: Path) -> CpuKernels:
         ops.q8_linear,
         ops.q4_linear,
     )
-
-
-def build(cache_dir: Path) -> None:
-    from torch.utils.cpp_extension import load  # imports setuptools: only when building
-
-    name = f"shoal_cpu_kernels_{capability().lower()}"
-    folder = cache_dir / "kernels" / name
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        log.info("loading the CPU kernels (built into %s on first use, ~25 s)", folder)
-        load(
-            name,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=[*COMMON_FLAGS, *CAPABILITY_FLAGS[capability()]],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as error:  # the builder raises whatever the compiler or ninja did
-        raise KernelUnavailable(f"the CPU kernels could not be built: {error}") from error
-    if not hasattr(torch.ops.shoal_cpu, "store_kv"):
-        raise KernelUnavailable(f"the CPU kernels built in {folder} registered no op")

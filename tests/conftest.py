@@ -1,8 +1,17 @@
-"""Shared fixtures: a tiny random Llama (folder, loaded weights, HF reference), engines."""
+"""Shared fixtures: a tiny random Llama (folder, loaded weights, HF reference), engines, the
+CPU kernels built before a test starts servers that need them.
+
+The tests use a cache of their own unless SHOAL_CACHE_DIR is set: `<venv>/shoal-test-cache`
+(beside the environment whose torch the kernels are built for; ~/.cache/shoal-tests outside a
+virtual environment), so a test run never shares, or rebuilds, the user's ~/.cache/shoal. It is
+set in the environment, so the servers the tests start as subprocesses use it too.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +21,14 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault(
+    "SHOAL_CACHE_DIR",
+    str(
+        Path(sys.prefix) / "shoal-test-cache"
+        if sys.prefix != sys.base_prefix
+        else Path.home() / ".cache" / "shoal-tests"
+    ),
+)
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     # Triton kernels run on CPU only under the interpreter; it must be set before they are
@@ -22,7 +39,8 @@ torch.set_num_threads(2)
 from tiny_model import make_tiny_model_folder  # noqa: E402
 
 from shoal.api.engine import Engine  # noqa: E402
-from shoal.kernels.loading.loader import LoadedModel, load_model  # noqa: E402
+from shoal.kernels.cpu_kernels import KernelUnavailable, load_cpu_kernels  # noqa: E402
+from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -32,6 +50,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def prebuilt_cpu_kernels() -> Path:
+    """The test cache, with the CPU kernels built (once per environment: kernel_build.py's
+    key), so that a server a test starts loads them instead of building them in its wait.
+    Without a compiler they cannot be, and the servers fall back as the fixture does."""
+    with contextlib.suppress(KernelUnavailable):
+        load_cpu_kernels(default_cache_dir())
+    return default_cache_dir()
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,9 @@ from shoal.config import CHOICES, CPU_MIXED_PREFILL_TOKENS, EngineOptions, resol
         ({"max_stop_strings": 0}, "max_stop_strings"),
         ({"max_prompt_chars": -1}, "max_prompt_chars"),
         ({"max_sessions": -1}, "max_sessions"),  # 0 is allowed: no session opens
+        ({"max_sessions_per_client": 0}, "max_sessions_per_client"),
+        ({"max_session_timeout_s": 0.0}, "max_session_timeout_s"),
+        ({"max_session_timeout_s": float("nan")}, "max_session_timeout_s"),
     ],
 )
 def test_bad_options_name_the_field(options: dict[str, object], field: str) -> None:

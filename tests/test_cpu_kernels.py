@@ -194,7 +194,7 @@ def test_bad_indices_are_refused_before_any_read(kernel: DecodeKernel) -> None:
 def test_a_failed_build_falls_back_under_auto_and_fails_when_asked_for(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    def no_compiler(cache_dir: Path) -> CpuKernels:
+    def no_compiler(cache_dir: Path, cancel: object = None) -> CpuKernels:
         raise KernelUnavailable("the CPU kernels could not be built: no compiler")
 
     def resolved(attention: str, quantization: str | None = None) -> Resolved:

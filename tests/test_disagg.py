@@ -18,8 +18,10 @@ import asyncio
 import contextlib
 import ctypes
 import itertools
+import socket
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,6 +29,7 @@ import msgspec
 import pytest
 from conftest import EngineFactory, Reference
 from test_engine_parity import mixed_prompts
+from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
 from shoal.actors.messages import Bootstrap, Shutdown
@@ -40,6 +43,18 @@ from shoal.results import Completion, RequestStream
 NEW_TOKENS = 10
 WAIT_S = 10.0
 rooms = itertools.count(1)
+
+
+@pytest.fixture(scope="session")
+def other_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint of the tiny model's architecture with other weights (another seed)."""
+    return make_tiny_model_folder(tmp_path_factory.mktemp("tiny-llama-other"), seed=1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Pair:
@@ -87,7 +102,10 @@ def make_pair(make_engine: EngineFactory) -> PairFactory:
             **options,
         }
         first = await make_engine(disaggregation_mode="prefill", **{**common, **(prefill or {})})
-        second = await make_engine(disaggregation_mode="decode", **common)
+        peers = f"127.0.0.1:{first.bootstrap_port}"  # the one prefill server it may contact
+        second = await make_engine(
+            disaggregation_mode="decode", disaggregation_prefill_peers=peers, **common
+        )
         return Pair(first, second, fabric)
 
     return make
@@ -262,15 +280,31 @@ async def test_a_request_the_prefill_side_refuses_fails_on_the_decode_side(
     await served_after(pair, tiny_reference, vocab)
 
 
-async def test_a_different_weight_version_is_refused(
-    make_pair: PairFactory, tiny_model: LoadedModel, tiny_reference: Reference, tiny_folder: Any
+async def test_the_weights_are_matched_by_their_digest_not_their_version(
+    make_pair: PairFactory,
+    tiny_model: LoadedModel,
+    tiny_reference: Reference,
+    tiny_folder: Any,
+    other_folder: Any,
 ) -> None:
+    """weight_version is a counter (a restart resets it): the two servers compare the
+    weights' digest instead. The same checkpoint loaded again (version 1 against 0) is no
+    mismatch; another checkpoint is, on both halves, with code "weights_mismatch"."""
     pair = await make_pair()
     assert (await pair.decode.update_weights_from_disk(tiny_folder)).success
-    _, second = await pair.run(mixed_prompts(tiny_model.config.vocab_size)[1])
-    assert "weight_version 0; this server serves 1" in error_of(second)
+    assert (pair.decode.weight_version, pair.prefill.weight_version) == (1, 0)
+    assert pair.decode.weights_digest == pair.prefill.weights_digest
+    await served_after(pair, tiny_reference, tiny_model.config.vocab_size)
+    assert (await pair.decode.update_weights_from_disk(other_folder)).success
+    assert pair.decode.weights_digest != pair.prefill.weights_digest
+    written = pair.fabric.bytes_written
+    first, second = await pair.run(mixed_prompts(tiny_model.config.vocab_size)[1])
+    for half in (first, second):
+        assert half.finish_reason == "error" and half.code == "weights_mismatch", half
+        assert "different weights" in half.message or "other weights" in half.message
+    assert pair.fabric.bytes_written == written  # refused before anything was written
     await pair.idle()
-    assert (await pair.prefill.update_weights_from_disk(tiny_folder)).success
+    assert (await pair.decode.update_weights_from_disk(tiny_folder)).success
     await served_after(pair, tiny_reference, tiny_model.config.vocab_size)
 
 
@@ -445,9 +479,11 @@ async def test_a_server_killed_mid_transfer(
     """Each side killed while the other waits: the survivor ends the request with the cause
     and is idle, with nothing leaked, and serves a fresh peer's next request."""
     fabric = LocalFabric()
+    port = free_port()  # the prefill server's, across its restart: the decode server's peer
     common: dict[str, Any] = {
         "disaggregation_transfer_backend": "local",
-        "disaggregation_bootstrap_port": 0,
+        "disaggregation_bootstrap_port": port,
+        "disaggregation_prefill_peers": f"127.0.0.1:{port}",
         "disaggregation_timeout_s": 5.0,
         "fabric": fabric,
         "strict_integrity": True,
@@ -527,7 +563,7 @@ async def _transfer_workload(pair: Pair, vocab: int) -> None:
     await bounded(pair.prefill.generate(input_ids=prompts[2], bootstrap=b).result())
     url = f"http://127.0.0.1:{pair.prefill.bootstrap_port}/shoal/pd/rooms/{next(rooms)}"
     layout = KVLayout(1, 1, 1, 16, "torch.float32", 64, 1, (0,), (0,))
-    body = msgspec.json.encode(RoomRequest("nowhere", layout, (), 0, 1, "no prompt"))
+    body = msgspec.json.encode(RoomRequest("nowhere", layout, (0,), 0, 1, "no prompt"))
     async with aiohttp.ClientSession() as http:  # a decode server that hangs up: gone
         with contextlib.suppress(TimeoutError):
             await http.post(url, data=body, timeout=aiohttp.ClientTimeout(total=0.2))

@@ -27,12 +27,14 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+from test_disagg import other_folder
 from test_http_support import MODEL, Served, ServeFactory, chat, serve, sse_events
 
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.wire import RoomRequest, RoomResult, prompt_digest
+from shoal.kernels.loading.loader import load_model
 
-__all__ = ["serve"]  # the fixture, used by name
+__all__ = ["other_folder", "serve"]  # fixtures, used by name
 
 
 def missing_parts() -> str | None:
@@ -121,9 +123,11 @@ async def pd(serve: ServeFactory, routers: list[Router]) -> AsyncIterator[Any]:
             "disaggregation_timeout_s": 10.0,
         }
         first = await serve(disaggregation_mode="prefill", **{**common, **(prefill or {})})
-        second = await serve(disaggregation_mode="decode", **{**common, **(decode or {})})
-        solo = await serve()
         assert first.engine.bootstrap_port is not None
+        peers = f"127.0.0.1:{first.engine.bootstrap_port}"  # the decode server's only peer
+        decode = {"disaggregation_prefill_peers": peers, **(decode or {})}
+        second = await serve(disaggregation_mode="decode", **{**common, **decode})
+        solo = await serve()
         router = Router(first.url, first.engine.bootstrap_port, second.url)
         routers.append(router)
         await router.ready(first.http)
@@ -233,6 +237,26 @@ async def test_a_client_gone_mid_stream_ends_both_halves(pd: Any) -> None:
     await pair.idle()
 
 
+async def test_other_weights_are_a_400_the_router_does_not_retry(
+    pd: Any, other_folder: Any
+) -> None:
+    """The prefill server serves other weights: both servers answer 400 "weights_mismatch"
+    and the router passes it on at once. It retries a 408, 429 or 5xx, and turns any status
+    but 400, 404, 500, 502 and 503 (a 409 among them) into a 500, which it retries too and
+    counts against both servers' circuit breakers: so a 400."""
+    pair = await pd(prefill={"model": load_model(other_folder, progress=False)})
+    body = chat(PROMPTS[0], max_tokens=NEW_TOKENS, temperature=0.0)
+    async with pair.solo.http.post(pair.url + "/v1/chat/completions", json=body) as response:
+        assert response.status == 400, await response.text()
+        assert "other weights" in (await response.json())["error"]["message"]
+    await pair.idle()
+    for served in (pair.prefill, pair.decode):
+        answers = served.server.metrics.registry.get_sample_value(
+            "shoal_http_requests_total", {"route": "/v1/chat/completions", "status": "400"}
+        )
+        assert answers == 1, answers  # one attempt: no retry
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 async def test_abort_all_on_either_server(pd: Any, side: str) -> None:
     pair = await pd()
@@ -297,13 +321,17 @@ async def wait_for_rooms(served: Served, state: str, count: int) -> None:
 class Process:
     """`python -m shoal serve` on the tiny model, in a process of its own."""
 
-    def __init__(self, folder: Any, mode: str, port: int, bootstrap_port: int = 0) -> None:
+    def __init__(
+        self, folder: Any, mode: str, port: int, bootstrap_port: int = 0, peers: str = ""
+    ) -> None:
         argv = [
             sys.executable, "-m", "shoal", "serve", "--model", str(folder), "--port", str(port),
             "--served-model-name", MODEL, "--num-threads", "1",
             "--disaggregation-mode", mode, "--disaggregation-timeout-s", "10",
             "--disaggregation-bootstrap-port", str(bootstrap_port),
         ]  # fmt: skip
+        if peers:
+            argv += ["--disaggregation-prefill-peers", peers]
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -338,11 +366,12 @@ async def test_a_killed_decode_server_ends_the_prefill_half(
         disaggregation_timeout_s=2.0,
     )
     port, processes = free_port(), []
+    assert prefill.engine.bootstrap_port is not None
+    peers = f"127.0.0.1:{prefill.engine.bootstrap_port}"
     try:
-        decode = Process(tiny_folder, "decode", port)
+        decode = Process(tiny_folder, "decode", port, peers=peers)
         processes.append(decode)
         await decode.ready(prefill.http)
-        assert prefill.engine.bootstrap_port is not None
         router = Router(prefill.url, prefill.engine.bootstrap_port, decode.url)
         routers.append(router)
         await router.ready(prefill.http)
@@ -358,7 +387,7 @@ async def test_a_killed_decode_server_ends_the_prefill_half(
             (await sent).release()
         await prefill.engine.wait_idle(WAIT_S)
         assert set((await prefill.engine.transfer_counts()).values()) == {0}
-        decode = Process(tiny_folder, "decode", port)  # the same address: the router's
+        decode = Process(tiny_folder, "decode", port, peers=peers)  # the router's address
         processes.append(decode)
         await decode.ready(prefill.http)
         for _ in range(10):  # the router may take a moment to send to it again
@@ -381,12 +410,13 @@ async def test_a_killed_prefill_server_ends_the_decode_half(
     """SIGSTOP the prefill server, send a request (the decode server registers and waits on
     it), then SIGKILL it: the decode server's wait is reset, the request ends, and it is idle
     with nothing leaked and its gauges at 0."""
+    bootstrap_port = free_port()
     decode = await serve(
         disaggregation_mode="decode",
         disaggregation_transfer_backend="mooncake",
         disaggregation_timeout_s=10.0,
+        disaggregation_prefill_peers=f"127.0.0.1:{bootstrap_port}",
     )
-    bootstrap_port = free_port()
     prefill = Process(tiny_folder, "prefill", free_port(), bootstrap_port)
     try:
         await prefill.ready(decode.http)
@@ -431,7 +461,8 @@ async def test_a_write_mooncake_rejects_ends_the_prefill_half(pd: Any) -> None:
     ids = [5, 17, 42, 99, 7, 3]
     room = 77
     endpoint = f"127.0.0.1:{engine.get_rpc_port()}"
-    request = RoomRequest(endpoint, layout, (0,), 0, len(ids), prompt_digest(ids))
+    digest = pair.prefill.engine.weights_digest  # the same weights: the write is tried
+    request = RoomRequest(endpoint, layout, (0,), 0, len(ids), prompt_digest(ids), digest)
     bootstrap = f"http://127.0.0.1:{pair.prefill.engine.bootstrap_port}/shoal/pd/rooms/{room}"
     body = {
         "input_ids": ids, "sampling_params": {"max_new_tokens": 4},

@@ -39,8 +39,8 @@ def asked(index: int, info: Field[Any]) -> Any:
         return f"value-{index}"
     if kind is float:
         return default + index + 1
-    if kind is str:
-        return f"host-{index}"
+    if kind is str:  # a host:port (disaggregation_prefill_peers is validated as one)
+        return f"host-{index}:{1000 + index}"
     raise AssertionError(f"teach this test a value of {info.name}'s type, {kind}")
 
 

@@ -1,5 +1,5 @@
 """`python -m shoal serve`: prints its address when ready, ends open streams and exits cleanly
-on SIGINT and SIGTERM."""
+on SIGINT, SIGTERM and SIGHUP (which killed it at once, cutting streams mid-chunk)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import pytest
 from test_http_support import chat, sse_events
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"]
+)
 async def test_serve_streams_then_shuts_down_cleanly(
-    tiny_folder: Path, sig: signal.Signals
+    tiny_folder: Path, sig: signal.Signals, prebuilt_cpu_kernels: Path
 ) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "shoal", "serve", "--model", str(tiny_folder), "--port", "0",

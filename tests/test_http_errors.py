@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from test_http_support import MODEL, ServeFactory, chat, serve, sse_events
+
+from shoal.api.http.errors import error_middleware
 
 __all__ = ["serve"]
 
@@ -192,11 +198,17 @@ async def test_the_openai_client_sees_typed_errors_without_retrying(serve: Serve
         )
 
 
-async def test_wrong_method_is_405_in_the_error_shape(serve: ServeFactory) -> None:
+async def test_wrong_method_is_405_in_the_error_shape_with_allow(serve: ServeFactory) -> None:
     s = await serve()
     async with s.http.get(s.url + CHAT) as resp:
         assert resp.status == 405
-        assert_error_shape(await resp.json(), None, "method_not_allowed")
+        assert resp.headers["Allow"] == "POST"  # RFC 9110: a 405 lists what the route takes
+        body = await resp.json()
+        assert_error_shape(body, None, "method_not_allowed")
+        assert "POST" in body["error"]["message"]
+    async with s.http.post(s.url + "/v1/models") as resp:
+        assert resp.status == 405
+        assert {m.strip() for m in resp.headers["Allow"].split(",")} == {"GET", "HEAD"}
 
 
 async def test_api_key_guards_every_route_but_health(serve: ServeFactory) -> None:
@@ -286,3 +298,59 @@ async def test_draining_server_answers_503(serve: ServeFactory) -> None:
             assert_error_shape(await resp.json(), None, "service_unavailable")
     finally:
         s.server.gateway.draining = False
+
+
+async def _served_app(handler: Any) -> tuple[TestServer, aiohttp.ClientSession]:
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_get("/last", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server, aiohttp.ClientSession()
+
+
+async def test_a_client_gone_before_the_last_write_is_logged_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that resets right after the last event: the stream's closing write fails on
+    the closing transport. That is a debug line, not aiohttp's ERROR with a traceback."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"data: [DONE]\n\n")
+        assert request.transport is not None
+        request.transport.abort()  # the client's reset, as it lands before write_eof
+        await response.write_eof()  # raises ConnectionResetError
+        return response
+
+    server, http = await _served_app(stream)
+    try:
+        with caplog.at_level(logging.DEBUG):
+            with pytest.raises(aiohttp.ClientError):
+                async with http.get(server.make_url("/last")) as resp:
+                    await resp.read()
+            await server.close()  # every handler has ended
+    finally:
+        await http.close()
+        await server.close()
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert loud == [], [r.getMessage() for r in loud]
+    assert any("the client went away" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_connection_error_not_about_the_client_is_a_500(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def peer_refused(request: web.Request) -> web.Response:
+        raise ConnectionRefusedError("a peer this handler called refused")
+
+    server, http = await _served_app(peer_refused)
+    try:
+        with caplog.at_level(logging.ERROR, logger="shoal.http"):
+            async with http.get(server.make_url("/last")) as resp:
+                assert resp.status == 500
+                assert_error_shape(await resp.json(), None, "internal_error")
+    finally:
+        await http.close()
+        await server.close()
+    assert any(r.name == "shoal.http" and r.exc_info for r in caplog.records)

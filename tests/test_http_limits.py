@@ -198,8 +198,8 @@ CASES: list[Case] = [
     past("chat-user-long", "chat", {"messages": [user("hi")], "user": "u" * 49}, "user", TOO_LONG),
     ok("abort-rid-at", "abort", {"rid": "r" * 48}),
     past("abort-rid-long", "abort", {"rid": "r" * 1_000_000}, "rid", TOO_LONG),
-    # JSON nesting depth: 8 levels accepted (an ignored field), 9 and 5000 refused
-    ok("chat-depth-at", "chat", {"messages": [user("hi")], "extra": nested(7), **ONE}),
+    # JSON nesting depth: 8 levels accepted (in metadata, which is ignored), 9 and 5000 refused
+    ok("chat-depth-at", "chat", {"messages": [user("hi")], "metadata": nested(7), **ONE}),
     past("chat-depth-past", "chat", {"messages": [user("hi")], "extra": nested(8)}, None, TOO_DEEP),
     past("chat-depth-5000", "chat", b"[" * 5000 + b"]" * 5000, None, TOO_DEEP),
     past("cmpl-depth-5000", "completions", b'{"prompt": ' + b"[" * 5000, None, TOO_DEEP),

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_http_support import ServeFactory, chat, serve, sse_events
 
 __all__ = ["serve"]
@@ -162,6 +164,32 @@ async def test_health_generate_answers_at_once_under_load(serve: ServeFactory) -
         assert resp.status == 200 and (await resp.json())["checked"] == "recent tokens"
     await post(s, "/abort_request", {"abort_all": True})
     assert all(status == 200 for status, _ in await asyncio.gather(*load))
+
+
+async def test_health_generate_says_paused_at_once(serve: ServeFactory) -> None:
+    """Paused, no generation can prove health: the answer comes at once, 200 "paused" (a
+    liveness probe must not restart a server paused on purpose), not a 503 after the wait."""
+    s = await serve(health_timeout_s=20.0)
+    await post(s, "/pause_generation", {})
+    async with asyncio.timeout(5):  # well inside health_timeout_s
+        async with s.http.get(s.url + "/health_generate") as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "paused"
+    await post(s, "/continue_generation", {})
+    async with s.http.get(s.url + "/health_generate") as resp:
+        assert resp.status == 200 and (await resp.json())["checked"] == "generation"
+
+
+async def test_a_bad_checkpoint_path_logs_one_line(
+    serve: ServeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client hears why; the log says it in one warning line, with no traceback."""
+    s = await serve()
+    with caplog.at_level(logging.WARNING):
+        status, refused = await post(s, "/update_weights_from_disk", {"model_path": "/nope/x"})
+    assert status == 400 and "does not exist" in refused["message"], refused
+    logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.levelno for r in logged] == [logging.WARNING], logged
+    assert logged[0].exc_info is None and "\n" not in logged[0].getMessage()
 
 
 async def test_lifecycle_routes_are_served_and_weight_version_shows(

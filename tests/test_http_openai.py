@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import openai
+import pytest
 from test_http_support import MODEL, Served, ServeFactory, chat, serve, sse_events
 
 from shoal import SamplingParams
@@ -283,14 +285,18 @@ async def test_logprobs_in_both_shapes(serve: ServeFactory) -> None:
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(streamed, expected, strict=True))
 
 
-async def test_models_route_lists_the_served_name(serve: ServeFactory) -> None:
+async def test_models_route_lists_the_served_name_once_and_never_the_path(
+    serve: ServeFactory,
+) -> None:
     s = await serve()
+    assert s.engine.loaded is not None
+    path = str(s.engine.loaded.path)
     models = await s.client.models.list()
-    names = [m.id for m in models.data]
-    assert names[0] == MODEL and str(s.engine.loaded.path) in names  # type: ignore[union-attr]
-    default = await s.client.chat.completions.create(
-        model=str(s.engine.loaded.path),
-        messages=MESSAGES,
-        max_tokens=2,  # type: ignore[union-attr]
-    )
-    assert default.model == MODEL
+    assert [m.id for m in models.data] == [MODEL]
+    async with s.http.get(s.url + "/v1/models") as resp:
+        assert path not in await resp.text()  # neither as an id nor as the card's root
+    named = await s.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert named.model == MODEL
+    for other in (path, s.engine.loaded.path.name):  # the folder is served as "tiny" here
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await s.client.chat.completions.create(model=other, messages=MESSAGES, max_tokens=2)

@@ -1,6 +1,7 @@
 """Which parts of shoal may import which (issue 13): the pure cache knows nothing else, the
-kernels know no actors or doors, the actors know no doors. Read from the source with `ast`, so
-an import inside a function or under TYPE_CHECKING counts too."""
+kernels know no actors or doors, the actors know no doors, disaggregation's transport knows
+neither. Read from the source with `ast`, so an import inside a function or under
+TYPE_CHECKING counts too."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "cache": ("torch", "asyncio", "shoal."),  # its own modules are imported relatively
     "kernels": ("shoal.actors", "shoal.api"),
     "actors": ("shoal.api",),
+    "disagg": ("shoal.api", "shoal.actors"),  # the api side hands the listener its rules
 }
 
 

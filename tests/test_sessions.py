@@ -11,6 +11,7 @@ from conftest import EngineFactory, Reference
 
 from shoal import Engine
 from shoal.cache.stats import KVStats
+from shoal.results import RequestError
 
 
 def greedy(n: int) -> dict[str, object]:
@@ -178,3 +179,55 @@ async def test_sessions_under_memory_pressure_with_other_traffic(
     stats = await released(engine)
     assert stats.session_pages == stats.locked_pages == 0
     assert stats.sessions_reclaimed > 0  # the pool really was too small to keep them all
+
+
+async def test_a_session_timeout_is_bounded(make_engine: EngineFactory) -> None:
+    """timeout_s past max_session_timeout_s is refused naming the bound, never clamped; none
+    given is the default or the bound if lower."""
+    engine = await make_engine(max_session_timeout_s=100.0)
+    for huge in (1e300, float("inf"), 100.5):
+        with pytest.raises(RequestError, match=r"max_session_timeout_s") as refused:
+            await engine.open_session(timeout_s=huge)
+        assert refused.value.field == "timeout_s" and "(0, 100]" in str(refused.value)
+    books = engine.actors.tokenizer.sessions
+    assert not books.states
+    at_bound = await engine.open_session(timeout_s=100.0)
+    default = await engine.open_session()
+    assert books.states[at_bound.id].timeout_s == books.states[default.id].timeout_s == 100.0
+    await at_bound.close()
+    await default.close()
+
+
+async def test_one_client_cannot_take_every_session(make_engine: EngineFactory) -> None:
+    engine = await make_engine(max_sessions=4, max_sessions_per_client=2)
+    books = engine.actors.tokenizer.sessions
+    mine = [await engine.open_session(client="10.0.0.1") for _ in range(2)]
+    with pytest.raises(RequestError, match="max_sessions_per_client") as refused:
+        await engine.open_session(client="10.0.0.1")
+    assert refused.value.code == "too_many_sessions"
+    other = await engine.open_session(client="10.0.0.2")  # another client still gets one
+    unnamed = await engine.open_session()  # the Python API names no client: not counted
+    assert books.per_client == {"10.0.0.1": 2, "10.0.0.2": 1}
+    await mine[0].close()  # a closed session frees its client's slot
+    mine[0] = await engine.open_session(client="10.0.0.1")
+    for session in (*mine, other, unnamed):
+        await session.close()
+    assert books.per_client == {}
+    reaped = await engine.open_session(timeout_s=0.05, client="10.0.0.3")
+    for _ in range(200):  # a reaped session frees its slot too
+        if reaped.id not in books.states:
+            break
+        await asyncio.sleep(0.01)
+    assert reaped.id not in books.states and books.per_client == {}
+
+
+async def test_a_messages_turn_after_a_text_turn_says_why(make_engine: EngineFactory) -> None:
+    engine = await make_engine()
+    async with await engine.open_session() as session:
+        await session.turn("Hello there", max_new_tokens=2, temperature=0.0).result()
+        with pytest.raises(RequestError, match="not a chat conversation") as refused:
+            messages = [{"role": "user", "content": "and now?"}]
+            await session.turn(messages=messages, max_new_tokens=2).result()
+        assert refused.value.field == "messages"
+        done = await session.turn(" and then", max_new_tokens=2, temperature=0.0).result()
+        assert done.finish_reason in ("stop", "length")  # the session is still usable

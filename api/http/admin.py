@@ -2,7 +2,9 @@
 
     GET  /health            200 while the process and its engine are alive (no API key needed)
     GET  /health_generate   a one-token generation through the scheduler; answered at once
-                            when tokens were produced within the last `recent_s` seconds
+                            when tokens were produced within the last `recent_s` seconds,
+                            and while paused: 200 {"status": "paused"} (alive, by intent
+                            not generating; a liveness probe must not restart it)
     GET  /get_model_info    model_path, served name, weight_version, context length, vocab
     GET  /get_server_info   resolved config plus live accounting (running, waiting, pages, ...)
     POST /abort_request     {"rid": "..."} or {"abort_all": true} -> {"aborted": N}
@@ -76,7 +78,14 @@ class AdminRoutes:
         return json_response({"status": "ok"})
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """Healthy if tokens are flowing; otherwise prove it with a one-token generation."""
+        """Healthy if tokens are flowing; otherwise prove it with a one-token generation.
+        Paused, no generation can run until /continue_generation: say so at once rather than
+        time out into a 503 that reads as a hung server."""
+        if self.engine.dead_reason is not None:
+            raise ApiError(503, f"the engine is dead: {self.engine.dead_reason}")
+        if self.engine.paused:
+            resumes = "paused: generation resumes on /continue_generation"
+            return json_response({"status": "paused", "checked": resumes})
         if time.monotonic() - self.metrics.last_token_at < self.recent_s:
             return json_response({"status": "ok", "checked": "recent tokens"})
         rid = f"health-{uuid.uuid4().hex}"
@@ -156,6 +165,7 @@ class AdminRoutes:
                 "disaggregation_mode": options.disaggregation_mode,
                 "disaggregation_transfer_backend": options.disaggregation_transfer_backend,
                 "disaggregation_bootstrap_port": engine.bootstrap_port,
+                "weights_digest": engine.weights_digest,  # what the two servers compare
                 "disaggregation_queues": transfer.rooms,
                 "disaggregation_transferred": {
                     "transfers": transfer.transfers,

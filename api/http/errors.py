@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 
 import msgspec
 from aiohttp import web
@@ -28,6 +29,10 @@ log = logging.getLogger("shoal.http")
 JSON = "application/json"
 # What a client learns of a bug: never the exception, a path or a trace (the log has them).
 INTERNAL = "internal error: the server log has the detail"
+# What the metrics count for a request whose client went away before its answer was written
+# (nginx's "client closed request"); the client never sees it.
+CLIENT_GONE = 499
+
 
 _TYPES = {
     400: "invalid_request_error",
@@ -48,12 +53,16 @@ _CODES = {
     413: "request_too_large",
     415: "unsupported_media_type",
     429: "rate_limit_exceeded",
+    CLIENT_GONE: "client_closed_request",
     500: "internal_error",
     503: "service_unavailable",
 }
 
 # Retry-After (seconds) on answers a client should retry later: saturated, or not serving.
 RETRY_AFTER_S = {429: 1, 503: 5}
+
+# Fields every door names as the engine does (SGLang's disaggregation fields).
+BOOTSTRAP_FIELDS = {name: name for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
 
 # The status of each refusal's code (results.ErrorCode) that is not a plain 400.
 STATUS_OF: dict[str, int] = {
@@ -84,12 +93,14 @@ class ApiError(Exception):
         *,
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code if code is not None else _CODES.get(status, "invalid_value")
+        self.headers = dict(headers or {})  # sent with the answer (a 405's Allow)
 
     @property
     def body(self) -> ErrorEnvelope:
@@ -97,12 +108,15 @@ class ApiError(Exception):
         return ErrorEnvelope(ErrorBody(self.message, kind, self.param, self.code))
 
     def response(self) -> web.Response:
+        headers = dict(self.headers)
         retry_after_s = RETRY_AFTER_S.get(self.status)
+        if retry_after_s is not None:
+            headers["Retry-After"] = str(retry_after_s)
         return web.Response(
             status=self.status,
             body=msgspec.json.encode(self.body),
             content_type=JSON,
-            headers=None if retry_after_s is None else {"Retry-After": str(retry_after_s)},
+            headers=headers or None,
         )
 
 
@@ -145,7 +159,7 @@ def from_engine(
     if isinstance(exc, InternalError):  # its message names the part, never the exception
         return ApiError(500, f"{exc}; the server log has the detail")
     if isinstance(exc, RequestError):
-        names = {"rid": "rid", "session_id": session_param}
+        names = {"rid": "rid", "session_id": session_param, **BOOTSTRAP_FIELDS}
         field = exc.field
         return refused(exc, None if field is None else names.get(field, prompt_param))
     if isinstance(exc, ValueError):  # a refusal without a code: Engine.generate's own checks
@@ -158,8 +172,11 @@ def from_http_exception(exc: web.HTTPException, path: str) -> ApiError:
     status = exc.status
     if status == 404:
         return ApiError(404, f"no route {path!r}: see GET /v1/models, POST /v1/chat/completions")
-    if status == 405:
-        return ApiError(405, f"method not allowed on {path!r}")
+    if status == 405:  # Allow lists the methods the route takes (RFC 9110 says it must)
+        methods = exc.headers.get("Allow")
+        takes = f" (it takes {methods})" if methods else ""
+        allow = {"Allow": methods} if methods is not None else None
+        return ApiError(405, f"method not allowed on {path!r}{takes}", headers=allow)
     if status == 413:
         return ApiError(413, f"request body too large: {exc.text or exc.reason}")
     return ApiError(status, exc.text or exc.reason or f"HTTP {status}")
@@ -189,8 +206,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         return from_http_exception(exc, request.path).response()
-    except ConnectionError:
-        raise  # the client is gone: there is nobody to answer
+    except ConnectionError as exc:
+        transport = request.transport
+        if transport is not None and not transport.is_closing():  # not this client's
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return ApiError(500, INTERNAL).response()
+        # The client is gone (a reset right after the last event, say): nobody to answer and
+        # nothing wrong. Re-raised, aiohttp would log it as an error with a traceback; this
+        # answer's write fails on the closed transport, which aiohttp takes quietly.
+        log.debug("%s %s: the client went away (%s)", request.method, request.path, exc)
+        return ApiError(CLIENT_GONE, "the client closed the connection").response()
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return ApiError(500, INTERNAL).response()

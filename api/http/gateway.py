@@ -12,7 +12,9 @@ that answers every other client.
 
 It turns every problem into an ApiError (400 naming the field, 429 when saturated, 503 while
 draining or when the engine is dead), keeps the table of open jobs (for /abort_request, the
-429 cap and shutdown), and times each request for the metrics. Leaving `async with job` in any
+429 cap and shutdown), and times each request for the metrics. The cap counts engine requests
+that have not ended, not jobs: a handler still writing a finished answer to a slow client
+holds no engine work (`num_open`). Leaving `async with job` in any
 way — finished, an exception, the handler cancelled because the client went away — aborts
 whatever is still running, so nothing a gone client asked for keeps holding rows or pages.
 
@@ -78,7 +80,11 @@ class Gateway:
 
     @property
     def num_open(self) -> int:
-        return sum(len(job.streams) for job in self.jobs.values())
+        """Engine requests still running: what the 429 cap counts. A job whose requests have
+        all ended holds nothing of the engine's, even while its handler still writes to a slow
+        (or stuck) client, so it does not count; the write timeout ends that handler
+        (api/http/stream_writer.py)."""
+        return sum(not stream.ended for job in self.jobs.values() for stream in job.streams)
 
     # ---- prompts ---------------------------------------------------------------------------
 

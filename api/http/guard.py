@@ -1,11 +1,17 @@
-"""What a request must show before any handler runs: its origin, its content type, its key.
+"""What a request must show before any handler runs: its host, its origin, its content type,
+its key.
 
 A web page the operator opens must not be able to drive the server through the operator's
 browser (a cross-site form POST to /pause_generation, a fetch() to /flush_cache). Browsers
 mark such requests with `Origin` (every POST, every CORS fetch, every websocket upgrade) and
 can only send them without a CORS preflight (which shoal never grants) when the body is a form
-or text. So, in this order (middlewares, after the draining check):
+or text. And a page whose name was re-pointed at this server (DNS rebinding) is same-origin
+with itself, so the Host header it sends must first be one this server is reached by. So, in
+this order (middlewares, after the draining check):
 
+    host     Host not an IP literal, localhost, the bound name or in --allowed-hosts ("*": any;
+             absent: allowed) -> 403 (api/http/hosts.py), on every route, /health and the
+             websocket upgrade among them
     origin   Origin present and not the server's own (scheme://host:port of the Host header,
              default ports filled in) nor in --allowed-origins ("*": any)      -> 403
              Origin absent and `Sec-Fetch-Site: cross-site`, unless "*" is allowed -> 403
@@ -20,7 +26,7 @@ or text. So, in this order (middlewares, after the draining check):
              no Content-Type, or another (aiohttp's client labels an empty POST
              application/octet-stream), passes: POST /pause_generation needs no body
 
-All three answer before the handler reads the body, so a refused /update_weights_from_disk
+All four answer before the handler reads the body, so a refused /update_weights_from_disk
 says nothing about its path.
 """
 
@@ -34,6 +40,7 @@ from aiohttp.typedefs import Handler, Middleware
 from yarl import URL
 
 from shoal.api.http.errors import ApiError
+from shoal.api.http.hosts import HostCheck
 
 OPEN_ROUTES = frozenset({"/health"})  # answered without the API key
 ADMIN_ROUTES = frozenset(  # need the admin key when one is set
@@ -81,14 +88,33 @@ def parse_origins(entries: Iterable[str]) -> frozenset[str]:
 
 class Guard:
     def __init__(
-        self, api_key: str | None, admin_api_key: str | None, allowed_origins: Iterable[str]
+        self,
+        api_key: str | None,
+        admin_api_key: str | None,
+        allowed_origins: Iterable[str],
+        hosts: HostCheck,
     ) -> None:
         self.api_key = api_key or None
         self.admin_api_key = admin_api_key or None
         self.allowed_origins = parse_origins(allowed_origins)
+        self.hosts = hosts
 
     def middlewares(self) -> list[Middleware]:
-        return [self.same_origin, self.authorize, self.json_only]
+        return [self.known_host, self.same_origin, self.authorize, self.json_only]
+
+    @web.middleware
+    async def known_host(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get("Host")  # not request.host: that falls back to our own name
+        if not self.hosts.allows(given):
+            assert given is not None
+            raise ApiError(
+                403,
+                f"Host {given[:200]!r} is not a name this server is reached by (a guard against "
+                "DNS rebinding): start the server with --allowed-hosts to serve it under that "
+                "name",
+                code="host_not_allowed",
+            )
+        return await handler(request)
 
     @web.middleware
     async def same_origin(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -13,6 +13,7 @@ gauges (running, waiting, KV usage, prefix-cache hit rate) are read from the eng
     shoal_time_to_first_token_seconds, shoal_inter_token_latency_seconds,
     shoal_e2e_request_latency_seconds              histograms
     shoal_http_requests_total{route, status}
+    shoal_http_stream_cuts_total                   streams cut: the client read nothing in time
 """
 
 from __future__ import annotations
@@ -102,6 +103,11 @@ class Metrics:
             "shoal_http_requests",
             "HTTP answers by route and status",
             ["route", "status"],
+            registry=r,
+        )
+        self.stream_cuts = Counter(
+            "shoal_http_stream_cuts",
+            "Streams cut because the client read nothing for stream_write_timeout_s",
             registry=r,
         )
         self.num_prompt_tokens = 0

@@ -1,7 +1,8 @@
 """POST /generate, SGLang's native generation route (see http_native_protocol for the shape).
 
 One prompt answers one object (or, with "stream": true, SSE events carrying the text and
-output ids so far, the last with its finish_reason, then `data: [DONE]`); a batch of prompts
+output ids so far, or only what is new with incremental_streaming_output, the last with its
+finish_reason, then `data: [DONE]`: native_answers.py); a batch of prompts
 answers a list, in order. The engine request id is the caller's `rid` when given, so
 `/abort_request {"rid": ...}` reaches it. With `session_params` the one prompt is the new
 input of an open session's next turn (see http_sessions).
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import NamedTuple
 
 from aiohttp import web
 
@@ -19,14 +19,13 @@ from shoal.api.http.body import decode_body, json_response
 from shoal.api.http.errors import ApiError, bad_request, unfinished
 from shoal.api.http.gateway import Choice, Gateway, Job, SessionTurn
 from shoal.api.http.limits import check_count, check_id
+from shoal.api.http.native_answers import StreamChunks, Wanted, whole
 from shoal.api.http.native_protocol import (
     GenerateRequest,
-    GenerateResponse,
-    MetaInfo,
     NativeSampling,
 )
 from shoal.api.http.sessions import session_turn
-from shoal.api.http.sse import open_sse, send_done, send_error, send_event
+from shoal.api.http.sse import open_sse
 from shoal.api.sampling_wire import (
     DEFAULT_SAMPLING,
     LOGPROBS,
@@ -36,14 +35,15 @@ from shoal.api.sampling_wire import (
     wire_values,
 )
 from shoal.params import SamplingParams
-from shoal.results import Completion, Delta, TokenLogprob, Usage
+from shoal.results import Completion, Delta
 
 LOGPROB_NAMES = wire_names("native", fields=LOGPROBS)  # beside sampling_params
 
 
 class NativeRoutes:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, incremental_streaming_output: bool = False) -> None:
         self.gateway = gateway
+        self.incremental = incremental_streaming_output  # stream events carry only what is new
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/generate", self.generate)]
@@ -82,7 +82,8 @@ class NativeRoutes:
             completions = await job.results()
         for completion in completions:
             self._check_finished(completion)
-        answers = [self._answer(body, c, arrived_at, c.logprobs) for c in completions]
+        wanted = _wanted(body)
+        answers = [whole(c, arrived_at, wanted) for c in completions]
         return json_response(answers if batch else answers[0])
 
     async def _stream(
@@ -93,32 +94,31 @@ class NativeRoutes:
         num_prompt: int,
         arrived_at: float,
     ) -> web.StreamResponse:
-        """Each event carries the text and output ids so far; the last, the finish_reason."""
-        response = await open_sse(request)
-        rid = job.streams[0].rid
-        # fixed while the request is held (docs/architecture.md, "Lifecycle laws", law 2)
-        version = self.gateway.engine.weight_version
-        text = ""
-        ids: list[int] = []
-        logprobs: list[TokenLogprob] = []
-        try:
-            async for _, event in job.events():
-                if isinstance(event, Delta):
-                    text += event.text
-                    ids += event.token_ids
-                    logprobs += event.logprobs or ()
-                    usage = Usage(num_prompt, len(ids), 0)
-                    so_far = Partial(rid, text, tuple(ids), usage, version)
-                    chunk = self._answer(body, so_far, arrived_at, tuple(logprobs))
-                else:
-                    self._check_finished(event)
-                    chunk = self._answer(body, event, arrived_at, event.logprobs)
-                await send_event(response, chunk)
-        except ApiError as exc:
-            job.abort()
-            await send_error(response, exc)
-        await send_done(response)
-        return response
+        """Each event carries the text, output ids and logprobs so far, or with
+        incremental_streaming_output only what is new (native_answers.py); the last event
+        the finish_reason."""
+        # weight_version: fixed while the request is held (docs/architecture.md, law 2)
+        chunks = StreamChunks(
+            job.streams[0].rid,
+            num_prompt,
+            self.gateway.engine.weight_version,
+            arrived_at,
+            _wanted(body),
+            self.incremental,
+        )
+        async with open_sse(request) as sse:  # a client gone or cut: ends here, quietly
+            try:
+                async for _, event in job.events():
+                    if isinstance(event, Delta):
+                        await sse.event(chunks.delta(event))
+                    else:
+                        self._check_finished(event)
+                        await sse.event(chunks.finish(event))
+            except ApiError as exc:
+                job.abort()
+                await sse.error(exc)
+            await sse.done()
+        return sse.response
 
     # ---- request ---------------------------------------------------------------------------
 
@@ -231,56 +231,15 @@ class NativeRoutes:
             )
         return sampling_from(values)
 
-    # ---- response --------------------------------------------------------------------------
-
-    def _answer(
-        self,
-        body: GenerateRequest,
-        c: Completion | Partial,
-        arrived_at: float,
-        logprobs: tuple[TokenLogprob, ...] | None,
-    ) -> GenerateResponse:
-        meta = MetaInfo(
-            c.rid,
-            _finish_reason(c) if isinstance(c, Completion) else None,
-            c.usage.prompt_tokens,
-            c.usage.completion_tokens,
-            c.usage.cached_tokens,
-            c.weight_version,
-            time.monotonic() - arrived_at,
-        )
-        wanted = wire_values(body, "native", LOGPROBS)  # return_logprob, top_logprobs_num
-        if wanted.get("logprobs"):
-            items = logprobs or ()
-            meta.output_token_logprobs = [(t.logprob, t.token_id, None) for t in items]
-            if wanted.get("top_logprobs"):
-                meta.output_top_logprobs = [[(lp, i, None) for i, lp in t.top] for t in items]
-        return GenerateResponse(c.text, list(c.token_ids), meta)
-
     def _check_finished(self, completion: Completion) -> None:
         error = unfinished(completion, self.gateway.draining)
         if error is not None:
             raise error
 
 
-class Partial(NamedTuple):
-    """A streamed answer so far: what a chunk reports before the request has finished."""
-
-    rid: str
-    text: str
-    token_ids: tuple[int, ...]
-    usage: Usage
-    weight_version: int
-
-
-def _finish_reason(c: Completion) -> dict[str, object]:
-    match c.finish_reason:
-        case "stop":
-            return {"type": "stop", "matched": c.matched_stop}
-        case "length":
-            return {"type": "length", "length": c.usage.completion_tokens}
-        case reason:
-            return {"type": "abort", "message": c.message or reason}
+def _wanted(body: GenerateRequest) -> Wanted:
+    values = wire_values(body, "native", LOGPROBS)  # return_logprob, top_logprobs_num
+    return Wanted(bool(values.get("logprobs")), bool(values.get("top_logprobs")))
 
 
 def _nested(input_ids: list[int | list[int]] | None) -> bool:

@@ -10,6 +10,11 @@
 
 finish_reason is {"type": "stop", "matched": <stop string or token id>},
 {"type": "length", "length": N} or {"type": "abort", "message": "..."}.
+
+Every other field of SGLang's GenerateReqInput, sampling_params and session_params is
+accepted because it cannot change the answer, or refused with a 400 naming it unless its
+value asks for nothing (api/http/door_rules.py: GENERATE, SAMPLING, SESSION), as the body is
+decoded; a field SGLang does not know either is a 400 (forbid_unknown_fields).
 """
 
 from __future__ import annotations
@@ -19,17 +24,24 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from shoal.api.http.bootstrap_fields import RoomFields
-from shoal.api.sampling_wire import LOGPROBS, NOT_LOGPROBS, wire_struct
+from shoal.api.http.door_rules import GENERATE, SAMPLING, SESSION
+from shoal.api.http.errors import bad_request
+from shoal.api.http.field_rules import PROMPT_LOGPROBS, refuse, with_rules
+from shoal.api.sampling_wire import LOGPROBS, NOT_LOGPROBS, wire_struct, wire_values
 
 
 class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Run the request as the next turn of an open session (POST /open_session): its prompt
-    is only what is new. SGLang's branching fields are accepted only when null."""
+    is only what is new. SGLang's branching fields are refused unless null (or false)."""
 
     id: str
     rid: str | None = None
     offset: int | None = None
     replace: bool | None = None
+    drop_previous_output: bool | None = None
+
+    def __post_init__(self) -> None:
+        refuse(self, SESSION, "session_params.")
 
 
 class NativeExtras(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -45,26 +57,47 @@ class GenerateFields(RoomFields, kw_only=True):
     input_ids: list[int | list[int]] | None = None
     rid: str | list[str] | None = None
     stream: bool | None = None
-    logprob_start_len: int | None = None  # accepted; only output logprobs are reported
+    logprob_start_len: int | None = None  # with return_logprob: refused unless null or -1
     session_params: SessionParams | None = None
 
 
 # The SamplingParams fields (api/sampling_wire.py): the logprob pair beside sampling_params
-# (return_logprob, top_logprobs_num), every other one in it. mypy sees the bases alone.
+# (return_logprob, top_logprobs_num), every other one in it; then SGLang's other fields
+# (door_rules). mypy sees the bases alone.
 if TYPE_CHECKING:
     _NativeSampling = NativeExtras
-    _GenerateLogprobs = GenerateFields
+    _Generate = GenerateFields
 else:
-    _NativeSampling = wire_struct("NativeSamplingFields", "native", NativeExtras, NOT_LOGPROBS)
-    _GenerateLogprobs = wire_struct("GenerateLogprobs", "native", GenerateFields, LOGPROBS)
+    _NativeSampling = with_rules(
+        "NativeSamplingRules",
+        wire_struct("NativeSamplingFields", "native", NativeExtras, NOT_LOGPROBS),
+        SAMPLING,
+    )
+    _Generate = with_rules(
+        "GenerateRules",
+        wire_struct("GenerateLogprobs", "native", GenerateFields, LOGPROBS),
+        GENERATE,
+    )
 
 
 class NativeSampling(_NativeSampling, kw_only=True, forbid_unknown_fields=True):
-    """SGLang's sampling_params."""
+    """SGLang's sampling_params; refused fields are checked by the request holding them."""
 
 
-class GenerateRequest(_GenerateLogprobs, kw_only=True):
+class GenerateRequest(_Generate, kw_only=True, forbid_unknown_fields=True):
     sampling_params: NativeSampling | list[NativeSampling] | None = None
+
+    def __post_init__(self) -> None:
+        refuse(self, GENERATE)
+        given = self.sampling_params
+        if isinstance(given, NativeSampling):
+            refuse(given, SAMPLING, "sampling_params.")
+        for i, native in enumerate(given if isinstance(given, list) else ()):
+            refuse(native, SAMPLING, f"sampling_params[{i}].")
+        start = self.logprob_start_len
+        if wire_values(self, "native", LOGPROBS).get("logprobs") and start not in (None, -1):
+            message = f"logprob_start_len (prompt logprobs) is not supported{PROMPT_LOGPROBS}"
+            raise bad_request(message, "logprob_start_len")
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

@@ -12,7 +12,9 @@ from typing import Any
 
 import msgspec
 
+from shoal.api.http.door_rules import CHAT, COMPLETIONS, STREAM_OPTIONS
 from shoal.api.http.errors import ApiError, bad_request
+from shoal.api.http.field_rules import TOOLS, refuse
 from shoal.api.http.gateway import Gateway
 from shoal.api.http.limits import check_count, check_id
 from shoal.api.http.openai_protocol import (
@@ -64,21 +66,15 @@ def check_sizes(gateway: Gateway, body: OpenAIFields) -> None:
 
 
 def refuse_unsupported(body: OpenAIFields) -> None:
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    if isinstance(body, ChatCompletionRequest):
-        if body.tools:
-            raise bad_request("tools are not supported", "tools")
-        fmt = body.response_format
-        if fmt is not None and fmt.type != "text":
-            raise bad_request(f"response_format {fmt.type!r} is not supported", "response_format")
-    if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise bad_request("echo is not supported", "echo")
-        if body.suffix:
-            raise bad_request("suffix is not supported", "suffix")
-        if body.best_of is not None and body.best_of != (body.n or 1):
-            raise bad_request("best_of other than n is not supported", "best_of")
+    """400 naming the first field the body asks for that the door does not do (field_rules):
+    after check_sizes, so a refused field is counted first."""
+    chat = isinstance(body, ChatCompletionRequest)
+    refuse(body, CHAT if chat else COMPLETIONS)
+    if body.stream_options is not None:
+        refuse(body.stream_options, STREAM_OPTIONS, "stream_options.")
+    best_of = body.best_of if isinstance(body, CompletionRequest) else None
+    if best_of is not None and best_of != (body.n or 1):
+        raise bad_request("best_of other than n is not supported", "best_of")
 
 
 def chat_messages(gateway: Gateway, messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -95,6 +91,10 @@ def chat_messages(gateway: Gateway, messages: list[ChatMessage]) -> list[dict[st
             check_count(len(message.content), max_parts, where, "max_content_parts")
     out = []
     for i, message in enumerate(messages):
+        for name in ("tool_calls", "function_call"):
+            if getattr(message, name):  # the template would never see the calls
+                where = f"messages[{i}].{name}"
+                raise bad_request(f"{where} is not supported{TOOLS}", where)
         if message.role not in ROLES:
             raise bad_request(
                 f"messages[{i}].role must be one of {sorted(ROLES)}, got {message.role!r}",

@@ -1,9 +1,11 @@
 """The OpenAI wire format: request bodies decoded by msgspec, response bodies encoded by it.
 
-Fields the official client may send as null are Optional here, and unknown fields are
-ignored (clients add new ones faster than servers learn them). Fields we cannot honour
-(tools, logit_bias, echo, suffix, a JSON response_format) are refused with 400 by the routes
-rather than silently ignored.
+Fields the official client may send as null are Optional here. Every field of OpenAI's,
+SGLang's and vLLM's request types is honoured, accepted because it cannot change the answer,
+or refused with a 400 naming it (api/http/door_rules.py: CHAT, COMPLETIONS, STREAM_OPTIONS,
+declared here by `with_rules` and checked by openai_params.refuse_unsupported); any other
+field is a 400 too (forbid_unknown_fields), as OpenAI answers it: a misspelt `temprature`
+is never silently ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from shoal.api.http.bootstrap_fields import RoomFields
+from shoal.api.http.door_rules import CHAT, COMPLETIONS
+from shoal.api.http.field_rules import with_rules
 from shoal.api.http.native_protocol import SessionParams
 from shoal.api.sampling_wire import wire_struct
 from shoal.results import FinishReason
@@ -20,8 +24,10 @@ from shoal.results import FinishReason
 # ---- requests ---------------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's and SGLang's: refused when true
+    include_obfuscation: bool | None = None  # OpenAI's transport padding: accepted
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -33,6 +39,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # refused unless empty: tools are not supported
+    function_call: Any | None = None  # refused unless null, as tool_calls
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
@@ -47,34 +55,45 @@ class OpenAIFields(RoomFields, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # counted, then refused unless empty
+    response_format: ResponseFormat | None = None  # refused unless {"type": "text"}
     session_params: SessionParams | None = None  # chat: the messages are the turn's new ones
 
 
-# Every SamplingParams field, in OpenAI's spelling (vLLM's and SGLang's for the extras): see
-# api/sampling_wire.py. mypy sees the base alone; the handlers read the fields by wire_values.
-if TYPE_CHECKING:
-    _ChatSampling = OpenAIFields
-    _CompletionSampling = OpenAIFields
-else:
-    _ChatSampling = wire_struct("ChatSampling", "chat", OpenAIFields)
-    _CompletionSampling = wire_struct("CompletionSampling", "completions", OpenAIFields)
-
-
-class ChatCompletionRequest(_ChatSampling, kw_only=True):
+class _ChatFields(OpenAIFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer max_tokens; it wins
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
-    response_format: ResponseFormat | None = None
 
 
-class CompletionRequest(_CompletionSampling, kw_only=True):
+class _CompletionFields(OpenAIFields, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists
     prompt: str | list[str | int | list[int]]
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+
+# Every SamplingParams field, in OpenAI's spelling (vLLM's and SGLang's for the extras: see
+# api/sampling_wire.py), then every other field the door knows (api/http/door_rules.py).
+# mypy sees the bases alone; the handlers read the sampling fields by wire_values.
+if TYPE_CHECKING:
+    _Chat = _ChatFields
+    _Completion = _CompletionFields
+else:
+    _Chat = with_rules("ChatRules", wire_struct("ChatSampling", "chat", _ChatFields), CHAT)
+    _Completion = with_rules(
+        "CompletionRules",
+        wire_struct("CompletionSampling", "completions", _CompletionFields),
+        COMPLETIONS,
+    )
+
+
+class ChatCompletionRequest(_Chat, kw_only=True, forbid_unknown_fields=True):
+    """The body of /v1/chat/completions."""
+
+
+class CompletionRequest(_Completion, kw_only=True, forbid_unknown_fields=True):
+    """The body of /v1/completions."""
 
 
 # ---- responses --------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from shoal.api.http.openai_protocol import (
     OpenAIFields,
 )
 from shoal.api.http.sessions import session_turn
-from shoal.api.http.sse import open_sse, send_done, send_error, send_event
+from shoal.api.http.sse import open_sse
 from shoal.kernels.models.registry import family_of
 from shoal.results import Completion, Delta
 
@@ -65,7 +65,7 @@ class OpenAIRoutes:
     async def models(self, request: web.Request) -> web.Response:
         engine = self.gateway.engine
         assert engine.loaded is not None
-        root = str(engine.loaded.path)
+        root = self.model_names[0]  # not the local path: it would say where the cache is
         context = self.gateway.context_length
         config = engine.loaded.config
         family = family_of(config.model_type).name
@@ -154,30 +154,30 @@ class OpenAIRoutes:
     async def _stream(
         self, request: web.Request, job: Job, fmt: Format, n: int, include_usage: bool
     ) -> web.StreamResponse:
-        response = await open_sse(request)
         finished: dict[int, Completion] = {}
-        try:
-            for index in range(len(job.streams)):
-                first = fmt.first(index)
-                if first is not None:
-                    await send_event(response, first)
-            async for index, event in job.events():
-                if isinstance(event, Delta):
-                    chunk = fmt.delta(index, event)
-                    if chunk is not None:
-                        await send_event(response, chunk)
-                else:
-                    self._check_finished(event)
-                    finished[index] = event
-                    await send_event(response, fmt.finish(index, event))
-            if include_usage:
-                done = [finished[i] for i in range(len(job.streams))]
-                await send_event(response, fmt.usage_chunk(usage(done, n)))
-        except ApiError as exc:
-            job.abort()
-            await send_error(response, exc)
-        await send_done(response)
-        return response
+        async with open_sse(request) as sse:  # a client gone or cut: ends here, quietly
+            try:
+                for index in range(len(job.streams)):
+                    first = fmt.first(index)
+                    if first is not None:
+                        await sse.event(first)
+                async for index, event in job.events():
+                    if isinstance(event, Delta):
+                        chunk = fmt.delta(index, event)
+                        if chunk is not None:
+                            await sse.event(chunk)
+                    else:
+                        self._check_finished(event)
+                        finished[index] = event
+                        await sse.event(fmt.finish(index, event))
+                if include_usage:
+                    done = [finished[i] for i in range(len(job.streams))]
+                    await sse.event(fmt.usage_chunk(usage(done, n)))
+            except ApiError as exc:
+                job.abort()
+                await sse.error(exc)
+            await sse.done()
+        return sse.response
 
     def _check_finished(self, completion: Completion) -> None:
         error = unfinished(completion, self.gateway.draining)

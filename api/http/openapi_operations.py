@@ -73,7 +73,10 @@ def _ok(*bodies: Body) -> Mapping[str, tuple[Body, ...]]:
     return {"200": bodies}
 
 
-_STREAMED = "With `stream: true` the answer is SSE: `data: <chunk>` ... `data: [DONE]`."
+_STREAMED = (
+    "With `stream: true` the answer is SSE: `data: <chunk>` ... `data: [DONE]`, with a comment "
+    "line `: keep-alive` whenever nothing was sent for sse_keepalive_s."
+)
 _OBJECT = Body(dict[str, Any])
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -109,7 +112,10 @@ OPERATIONS: tuple[Operation, ...] = (
         _ok(Body(GenerateResponse | list[GenerateResponse]), Body(GenerateResponse, SSE)),
         request=GenerateRequest,
         example={"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
-        description="One prompt answers one object, a batch a list. " + _STREAMED,
+        description="One prompt answers one object, a batch a list. "
+        + _STREAMED
+        + " Each event carries the text, output_ids and logprobs so far (with "
+        "incremental_streaming_output: only what is new since the previous event).",
         tags=("native",),
     ),
     # ---- admin (http_admin) ----

@@ -31,6 +31,7 @@ from shoal.api.http.bootstrap_fields import RoomRefusals
 from shoal.api.http.errors import ApiError, error_middleware
 from shoal.api.http.gateway import Gateway
 from shoal.api.http.guard import Guard, parse_origins
+from shoal.api.http.hosts import HostCheck, parse_hosts
 from shoal.api.http.lifecycle import LifecycleRoutes
 from shoal.api.http.limits import HttpLimits
 from shoal.api.http.metrics import Metrics
@@ -38,6 +39,12 @@ from shoal.api.http.native import NativeRoutes
 from shoal.api.http.openai_routes import OpenAIRoutes
 from shoal.api.http.openapi import OpenAPIRoute
 from shoal.api.http.sessions import SessionRoutes
+from shoal.api.http.stream_writer import (
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_WRITE_TIMEOUT_S,
+    STREAM_POLICY,
+    StreamPolicy,
+)
 from shoal.api.http.ws_sessions import SessionSockets
 
 HTTP_LIMITS = HttpLimits()  # the defaults of the input-limit options below
@@ -57,10 +64,16 @@ class ServerOptions:
     # what a request must show and how fast it must arrive (api/http/guard.py)
     admin_api_key: str | None = None  # then the lifecycle routes need it instead of api_key
     allowed_origins: tuple[str, ...] = ()  # browser origins besides the server's own; "*": any
+    # Host names besides IP literals, localhost and the bound name (api/http/hosts.py); "*": any
+    allowed_hosts: tuple[str, ...] = ()
     body_timeout_s: float = 30.0  # a body not fully read by then answers 408
     header_timeout_s: float = 60.0  # a request head not complete by then: connection closed
     max_header_bytes: int = 8190  # the request line, and each header line: longer answers 400
     max_headers: int = 128  # header lines per request: more answer 400
+    # streamed answers (SSE, the session websocket: api/http/stream_writer.py)
+    stream_write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # a client reading nothing: cut
+    sse_keepalive_s: float = DEFAULT_KEEPALIVE_S  # `: keep-alive` after this long idle; 0: none
+    incremental_streaming_output: bool = False  # /generate events: only what is new (SGLang's)
     # input limits of the HTTP doors (api/http/limits.py, docs/limits.md)
     max_json_depth: int = HTTP_LIMITS.max_json_depth
     max_prompts: int = HTTP_LIMITS.max_prompts
@@ -82,15 +95,18 @@ class ServerOptions:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("body_timeout_s", "header_timeout_s"):
+        for name in ("body_timeout_s", "header_timeout_s", "stream_write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.sse_keepalive_s >= 0:
+            raise ValueError(f"sse_keepalive_s must be >= 0 (0: none), got {self.sse_keepalive_s}")
         for name in ("max_header_bytes", "max_headers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.admin_api_key and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key")
         parse_origins(self.allowed_origins)
+        parse_hosts(self.allowed_hosts)
 
     def public(self) -> dict[str, object]:
         """What /get_server_info may show: everything but the keys."""
@@ -110,8 +126,9 @@ class Server:
         max_open = engine.options.max_running_requests + self.options.max_queued_requests
         self.gateway = Gateway(engine, self.metrics, max_open, self.options.http_limits())
         self.sockets = SessionSockets(self.gateway)
-        path = engine.loaded.path
-        self.model_names = [self.options.served_model_name or path.name, str(path)]
+        # The one name the OpenAI routes list and accept: never the local path (a converted
+        # folder's path says where the cache is); the folder's name unless one is given.
+        self.model_names = [self.options.served_model_name or engine.loaded.path.name]
         self.app = self._build_app()
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -131,14 +148,23 @@ class Server:
                 RoomRefusals(self.engine).middleware,
                 self._draining,
                 *Guard(
-                    self.options.api_key, self.options.admin_api_key, self.options.allowed_origins
+                    self.options.api_key,
+                    self.options.admin_api_key,
+                    self.options.allowed_origins,
+                    HostCheck(self.options.allowed_hosts, self.options.host),
                 ).middlewares(),
             ],
         )
         app[BODY_TIMEOUT_S] = self.options.body_timeout_s
         app[MAX_JSON_DEPTH] = self.options.max_json_depth
+        app[STREAM_POLICY] = StreamPolicy(
+            write_timeout_s=self.options.stream_write_timeout_s,
+            keepalive_s=self.options.sse_keepalive_s,
+            dropped=self.metrics.stream_cuts.inc,
+        )
         app.add_routes(OpenAIRoutes(self.gateway, self.model_names, self.options.max_n).routes())
-        app.add_routes(NativeRoutes(self.gateway).routes())
+        native = NativeRoutes(self.gateway, self.options.incremental_streaming_output)
+        app.add_routes(native.routes())
         admin = AdminRoutes(
             self.gateway,
             self.metrics,

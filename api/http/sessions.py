@@ -10,6 +10,9 @@ new input as an ordinary request carrying `session_params`, then close.
 A turn of a session that is not open (never opened, closed, or reaped after timeout_s idle)
 answers 404 code "session_not_found"; a turn while another streams answers 409 code
 "session_busy" (streamed or not: a streaming turn's response starts only once it is admitted).
+Opening is bounded: timeout_s at most max_session_timeout_s (longer: 400 naming the bound), and
+at most max_sessions_per_client open sessions of one client, counted by its peer address (more:
+429 "too_many_sessions", as past max_sessions), so no one client can hold every session.
 A session turn is one prompt with one choice (a batch or n > 1: 400). The door neither encodes
 it nor sizes its max_tokens (not given: SamplingParams' default): the session does both,
 against the whole history, when the turn is admitted.
@@ -63,7 +66,9 @@ class SessionRoutes:
 
     async def open_session(self, request: web.Request) -> web.Response:
         body = await decode_body(request, OpenSessionRequest)
-        session_id = await open_session(self.gateway, body.timeout_s, body.max_tokens)
+        session_id = await open_session(
+            self.gateway, body.timeout_s, body.max_tokens, request.remote
+        )
         return json_response(OpenSessionResponse(session_id))
 
     async def close_session(self, request: web.Request) -> web.Response:
@@ -76,16 +81,16 @@ class SessionRoutes:
         return json_response(CloseSessionResponse(body.session_id, True))
 
 
-async def open_session(gateway: Gateway, timeout_s: float | None, max_tokens: int | None) -> str:
-    """Open a session on the engine: its id, or ApiError (400 a bad option, 429 too many
-    sessions open, 503 draining or the engine is not serving)."""
+async def open_session(
+    gateway: Gateway, timeout_s: float | None, max_tokens: int | None, client: str | None
+) -> str:
+    """Open a session on the engine for `client` (the peer address): its id, or ApiError (400
+    a bad option, 429 too many sessions open, or too many of this client's, 503 draining or
+    the engine is not serving)."""
     if gateway.draining:
         raise ApiError(503, "the server is shutting down")
-    options: dict[str, Any] = {"max_tokens": max_tokens}
-    if timeout_s is not None:
-        options["timeout_s"] = timeout_s
     try:
-        session = await gateway.engine.open_session(**options)
+        session = await gateway.engine.open_session(timeout_s, max_tokens, client=client)
     except RequestError as exc:  # a bad option (400), or too many sessions open (429)
         raise refused(exc, exc.field) from None
     except Exception as exc:

@@ -12,7 +12,9 @@ client                                             server
 {"type": "close"}                              ->  {"type": "closed", "session_id"}
 anything wrong                                 ->  {"type": "error", "message", "code", "param"}
 
-A misspelt field is an error, as in the native route's sampling_params.
+A misspelt field is an error, as in the native route's sampling_params; SGLang's other
+sampling fields are accepted because they cannot change the answer, or refused unless their
+value asks for nothing (api/http/door_rules.py, TURN).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from shoal.api.http.door_rules import TURN
+from shoal.api.http.field_rules import refuse, with_rules
 from shoal.api.http.openai_protocol import ChatMessage
 from shoal.api.sampling_wire import wire_struct
 from shoal.results import FinishReason, TokenLogprob
@@ -37,11 +41,17 @@ class Open(_ClientMessage, frozen=True, forbid_unknown_fields=True, tag="open"):
     max_tokens: int | None = None  # a cap on the whole history
 
 
-# Every SamplingParams field, as declared (api/sampling_wire.py); mypy sees the base alone.
+# Every SamplingParams field, as declared (api/sampling_wire.py), then SGLang's other sampling
+# fields (door_rules.TURN); mypy sees the base alone.
 if TYPE_CHECKING:
     _TurnSampling = _ClientMessage
 else:
-    _TurnSampling = wire_struct("TurnSampling", "websocket", _ClientMessage, frozen=True)
+    _TurnSampling = with_rules(
+        "TurnRules",
+        wire_struct("TurnSampling", "websocket", _ClientMessage, frozen=True),
+        TURN,
+        frozen=True,
+    )
 
 
 class Turn(_TurnSampling, frozen=True, forbid_unknown_fields=True, tag="turn"):
@@ -49,6 +59,9 @@ class Turn(_TurnSampling, frozen=True, forbid_unknown_fields=True, tag="turn"):
     input_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     max_tokens: int | None = None  # the OpenAI spelling of max_new_tokens
+
+    def __post_init__(self) -> None:
+        refuse(self, TURN)
 
 
 class Cancel(_ClientMessage, frozen=True, forbid_unknown_fields=True, tag="cancel"):

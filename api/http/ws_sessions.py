@@ -13,13 +13,14 @@ message gets an error message and changes nothing. `close` aborts a live turn, c
 session and answers "closed" (the connection stays, and may open another). However the
 connection ends (the client closes it or vanishes, the server stops), the live turn is
 aborted and the session closed. Turns go through the gateway like HTTP requests (the 429 cap,
-/abort_request by their rid "turn-...", metrics, abort at shutdown).
+/abort_request by their rid "turn-...", metrics, abort at shutdown, stream_writer.py's cuts).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -34,6 +35,7 @@ from shoal.api.http.gateway import Choice, Gateway, Job, SessionTurn
 from shoal.api.http.json_depth import nests_deeper
 from shoal.api.http.openai_params import chat_messages
 from shoal.api.http.sessions import open_session
+from shoal.api.http.stream_writer import stream_policy, write_within
 from shoal.api.http.ws_protocol import (
     Cancel,
     ClientMessage,
@@ -75,10 +77,12 @@ class SessionSockets:
         limit = self.max_message_bytes + 1
         ws = web.WebSocketResponse(max_msg_size=limit, heartbeat=HEARTBEAT_S)
         await ws.prepare(request)
-        socket = SessionSocket(self.gateway, ws, self.decoder)
+        socket = SessionSocket(self.gateway, ws, self.decoder, request)
         self.open.add(socket)
         try:
             await socket.serve()
+        except ConnectionError:
+            pass  # the client is gone, or was cut (it read nothing): its session is closed
         finally:
             self.open.discard(socket)
         return ws
@@ -86,19 +90,24 @@ class SessionSockets:
     async def shutdown(self, timeout_s: float) -> None:
         """Close every connection (their sessions with them) and wait for that to finish."""
         sockets = list(self.open)
-        for socket in sockets:
-            await socket.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
         if sockets:
+            await asyncio.gather(*(s.going_away(timeout_s) for s in sockets))
             await asyncio.wait([s.ended for s in sockets], timeout=timeout_s)
 
 
 class SessionSocket:
     def __init__(
-        self, gateway: Gateway, ws: web.WebSocketResponse, decoder: msgspec.json.Decoder[Any]
+        self,
+        gateway: Gateway,
+        ws: web.WebSocketResponse,
+        decoder: msgspec.json.Decoder[Any],
+        request: web.Request,
     ) -> None:
         self.gateway = gateway
         self.ws = ws
         self.decoder = decoder
+        self.request = request
+        self.policy = stream_policy(request)  # each send bounded by its write_timeout_s
         self.session: Session | None = None
         self.job: Job | None = None  # the live turn's, until its done is about to be sent
         self.turns: set[asyncio.Task[None]] = set()  # streaming, or finishing after done
@@ -166,7 +175,7 @@ class SessionSocket:
                 f"session {self.session.id!r} is already open on this connection: close it first"
             )
         opening = asyncio.ensure_future(
-            open_session(self.gateway, message.timeout_s, message.max_tokens)
+            open_session(self.gateway, message.timeout_s, message.max_tokens, self.request.remote)
         )
         try:
             session_id = await asyncio.shield(opening)
@@ -243,11 +252,20 @@ class SessionSocket:
             with contextlib.suppress(EngineDeadError, RequestError):
                 await session.close()
 
+    async def going_away(self, timeout_s: float) -> None:
+        """The shutdown's close frame, bounded like a send (and by timeout_s): else a cut."""
+        code, message = WSCloseCode.GOING_AWAY, b"server shutting down"
+        with contextlib.suppress(ConnectionError):
+            close = functools.partial(self.ws.close, code=code, message=message)
+            await write_within(close, self.request, self.policy, timeout_s)
+
     async def send(self, message: ServerMessage) -> None:
+        """A client that takes nothing for write_timeout_s is cut (StreamStalled)."""
         if self.ws.closed:
             return
+        text = msgspec.json.encode(message).decode()
         async with self.sending:
-            await self.ws.send_str(msgspec.json.encode(message).decode())
+            await write_within(lambda: self.ws.send_str(text), self.request, self.policy)
 
     # ---- a turn message into the engine's terms -------------------------------------------
 

@@ -14,31 +14,65 @@ and transformers itself in tests) reads it like any other:
         shoal-converted.json     the marker: written last, so a folder without it is half-written
 
 The conversion key is cheap (file name, size, mtime and CONVERTER_VERSION), never a hash of the
-whole file. Conversion happens in a temporary sibling folder that is renamed into place after the
-marker is written, so a crash or a concurrent conversion never leaves a folder that looks complete.
+whole file. The marker records each file's size and SHA-256 (model_cache.py), checked at every
+load: a corrupted folder is refused with a message that says which folder to delete.
+
+How the cache stays whole (cache_files.py has the locks and private folders):
+- a conversion holds the folder's lock exclusively; a second process converting the same file
+  waits for it (bounded, logged) and then loads its result;
+- it writes into `.<name>.tmp-<pid>-<hex>/`, fsyncs and seals it, and renames it into place, so
+  a folder without its marker never appears; the private folder is removed on every exit
+  Python sees (an exception, a full disk, a cancelled start); one left by a SIGKILL is removed
+  by the next start that finds its lock free;
+- once in place, older conversions of the same source (a reinstalled package has a new mtime,
+  so a new key) are removed unless a process is loading them (model_cache.prune_superseded);
+- a load holds the lock shared while it reads, so `shoal cache clean` never removes a folder
+  being read;
+- a start cancelled by a signal (`cancel` set) stops between tensors: StartCancelled.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib
 import json
-import os
-import shutil
-import tempfile
-import time
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from shoal.kernels.cache_files import (
+    FolderLock,
+    LockBusy,
+    make_private,
+    publish,
+    raise_if_cancelled,
+    remove_folder,
+    sweep_dead,
+    sweep_temporaries,
+)
 from shoal.kernels.loading.gguf_config import SUPPORTED_ARCHITECTURES, gguf_hf_config
 from shoal.kernels.loading.gguf_metadata import GGUFMetadata
 from shoal.kernels.loading.gguf_tensors import gguf_weights, hf_name, unpermute_rope_rows
+from shoal.kernels.loading.model_cache import (
+    MARKER_NAME,
+    is_converted,
+    prune_superseded,
+    seal,
+    verify,
+)
 
 __all__ = [
     "CONVERTER_VERSION",
     "MARKER_NAME",
     "SUPPORTED_ARCHITECTURES",
+    "ConversionError",
     "convert_gguf",
+    "converted",
     "converted_folder",
     "gguf_hf_config",
     "gguf_weights",
@@ -49,9 +83,13 @@ __all__ = [
 
 # Bump when the converted output changes, so old cache folders are not reused.
 # 2: config.json in transformers 5's spelling; qwen2, qwen3, qwen3moe, mixtral, gemma2/3, phi3.
-CONVERTER_VERSION = 2
-MARKER_NAME = "shoal-converted.json"
-_STALE_TMP_AGE_S = 3600.0
+# 3: the marker records every file's size and SHA-256 (verified at load).
+CONVERTER_VERSION = 3
+WAIT_S = 600.0  # the longest a start waits for another process converting the same file
+
+
+class ConversionError(ValueError):
+    """The conversion could not be written (a full disk, a read-only cache...) or waited for."""
 
 
 def conversion_key(gguf_path: Path) -> str:
@@ -66,61 +104,129 @@ def converted_folder(gguf_path: Path, cache_dir: Path) -> Path:
     return cache_dir / f"{gguf_path.stem}-{conversion_key(gguf_path)}"
 
 
-def is_converted(folder: Path) -> bool:
-    return (folder / MARKER_NAME).is_file()
+@contextmanager
+def converted(
+    gguf_path: Path,
+    cache_dir: Path,
+    *,
+    progress: bool = True,
+    cancel: threading.Event | None = None,
+) -> Iterator[Path]:
+    """The verified conversion of `gguf_path` (converted first if need be), held for reading
+    (its lock shared) until the block ends. CorruptCacheError (a ValueError) when it fails
+    verification; in a read-only cache it is read without a lock (nobody can change it)."""
+    folder = converted_folder(gguf_path, cache_dir)
+    if any(cache_dir.glob(".*.tmp-*")):
+        sweep_dead(cache_dir)  # private folders of conversions killed earlier
+    if not is_converted(folder):
+        convert_gguf(gguf_path, folder, progress=progress, cancel=cancel)
+    try:
+        lock = FolderLock.take(
+            folder, exclusive=False, doing="loading it", wait_s=WAIT_S, cancel=cancel
+        )
+    except LockBusy as error:
+        raise ConversionError(f"{folder} stays busy: {error}") from error
+    except OSError:
+        lock = None  # a read-only cache
+    try:
+        if not is_converted(folder):
+            raise ConversionError(f"{folder} was removed while this start loaded it; start again")
+        verify(folder)
+        yield folder
+    finally:
+        if lock is not None:
+            lock.release()
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Path:
-    """Convert `gguf_path` into `out_dir` unless a complete conversion is already there."""
+def convert_gguf(
+    gguf_path: Path,
+    out_dir: Path,
+    *,
+    progress: bool = True,
+    cancel: threading.Event | None = None,
+) -> Path:
+    """Convert `gguf_path` into `out_dir` unless a complete conversion is already there.
+    ConversionError (a ValueError, one line) when it cannot be written; StartCancelled when
+    `cancel` is set meanwhile. Either way nothing of it is left behind."""
     if is_converted(out_dir):
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp_folders(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _convert_into(gguf_path, tmp, progress=progress)
-        marker = {
-            "source": str(gguf_path),
-            "size": gguf_path.stat().st_size,
-            "mtime_ns": gguf_path.stat().st_mtime_ns,
-            "converter_version": CONVERTER_VERSION,
-        }
-        for path in tmp.iterdir():
-            path.chmod(0o644)
-        tmp.chmod(0o755)  # mkdtemp made it private; the cache is an ordinary folder
-        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2))  # last write
-        if out_dir.exists() and not is_converted(out_dir):
-            shutil.rmtree(out_dir)  # a half-written folder (no marker) from an older crash
-        if not out_dir.exists():
-            try:
-                os.replace(tmp, out_dir)
-            except OSError:
-                if not is_converted(out_dir):  # not a concurrent conversion finishing first
-                    raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        lock = FolderLock.take(
+            out_dir,
+            exclusive=True,
+            doing=f"converting {gguf_path.name}",
+            wait_s=WAIT_S,
+            cancel=cancel,
+        )
+    except LockBusy as error:
+        raise ConversionError(f"{gguf_path.name} could not be converted: {error}") from error
+    except OSError as error:
+        raise ConversionError(_write_failure(gguf_path, out_dir, error)) from error
+    with lock:
+        if is_converted(out_dir):
+            return out_dir  # converted by the process we waited for
+        try:
+            sweep_temporaries(out_dir)  # dead: we hold the lock
+            remove_folder(out_dir)  # a half-written one (no marker) from an older version
+            tmp = make_private(out_dir)
+        except OSError as error:
+            raise ConversionError(_write_failure(gguf_path, out_dir, error)) from error
+        try:
+            _convert_into(gguf_path, tmp, progress=progress, cancel=cancel)
+            raise_if_cancelled(cancel)
+            seal(tmp, gguf_path, CONVERTER_VERSION)
+            publish(tmp, out_dir)
+        except OSError as error:
+            raise ConversionError(_write_failure(gguf_path, out_dir, error)) from error
+        finally:
+            remove_folder(tmp)
+        prune_superseded(out_dir)
     return out_dir
 
 
-def _remove_stale_tmp_folders(out_dir: Path) -> None:
-    """Delete temporary folders of conversions that died long ago (a live one takes seconds)."""
-    now = time.time()
-    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+def _write_failure(gguf_path: Path, out_dir: Path, error: OSError) -> str:
+    """One line for a conversion that could not be written (or read)."""
+    where = out_dir.parent
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
-            if now - tmp.stat().st_mtime > _STALE_TMP_AGE_S:
-                shutil.rmtree(tmp, ignore_errors=True)
+            needed = f" (it needs several times the GGUF's {gguf_path.stat().st_size >> 20} MB)"
         except OSError:
-            pass
+            needed = ""
+        return (
+            f"converting {gguf_path.name} into {where} failed: no space left on the device"
+            f"{needed}; free some, or point SHOAL_CACHE_DIR at another disk"
+        )
+    what = error.strerror or str(error)
+    name = f" ({error.filename})" if error.filename else ""
+    return f"converting {gguf_path.name} into {where} failed: {what}{name}"
 
 
-def _convert_into(gguf_path: Path, folder: Path, *, progress: bool) -> None:
+class _Steps(tqdm):
+    """The conversion's progress bar; each step first checks whether the start was cancelled."""
+
+    def __init__(self, *args: Any, cancel: threading.Event | None, **kwargs: Any) -> None:
+        self._cancel = cancel
+        super().__init__(*args, **kwargs)
+
+    def update(self, n: float | None = 1) -> bool | None:
+        raise_if_cancelled(self._cancel)
+        return super().update(n)
+
+
+def _convert_into(
+    gguf_path: Path, folder: Path, *, progress: bool, cancel: threading.Event | None
+) -> None:
     from safetensors.torch import save_file
-    from tqdm import tqdm
 
     gguf = importlib.import_module("gguf")
 
-    with tqdm(
-        total=3, desc=f"converting {gguf_path.name}", unit="step", disable=not progress
+    with _Steps(
+        total=3,
+        desc=f"converting {gguf_path.name}",
+        unit="step",
+        disable=not progress,
+        cancel=cancel,
     ) as bar:
         bar.set_postfix_str("reading GGUF")
         meta = GGUFMetadata(gguf.GGUFReader(gguf_path))

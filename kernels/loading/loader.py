@@ -7,7 +7,9 @@
 
 The cache dir is `cache_dir`, else $SHOAL_CACHE_DIR, else ~/.cache/shoal. A second start only
 reads the converted folder (safetensors is mmapped and copied once) and builds the tokenizer
-from tokenizer.json; transformers is imported lazily and only its tokenizer classes.
+from tokenizer.json; transformers is imported lazily and only its tokenizer classes. A converted
+folder is checked against its marker's checksums first (model_cache.verify) and held for reading
+while it loads; a start cancelled through `cancel` stops between steps (StartCancelled).
 
 Every load validates the checkpoint before it reads any tensor data (checkpoint.py): config.json
 field by field, then every safetensors header, each tensor's name, dtype and shape against the
@@ -23,13 +25,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import torch
 
+from shoal.kernels.cache_files import raise_if_cancelled
 from shoal.kernels.loading.checkpoint import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
@@ -40,8 +47,11 @@ from shoal.kernels.loading.checkpoint import (
     read_tensor_entries,
 )
 from shoal.kernels.loading.config import ModelConfig
-from shoal.kernels.loading.gguf_convert import convert_gguf, converted_folder
+from shoal.kernels.loading.gguf_convert import ConversionError, converted
+from shoal.kernels.loading.model_cache import CorruptCacheError
 from shoal.kernels.models.registry import family_of
+
+log = logging.getLogger("shoal.startup")
 
 # A transformers.PreTrainedTokenizerBase (in practice PreTrainedTokenizerFast). Spelled Any, and
 # transformers imported by name at run time, because mypy run from the repo root would follow
@@ -83,15 +93,37 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model_folder(
-    model: str | Path | None, cache_dir: Path | None = None, progress: bool = True
+    model: str | Path | None,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+    cancel: threading.Event | None = None,
 ) -> Path:
     """The HF-style folder to load for `model`, converting a GGUF file on first use."""
+    with model_folder(model, cache_dir, progress, cancel) as folder:
+        return folder
+
+
+@contextmanager
+def model_folder(
+    model: str | Path | None,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+    cancel: threading.Event | None = None,
+) -> Iterator[Path]:
+    """The HF-style folder to load for `model`; a GGUF's conversion is verified and held for
+    reading until the block ends (gguf_convert.converted)."""
     path = bundled_model_path() if model is None else Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or a folder")
-        folder = converted_folder(path, Path(cache_dir) if cache_dir else default_cache_dir())
-        return convert_gguf(path, folder, progress=progress)
+        cache = Path(cache_dir) if cache_dir else default_cache_dir()
+        with converted(path, cache, progress=progress, cancel=cancel) as folder:
+            yield folder
+        return
+    yield _checked_folder(path)
+
+
+def _checked_folder(path: Path) -> Path:
     if path.is_dir():
         missing = []
         if not (path / "config.json").is_file():
@@ -115,7 +147,13 @@ def checkpoint_folder(model_path: str | Path, cache_dir: Path | None = None) -> 
     except (OSError, ValueError):
         is_gguf = False
     if is_gguf:
-        return resolve_model_folder(path, cache_dir=cache_dir, progress=False)
+        try:
+            return resolve_model_folder(path, cache_dir=cache_dir, progress=False)
+        except (ConversionError, CorruptCacheError) as exc:  # they name our cache's folders
+            log.warning("%s", exc)
+            raise CheckpointError(
+                "its conversion in the server's model cache failed (the server log says why)"
+            ) from exc
     return check_folder(path)
 
 
@@ -125,16 +163,21 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     cache_dir: Path | None = None,
     progress: bool = True,
+    cancel: threading.Event | None = None,
 ) -> LoadedModel:
     """Resolve `model` (see module doc), then load its config, checked weights and tokenizer.
-    A bad checkpoint raises ValueError naming the folder and what is wrong in it."""
-    folder = resolve_model_folder(model, cache_dir=cache_dir, progress=progress)
-    try:
-        config = read_model_config(folder)
-        weights = load_weights(folder, config, dtype=dtype)
-    except CheckpointError as exc:
-        raise ValueError(f"model folder {folder}: {exc}") from exc
-    return LoadedModel(folder, config, weights, load_tokenizer(folder))
+    A bad checkpoint raises ValueError naming the folder and what is wrong in it;
+    StartCancelled when `cancel` is set meanwhile."""
+    with model_folder(model, cache_dir, progress, cancel) as folder:
+        raise_if_cancelled(cancel)
+        try:
+            config = read_model_config(folder)
+            weights = load_weights(folder, config, dtype=dtype)
+        except CheckpointError as exc:
+            raise ValueError(f"model folder {folder}: {exc}") from exc
+        raise_if_cancelled(cancel)
+        tokenizer = load_tokenizer(folder)
+    return LoadedModel(folder, config, weights, tokenizer)
 
 
 def read_model_config(folder: Path) -> ModelConfig:

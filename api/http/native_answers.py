@@ -1,0 +1,160 @@
+"""What /generate answers: one whole object per prompt, or the events of a stream.
+
+    whole(completion, arrived_at, wanted)            # the non-streamed answer
+    chunks = StreamChunks(rid, num_prompt, version, arrived_at, wanted, incremental)
+    chunks.delta(delta) ... chunks.finish(completion)   # one event each
+
+A stream's events, as SGLang sends them:
+
+    cumulative (the default)   each event: the text, output ids and logprobs so far
+    incremental                each event: only what is new since the previous one
+    (--incremental-streaming-output)
+
+Both carry the cumulative counts (prompt_tokens, completion_tokens) in meta_info, and the last
+event the finish_reason. Incremental events concatenate to the whole answer (text, output_ids,
+output_token_logprobs, output_top_logprobs): a stream's bytes grow linearly with its tokens.
+Cumulative ones cannot (every event repeats the ones before: quadratic), but the work per
+event is only the new tokens' plus encoding: the lists so far are kept and extended, not
+rebuilt, so an event must be encoded before the next delta arrives (SseStream.event does).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+from shoal.api.http.native_protocol import GenerateResponse, MetaInfo
+from shoal.results import Completion, Delta, TokenLogprob
+
+TokenRow = tuple[float, int, None]  # [logprob, token_id, null], as SGLang reports them
+
+
+class Wanted(NamedTuple):
+    """The logprobs a request asked for: return_logprob, top_logprobs_num > 0."""
+
+    logprobs: bool
+    top: bool
+
+
+def finish_reason(c: Completion) -> dict[str, object]:
+    match c.finish_reason:
+        case "stop":
+            return {"type": "stop", "matched": c.matched_stop}
+        case "length":
+            return {"type": "length", "length": c.usage.completion_tokens}
+        case reason:
+            return {"type": "abort", "message": c.message or reason}
+
+
+def whole(c: Completion, arrived_at: float, wanted: Wanted) -> GenerateResponse:
+    meta = _meta(c.rid, finish_reason(c), c, arrived_at)
+    if wanted.logprobs:
+        items = c.logprobs or ()
+        meta.output_token_logprobs = _token_rows(items)
+        if wanted.top:
+            meta.output_top_logprobs = _top_rows(items)
+    return GenerateResponse(c.text, list(c.token_ids), meta)
+
+
+class StreamChunks:
+    """One /generate stream's events, cumulative or incremental."""
+
+    def __init__(
+        self,
+        rid: str,
+        num_prompt: int,
+        weight_version: int,
+        arrived_at: float,
+        wanted: Wanted,
+        incremental: bool,
+    ) -> None:
+        self.rid = rid
+        self.num_prompt = num_prompt
+        self.weight_version = weight_version  # fixed while the request is held (law 2)
+        self.arrived_at = arrived_at
+        self.wanted = wanted
+        self.incremental = incremental
+        # Sent so far. Cumulative: the event bodies share these lists (see the docstring).
+        self.text = ""
+        self.num_text_chars = 0
+        self.num_logprobs = 0
+        self.ids: list[int] = []
+        self.token_rows: list[TokenRow] = []
+        self.top_rows: list[list[TokenRow]] = []
+
+    def delta(self, d: Delta) -> GenerateResponse:
+        items = d.logprobs or ()
+        new_ids = list(d.token_ids)
+        token_rows = _token_rows(items) if self.wanted.logprobs else []
+        top_rows = _top_rows(items) if self.wanted.logprobs and self.wanted.top else []
+        self.num_text_chars += len(d.text)
+        self.num_logprobs += len(items)
+        if self.incremental:
+            self.ids += new_ids
+            return self._chunk(d.text, new_ids, token_rows, top_rows)
+        self.text += d.text
+        self.ids += new_ids
+        self.token_rows += token_rows
+        self.top_rows += top_rows
+        return self._chunk(self.text, self.ids, self.token_rows, self.top_rows)
+
+    def finish(self, c: Completion) -> GenerateResponse:
+        """The last event: with its finish_reason and the Completion's own counts. The
+        Completion's text, ids and logprobs are its deltas' (actors/output.py), so the
+        incremental event carries what is left of them: nothing, unless a delta never came."""
+        if not self.incremental:
+            return whole(c, self.arrived_at, self.wanted)
+        items = (c.logprobs or ())[self.num_logprobs :]
+        rest = GenerateResponse(
+            c.text[self.num_text_chars :],
+            list(c.token_ids[len(self.ids) :]),
+            _meta(c.rid, finish_reason(c), c, self.arrived_at),
+        )
+        if self.wanted.logprobs:
+            rest.meta_info.output_token_logprobs = _token_rows(items)
+            if self.wanted.top:
+                rest.meta_info.output_top_logprobs = _top_rows(items)
+        return rest
+
+    def _chunk(
+        self,
+        text: str,
+        ids: list[int],
+        token_rows: list[TokenRow],
+        top_rows: list[list[TokenRow]],
+    ) -> GenerateResponse:
+        meta = MetaInfo(
+            self.rid,
+            None,  # finish_reason: only the last event's
+            self.num_prompt,
+            len(self.ids),
+            0,
+            self.weight_version,
+            time.monotonic() - self.arrived_at,
+        )
+        if self.wanted.logprobs:
+            meta.output_token_logprobs = token_rows
+            if self.wanted.top:
+                meta.output_top_logprobs = top_rows
+        return GenerateResponse(text, ids, meta)
+
+
+def _meta(rid: str, reason: dict[str, Any], c: Completion, arrived_at: float) -> MetaInfo:
+    usage = c.usage
+    return MetaInfo(
+        rid,
+        reason,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_tokens,
+        c.weight_version,
+        time.monotonic() - arrived_at,
+    )
+
+
+def _token_rows(items: tuple[TokenLogprob, ...]) -> list[TokenRow]:
+    return [(t.logprob, t.token_id, None) for t in items]
+
+
+def _top_rows(items: tuple[TokenLogprob, ...]) -> list[list[TokenRow]]:
+    return [[(lp, i, None) for i, lp in t.top] for t in items]
