@@ -18,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from shoal.config import EngineOptions
-    from shoal.kernels.loading.config import ModelConfig
+    from shoal.loading.config import ModelConfig
 
 CPU_KV_CACHE_TOKENS = 32768  # kv_cache_tokens unset, off CUDA
 GPU_MEMORY_FRACTION = 0.9  # kv_cache_tokens unset, on CUDA: of the memory the device can give

@@ -8,13 +8,13 @@ import asyncio
 import socket
 from collections.abc import Callable
 
-from shoal.actors.kv_receive import ReceiveRooms
-from shoal.actors.kv_send import SendRooms
-from shoal.actors.kv_transfer import KVTransfer
+from shoal.actors.executor.stages import Stage
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import SchedulerMsg
-from shoal.actors.stages import Stage
 from shoal.actors.supervise import FaultInjector
+from shoal.actors.transfer.kv_receive import ReceiveRooms
+from shoal.actors.transfer.kv_send import SendRooms
+from shoal.actors.transfer.kv_transfer import KVTransfer
 from shoal.actors.transfer_messages import PeerArrived, PeerCancel, PeerGone, TransferMsg
 from shoal.config import EngineOptions
 from shoal.disagg.backend import LocalBackend, LocalFabric, TransferBackend
@@ -69,7 +69,7 @@ def build_transfer(
     peer_key: str | None = None,
 ) -> tuple[KVTransfer, Mailbox[TransferMsg]]:
     """`weight_version`: the public counter a prefill server reports; `weights_digest`: the
-    weights' identity both sides compare (kernels/loading/identity.py); `peer_key`: the key
+    weights' identity both sides compare (loading/identity.py); `peer_key`: the key
     a decode server's calls to its prefill servers carry."""
     mailbox: Mailbox[TransferMsg] = Mailbox("transfer")
     on_gpu = any(stage.kv.k[0].device.type != "cpu" for stage in stages)

@@ -1,4 +1,4 @@
-"""The KV transfer actor's mailbox (actors/kv_transfer.py; prefill/decode disaggregation,
+"""The KV transfer actor's mailbox (actors/transfer/kv_transfer.py; prefill/decode disaggregation,
 docs/disaggregation.md): what the scheduler, the Engine, the bootstrap endpoint and the actor's
 own tasks send it. Its answer to the scheduler, `TransferEnded`, and the request's
 `Bootstrap` are in actors/messages.py with the mailboxes they travel in."""

@@ -17,10 +17,12 @@ from pathlib import Path
 from threading import Event
 from typing import Any
 
-from shoal.actors.cache_manager import CacheManager
-from shoal.actors.device_state import DeviceState
+from shoal.actors.cache_manager.cache_manager import CacheManager
 from shoal.actors.disagg_wiring import build_transfer
-from shoal.actors.executor import Executor
+from shoal.actors.executor.device_state import DeviceState
+from shoal.actors.executor.executor import Executor
+from shoal.actors.executor.stages import Stage, StageMonitor, split_layers, stage_devices
+from shoal.actors.executor.streams import StepStreams
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     CacheMsg,
@@ -30,12 +32,11 @@ from shoal.actors.messages import (
     Shutdown,
     TokenizerMsg,
 )
-from shoal.actors.planner import Planner
-from shoal.actors.request import PlannerConfig
-from shoal.actors.scheduler import Scheduler
-from shoal.actors.stages import Stage, StageMonitor, split_layers, stage_devices
+from shoal.actors.scheduler.planner import Planner
+from shoal.actors.scheduler.request import PlannerConfig
+from shoal.actors.scheduler.scheduler import Scheduler
 from shoal.actors.supervise import FaultInjector
-from shoal.actors.tokenizer import Tokenizer
+from shoal.actors.tokenizer.tokenizer import Tokenizer
 from shoal.actors.transfer_messages import TransferMsg
 from shoal.cache.kv import KVCache
 from shoal.config import EngineOptions, Resolved
@@ -44,12 +45,11 @@ from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise
-from shoal.kernels.loading.identity import weights_digest
-from shoal.kernels.loading.loader import LoadedModel
-from shoal.kernels.models.kv_pool import KVPool
-from shoal.kernels.models.layout import Part
-from shoal.kernels.models.registry import family_of
-from shoal.kernels.streams import StepStreams
+from shoal.loading.identity import weights_digest
+from shoal.loading.loader import LoadedModel
+from shoal.models.kv_pool import KVPool
+from shoal.models.layout import Part
+from shoal.models.registry import family_of
 from shoal.results import EngineDeadError
 
 log = logging.getLogger("shoal")
@@ -64,7 +64,7 @@ class Actors:
     tokenizer: Tokenizer
     stages: StageMonitor  # microbatches in each pipeline stage (one stage: the executor)
     transfer_box: Mailbox[TransferMsg] | None = None  # disaggregation's transfer actor
-    # the serving weights' identity (kernels/loading/identity.py), current after updates
+    # the serving weights' identity (loading/identity.py), current after updates
     weights_digest: Callable[[], str] = lambda: ""
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     stopping: bool = False
@@ -148,7 +148,7 @@ def build_stages(
     loaded: LoadedModel, options: EngineOptions, resolved: Resolved, compiled: CpuKernels | None
 ) -> list[Stage]:
     """The model in `pipeline_stages` parts (one: the whole model), each with its K/V pool,
-    attention backend and stream on its device (actors/stages.py)."""
+    attention backend and stream on its device (actors/executor/stages.py)."""
     config = loaded.config
     layout = resolved.cache
     count = options.pipeline_stages
@@ -194,7 +194,7 @@ def start_actors(
     fabric: LocalFabric | None = None,
     peer_key: str | None = None,
 ) -> Actors:
-    """`peer_key`: the key of disaggregation's bootstrap calls (actors/disagg_wiring.py)."""
+    """`peer_key`: the key of disaggregation's bootstrap calls (disagg_wiring.py)."""
     layout = resolved.cache
     config = loaded.config
     tokenizer_box: Mailbox[TokenizerMsg] = Mailbox("tokenizer")

@@ -1,5 +1,5 @@
 """`python -m shoal cache list | size | clean`: what the cache holds, and removing what no start
-would load again (kernels/cache_inventory.py says what counts as stale, and why)."""
+would load again (loading/cache_inventory.py says what counts as stale, and why)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from typing import Any
 import torch
 
 from shoal.kernels import cpu_kernels
-from shoal.kernels.cache_inventory import (
+from shoal.kernels.kernel_build import build_folder
+from shoal.loading.cache_inventory import (
     CacheEntry,
     Environment,
     describe_age,
     inventory,
     remove,
 )
-from shoal.kernels.kernel_build import build_folder
-from shoal.kernels.loading.loader import default_cache_dir
+from shoal.loading.loader import default_cache_dir
 
 
 def add_cache_parser(commands: Any) -> None:

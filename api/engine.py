@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from shoal.actors.disagg_wiring import room_handlers
+from shoal.actors.executor.stages import StageMonitor
 from shoal.actors.messages import (
     Abort,
     Advance,
@@ -39,7 +40,6 @@ from shoal.actors.messages import (
     UpdateWeights,
 )
 from shoal.actors.replies import SchedulerSnapshot, TransferStats, UpdateOutcome
-from shoal.actors.stages import StageMonitor
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.transfer_messages import DropRoom, TransferCountsAsk
 from shoal.actors.wiring import Actors, cpu_kernels, start_actors
@@ -59,8 +59,8 @@ from shoal.disagg.bootstrap import BootstrapServer
 from shoal.disagg.peers import PrefillPeers
 from shoal.heap import trim_host_heap
 from shoal.kernels.cache_files import raise_if_cancelled
-from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model
 from shoal.limits import check_prompt_size
+from shoal.loading.loader import LoadedModel, default_cache_dir, load_model
 from shoal.memory import DeviceMemory, measure_device_memory
 from shoal.params import SamplingParams
 from shoal.results import EngineDeadError, InternalError, RequestError, RequestStream
@@ -306,7 +306,7 @@ class Engine:
 
     @property
     def weights_digest(self) -> str:
-        """The serving weights' identity (kernels/loading/identity.py): what disaggregated
+        """The serving weights' identity (loading/identity.py): what disaggregated
         servers compare; it survives restarts, unlike weight_version."""
         return self.actors.weights_digest()
 
@@ -420,7 +420,7 @@ class Engine:
     @property
     def stages(self) -> StageMonitor:
         """The pipeline stages' microbatch counts, and the tests' seam to hold a stage or fail
-        its next microbatch (actors/stages.py); one stage without `pipeline_stages`."""
+        its next microbatch (actors/executor/stages.py); one stage without `pipeline_stages`."""
         return self.actors.stages
 
     def hold(self) -> None:

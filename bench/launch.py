@@ -93,7 +93,7 @@ def gguf_path(model: str | None) -> Path:
         if not model.endswith(".gguf"):
             raise SystemExit(f"llamacpp needs a .gguf model, got {model}")
         return Path(model)
-    from shoal.kernels.loading.loader import bundled_model_path
+    from shoal.loading.loader import bundled_model_path
 
     return bundled_model_path()
 
@@ -123,7 +123,7 @@ def eos_ids_of(model: str | None) -> list[int]:
 
 
 def vllm_command(config: LaunchConfig, port: int) -> list[str]:
-    from shoal.kernels.loading.loader import resolve_model_folder
+    from shoal.loading.loader import resolve_model_folder
 
     python, reason = find_python(config.vllm_python)
     if python is None:

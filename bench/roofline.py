@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shoal.kernels.loading.config import ModelConfig
+    from shoal.loading.config import ModelConfig
 
 # Peak HBM bandwidth in GB/s by GPU name, from the vendors' data sheets. Each entry: the
 # substrings torch.cuda.get_device_name() must all contain. "NVIDIA H100 80GB HBM3" is the SXM

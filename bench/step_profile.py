@@ -73,7 +73,7 @@ def bucket_of(op_name: str) -> str:
 def model_class(loaded: Any) -> Any:
     """The revision's model constructor: a family's `build`, or LlamaModel before families."""
     try:
-        from shoal.kernels.models.registry import family_of
+        from shoal.models.registry import family_of
 
         family = family_of(loaded.config.model_type)
         if hasattr(family, "build"):
@@ -81,19 +81,19 @@ def model_class(loaded: Any) -> Any:
     except ImportError:
         pass
     try:
-        from shoal.kernels.models.llama import LlamaModel  # type: ignore[attr-defined]
-    except ImportError:  # revisions before kernels/models/
+        from shoal.models.llama import LlamaModel  # type: ignore[attr-defined]
+    except ImportError:  # revisions before models/
         from shoal.kernels.model import LlamaModel  # type: ignore[no-redef]
     return LlamaModel
 
 
 def build(kind: str | None, attention: str, fused: str) -> tuple[Any, Any, Any]:
     from shoal.kernels.attention import TorchAttention
-    from shoal.kernels.loading.loader import load_model
+    from shoal.loading.loader import load_model
 
     try:
-        from shoal.kernels.models.kv_pool import KVPool
-    except ImportError:  # revisions before kernels/models/
+        from shoal.models.kv_pool import KVPool
+    except ImportError:  # revisions before models/
         from shoal.kernels.model import KVPool  # type: ignore[no-redef]
 
     loaded = load_model(None)
@@ -102,7 +102,7 @@ def build(kind: str | None, attention: str, fused: str) -> tuple[Any, Any, Any]:
     elementwise = None
     if kind == "int8" or attention == "cpu":  # int8 linears are compiled too
         from shoal.kernels.cpu_kernels import load_cpu_kernels
-        from shoal.kernels.loading.loader import default_cache_dir
+        from shoal.loading.loader import default_cache_dir
 
         kernels = load_cpu_kernels(default_cache_dir())
         if attention == "cpu":

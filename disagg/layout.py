@@ -1,6 +1,6 @@
 """Where a server's KV lives, as addresses another server can write into.
 
-Each layer's K and V are one tensor of [num_slots, num_kv_heads, head_dim] (kernels/models/
+Each layer's K and V are one tensor of [num_slots, num_kv_heads, head_dim] (models/
 kv_pool.py), a page is `page_size` consecutive slots, so page p of layer l starts at
 `k_addrs[l] + p * page_bytes`::
 

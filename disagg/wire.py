@@ -23,7 +23,7 @@ class RoomRequest(msgspec.Struct, frozen=True):
     skip_tokens: int  # page-aligned: the decode server's own prefix-cache hit
     num_tokens: int
     prompt_digest: str  # prompt_digest() of the prompt's token ids
-    weights_digest: str = ""  # the decode server's weights (kernels/loading/identity.py)
+    weights_digest: str = ""  # the decode server's weights (loading/identity.py)
 
     def problem(self) -> str | None:
         """Why this request cannot be a decode server's (None: it can), checked where it

@@ -8,7 +8,7 @@
     partial_rotary_dim(head_dim, partial_rotary_factor) -> rotary_dim (Phi-4-mini rotates 3/4)
     apply_rope(x, cos, sin) -> x with the first cos.shape[-1] features of each head rotated
 
-`scaling` is read_rope's dict (kernels/loading/rope_config.py): the type under "rope_type" and
+`scaling` is read_rope's dict (loading/rope_config.py): the type under "rope_type" and
 its fields, with original_max_position_embeddings and longrope's factor already resolved from the
 config's top-level fields as transformers resolves them; None is plain RoPE. Each type repeats,
 op for op, the function transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS names for it, so the

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.kernels.streams import to_device
+from shoal.kernels.device_copy import to_device
 from shoal.params import SamplingParams
 
 MIN_TEMPERATURE = 1e-5

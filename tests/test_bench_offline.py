@@ -354,7 +354,7 @@ SMOLLM2_135M = {  # its config.json, the fields the roofline reads
 
 
 def test_roofline_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shoal.kernels.loading.config import ModelConfig
+    from shoal.loading.config import ModelConfig
 
     roofline = load_bench("roofline", monkeypatch)
     config = ModelConfig.from_hf_config(SMOLLM2_135M)

@@ -1,5 +1,5 @@
 """`python -m shoal cache list | size | clean` on a fabricated cache holding one of each kind of
-entry (kernels/cache_inventory.py): what is live, stale (and why), busy, or not shoal's."""
+entry (loading/cache_inventory.py): what is live, stale (and why), busy, or not shoal's."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from shoal.api.cache_command import this_environment
 from shoal.api.cli import main
 from shoal.kernels.cache_files import FolderLock
 from shoal.kernels.kernel_build import MARKER_NAME as KERNELS_MARKER
-from shoal.kernels.loading.gguf_convert import CONVERTER_VERSION
-from shoal.kernels.loading.model_cache import MARKER_NAME as MODEL_MARKER
+from shoal.loading.gguf_convert import CONVERTER_VERSION
+from shoal.loading.model_cache import MARKER_NAME as MODEL_MARKER
 
 LIVE = ["ok-model", "kernels/CURRENT", "kernels/shoal_cpu_kernels_avx512_0therenv0000"]
 GONE_ENV = "kernels/shoal_cpu_kernels_avx512_g0neenv00000"

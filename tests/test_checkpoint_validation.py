@@ -19,10 +19,10 @@ from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
 from shoal.kernels.linear import Linear
-from shoal.kernels.loading.checkpoint import CheckpointError, read_header
-from shoal.kernels.loading.loader import load_model
-from shoal.kernels.models import weights as weights_module
-from shoal.kernels.models.decoder import DecoderModel
+from shoal.loading.checkpoint import CheckpointError, read_header
+from shoal.loading.loader import load_model
+from shoal.models import weights as weights_module
+from shoal.models.decoder import DecoderModel
 
 __all__ = ["serve"]
 
@@ -358,7 +358,7 @@ async def test_an_unexpected_failure_is_a_refusal_not_a_dead_engine(
     def broken(*args: object, **kwargs: object) -> None:
         raise AttributeError(f"'NoneType' object has no attribute 'x' in {tiny_folder}")
 
-    monkeypatch.setattr("shoal.actors.device_state.load_weights", broken)
+    monkeypatch.setattr("shoal.actors.executor.device_state.load_weights", broken)
     with caplog.at_level("ERROR", logger="shoal.executor"):
         result = await engine.update_weights_from_disk(tiny_folder)
     assert not result.success and "could not be read" in result.message, result.message

@@ -1,4 +1,4 @@
-"""How each family's config.json reads (kernels/loading/config.py through the family's Traits):
+"""How each family's config.json reads (loading/config.py through the family's Traits):
 which layers slide when the config has no layer_types (transformers 4 era configs), which layers
 carry experts, what the family fixes (biases, q/k norm, Gemma's scaling), and the refusals."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from shoal.kernels.loading.config import ModelConfig
+from shoal.loading.config import ModelConfig
 
 
 def config(model_type: str, layers: int = 6, **overrides: Any) -> ModelConfig:

@@ -29,8 +29,8 @@ from shoal.kernels.linear import (
     pack_gated_panels,
     pack_panels,
 )
-from shoal.kernels.loading.loader import LoadedModel, default_cache_dir
 from shoal.kernels.rope import cos_sin_table, inv_frequencies
+from shoal.loading.loader import LoadedModel, default_cache_dir
 from shoal.params import SamplingParams
 
 

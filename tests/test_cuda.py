@@ -18,7 +18,7 @@ from conftest import EngineFactory, Reference
 from test_engine_parity import expect, mixed_prompts, run_all
 
 from shoal.api.engine import Engine
-from shoal.kernels.loading.loader import LoadedModel, load_model
+from shoal.loading.loader import LoadedModel, load_model
 from shoal.memory import CPU_KV_CACHE_TOKENS
 
 pytestmark = pytest.mark.gpu

@@ -16,13 +16,13 @@ import torch
 
 pytest.importorskip("triton", reason="the triton package is not installed")
 
-from shoal.actors.device_state import DeviceState
+from shoal.actors.executor.cuda_graphs import DecodeGraphs, capture_sizes
+from shoal.actors.executor.device_state import DeviceState
 from shoal.actors.messages import Launch, RowInit, RowWriteMsg, SeqChunk
-from shoal.kernels.cuda_graphs import DecodeGraphs, capture_sizes
-from shoal.kernels.loading.loader import LoadedModel
-from shoal.kernels.models.kv_pool import KVPool
-from shoal.kernels.models.llama import LLAMA
 from shoal.kernels.triton.attention import TritonAttention
+from shoal.loading.loader import LoadedModel
+from shoal.models.kv_pool import KVPool
+from shoal.models.llama import LLAMA
 from shoal.params import SamplingParams
 
 PAGE_SIZE = 4

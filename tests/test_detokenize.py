@@ -1,4 +1,5 @@
-"""actors/detokenize.py and actors/stops.py: streamed text equals the whole, cut at the stop."""
+"""actors/tokenizer/detokenize.py and actors/tokenizer/stops.py: streamed text equals the
+whole, cut at the stop."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from shoal.actors.detokenize import IncrementalDetokenizer, fast_decoder
-from shoal.actors.stops import StopMatcher, failure_function
+from shoal.actors.tokenizer.detokenize import IncrementalDetokenizer, fast_decoder
+from shoal.actors.tokenizer.stops import StopMatcher, failure_function
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, 1234567890!",

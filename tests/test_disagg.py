@@ -37,7 +37,7 @@ from shoal.actors.transfer_messages import TransferMsg
 from shoal.disagg.backend import LocalFabric
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.wire import RoomRequest
-from shoal.kernels.loading.loader import LoadedModel
+from shoal.loading.loader import LoadedModel
 from shoal.results import Completion, RequestStream
 
 NEW_TOKENS = 10

@@ -32,7 +32,7 @@ from test_http_support import MODEL, Served, ServeFactory, chat, serve, sse_even
 
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.wire import RoomRequest, RoomResult, prompt_digest
-from shoal.kernels.loading.loader import load_model
+from shoal.loading.loader import load_model
 
 __all__ = ["other_folder", "serve"]  # fixtures, used by name
 

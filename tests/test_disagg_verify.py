@@ -33,8 +33,8 @@ from shoal.disagg.backend import LocalFabric
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.peers import PrefillPeers
 from shoal.disagg.wire import RoomRequest
-from shoal.kernels.loading.identity import weights_digest
-from shoal.kernels.loading.loader import LoadedModel, load_model
+from shoal.loading.identity import weights_digest
+from shoal.loading.loader import LoadedModel, load_model
 from shoal.results import RequestError
 
 __all__ = ["other_folder", "serve"]  # fixtures, used by name

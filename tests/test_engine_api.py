@@ -10,8 +10,8 @@ import pytest
 from conftest import EngineFactory, Reference
 
 from shoal import EngineDeadError, SamplingParams
-from shoal.actors.device_state import DeviceState
-from shoal.actors.pending_step import PendingStep
+from shoal.actors.executor.device_state import DeviceState
+from shoal.actors.executor.pending_step import PendingStep
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -230,7 +230,7 @@ async def test_a_failing_forward_ends_requests_with_an_error_and_serving_goes_on
 async def test_a_dead_actor_fails_every_open_request(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shoal.actors.planner import Planner
+    from shoal.actors.scheduler.planner import Planner
 
     engine = await make_engine()
 

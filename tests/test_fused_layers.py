@@ -1,4 +1,4 @@
-"""The layers chained in C++ for decode-only steps (kernels/models/fused_layers.py,
+"""The layers chained in C++ for decode-only steps (models/fused_layers.py,
 csrc/decoder_layers.cpp) against the Python forward over the same kernels: the same bits in the
 logits and in every cache slot, for float32 and int8, a qkv bias, pipeline parts and a weight
 update; which models and steps it takes; and that a bad step raises instead of reading stray
@@ -20,13 +20,13 @@ from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import CpuKernels, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.linear import LinearKind
-from shoal.kernels.loading.loader import LoadedModel, default_cache_dir, load_model
-from shoal.kernels.models.decoder import DecoderModel
-from shoal.kernels.models.fused_layers import FusedLayers
-from shoal.kernels.models.kv_pool import KVPool
-from shoal.kernels.models.layout import Part
-from shoal.kernels.models.registry import family_of
 from shoal.kernels.quant import MANY_ROWS
+from shoal.loading.loader import LoadedModel, default_cache_dir, load_model
+from shoal.models.decoder import DecoderModel
+from shoal.models.fused_layers import FusedLayers
+from shoal.models.kv_pool import KVPool
+from shoal.models.layout import Part
+from shoal.models.registry import family_of
 
 PAGE = 4
 NUM_PAGES = 256

@@ -1,4 +1,4 @@
-"""GGUF conversion of every model family shoal converts (kernels/loading/gguf_config.py).
+"""GGUF conversion of every model family shoal converts (loading/gguf_config.py).
 
 For each family: a tiny random HF model saved by transformers, written as a GGUF the way
 llama.cpp's convert_hf_to_gguf.py would (tests/gguf_writer.py), converted back by shoal. The
@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 from tiny_model import BOS_ID, EOS_ID, PAD_ID, make_tiny_tokenizer
 
 from shoal.api.engine import Engine
-from shoal.kernels.loading.checkpoint import CheckpointError
-from shoal.kernels.loading.gguf_convert import convert_gguf, hf_name
-from shoal.kernels.loading.loader import load_model
+from shoal.loading.checkpoint import CheckpointError
+from shoal.loading.gguf_convert import convert_gguf, hf_name
+from shoal.loading.loader import load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

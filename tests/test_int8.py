@@ -19,9 +19,6 @@ from shoal import Engine
 from shoal.config import EngineOptions, resolve, resolve_linear
 from shoal.kernels.cpu_kernels import load_cpu_kernels
 from shoal.kernels.linear import make_linear
-from shoal.kernels.loading.loader import default_cache_dir, load_model
-from shoal.kernels.models.llama import LLAMA
-from shoal.kernels.models.weights import linear_weights
 from shoal.kernels.quant import (
     BLOCK,
     MANY_ROWS,
@@ -32,6 +29,9 @@ from shoal.kernels.quant import (
     exact_q4_blocks,
     q8_blocks,
 )
+from shoal.loading.loader import default_cache_dir, load_model
+from shoal.models.llama import LLAMA
+from shoal.models.weights import linear_weights
 
 # Weights are int8 in blocks of 32 (relative step 1/127 of a block's largest weight) and
 # activations int16 (1/32767), so a product is off by well under 1% of its size.

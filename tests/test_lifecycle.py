@@ -15,7 +15,7 @@ from conftest import EngineFactory, Reference
 from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
-from shoal.actors.device_state import DeviceState
+from shoal.actors.executor.device_state import DeviceState
 from shoal.cache.stats import KVStats
 from shoal.results import RequestStream
 

@@ -15,17 +15,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_model import BOS_ID, CHAT_TEMPLATE, EOS_ID, make_tiny_model_folder
 
-from shoal.kernels.loading.config import ModelConfig
-from shoal.kernels.loading.gguf_convert import MARKER_NAME, hf_name, unpermute_rope_rows
-from shoal.kernels.loading.loader import (
+from shoal.loading.config import ModelConfig
+from shoal.loading.gguf_convert import MARKER_NAME, hf_name, unpermute_rope_rows
+from shoal.loading.loader import (
     bundled_model_path,
     expected_weight_shapes,
     load_model,
     read_model_config,
     resolve_model_folder,
 )
-from shoal.kernels.models.llama import LLAMA
-from shoal.kernels.models.registry import family_of, supported_model_types
+from shoal.models.llama import LLAMA
+from shoal.models.registry import family_of, supported_model_types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -586,7 +586,7 @@ def test_bundled_tokenizer_matches_transformers_gguf_tokenizer(smollm2) -> None:
 def test_bundled_second_load_is_fast(smollm2, bundled_cache: Path) -> None:
     script = (
         "import time; t = time.perf_counter(); from pathlib import Path; "
-        "from shoal.kernels.loading.loader import load_model; i = time.perf_counter(); "
+        "from shoal.loading.loader import load_model; i = time.perf_counter(); "
         f"m = load_model(cache_dir=Path({str(bundled_cache)!r})); e = time.perf_counter(); "
         "print(f'{i - t:.2f} {e - i:.2f} {e - t:.2f}')"
     )

@@ -1,4 +1,4 @@
-"""The converted-model cache (kernels/loading/gguf_convert.py, model_cache.py) keeps itself whole
+"""The converted-model cache (loading/gguf_convert.py, model_cache.py) keeps itself whole
 and small (issue 29): a conversion killed midway is swept by the next start, which comes up; a
 cancelled or failed one leaves nothing; a full disk is the CLI's one-line error; files are
 fsynced and checksummed, and a folder zeroed in place is refused with what to delete; older
@@ -27,9 +27,9 @@ from test_loader import write_tiny_gguf
 
 from shoal.api.cli import main
 from shoal.kernels.cache_files import FolderLock, StartCancelled, lock_path, temporaries
-from shoal.kernels.loading.gguf_convert import convert_gguf, converted_folder
-from shoal.kernels.loading.loader import load_model, resolve_model_folder
-from shoal.kernels.loading.model_cache import MARKER_NAME, CorruptCacheError
+from shoal.loading.gguf_convert import convert_gguf, converted_folder
+from shoal.loading.loader import load_model, resolve_model_folder
+from shoal.loading.model_cache import MARKER_NAME, CorruptCacheError
 
 TESTS = Path(__file__).resolve().parent
 
@@ -47,7 +47,7 @@ CONVERT_AND_HANG = """
 import sys, time
 from pathlib import Path
 import safetensors.torch
-from shoal.kernels.loading.loader import resolve_model_folder
+from shoal.loading.loader import resolve_model_folder
 
 real_save = safetensors.torch.save_file
 
@@ -233,7 +233,7 @@ READ_ONLY_LOAD = """
 import json, sys
 from pathlib import Path
 import read_only_hook
-from shoal.kernels.loading.loader import load_model
+from shoal.loading.loader import load_model
 read_only_hook.install(sys.argv[2])
 loaded = load_model(Path(sys.argv[1]), cache_dir=Path(sys.argv[2]), progress=False)
 print(json.dumps({"layers": loaded.config.num_layers, "refused": read_only_hook.refused()}))
@@ -267,8 +267,8 @@ def test_a_weight_update_from_a_corrupted_conversion_is_refused_without_our_path
     """A weight update names a GGUF: a corrupted conversion of it is a CheckpointError (the
     update is refused, the old weights stay) whose message, for the client, names no folder of
     the server's cache."""
-    from shoal.kernels.loading.checkpoint import CheckpointError
-    from shoal.kernels.loading.loader import checkpoint_folder
+    from shoal.loading.checkpoint import CheckpointError
+    from shoal.loading.loader import checkpoint_folder
 
     cache = tmp_path / "cache"
     folder = resolve_model_folder(gguf_path, cache_dir=cache, progress=False)

@@ -1,5 +1,5 @@
-"""Pipeline stages (actors/stages.py): greedy tokens equal transformers with the layers split
-over 1, 2 or 3 stages, and no lifecycle operation lands while a microbatch is still in a later
+"""Pipeline stages (actors/executor/stages.py): greedy tokens equal transformers with the layers
+split over 1, 2 or 3 stages, and no lifecycle operation lands while a microbatch is still in a later
 stage: SGLang's window (its PR #27446: a cache flush ran while microbatches were in later
 stages, their results then hit an emptied radix tree and killed the scheduler), and the same
 window for weight updates, aborts, abort-all, client disconnects and a failing stage.
@@ -29,8 +29,8 @@ from tiny_families import make_family_folder
 from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
-from shoal.actors.stages import StagePipeline
-from shoal.kernels.loading.loader import LoadedModel, load_model
+from shoal.actors.executor.stages import StagePipeline
+from shoal.loading.loader import LoadedModel, load_model
 from shoal.results import EngineDeadError
 
 __all__ = ["serve"]  # the fixture, used by name

@@ -1,4 +1,4 @@
-"""A model split into parts (kernels/models/layout.py, `Part`) computes what the whole model
+"""A model split into parts (models/layout.py, `Part`) computes what the whole model
 does: the parts' layers one after the other, each with the K/V of its own layers only, give the
 whole model's logits; and `split_layers` covers the model or refuses."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.actors.stages import split_layers
+from shoal.actors.executor.stages import split_layers
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
-from shoal.kernels.loading.loader import LoadedModel
-from shoal.kernels.models.kv_pool import KVPool
-from shoal.kernels.models.layout import Part
-from shoal.kernels.models.registry import family_of
+from shoal.loading.loader import LoadedModel
+from shoal.models.kv_pool import KVPool
+from shoal.models.layout import Part
+from shoal.models.registry import family_of
 
 
 @pytest.mark.parametrize("cut", [1])

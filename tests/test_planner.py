@@ -8,11 +8,11 @@ from collections import deque
 
 import pytest
 
-from shoal.actors.cache_manager import CacheManager
+from shoal.actors.cache_manager.cache_manager import CacheManager
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Admit, Launch, Output, StepDone
-from shoal.actors.planner import Planner
-from shoal.actors.request import Phase, PlannerConfig
+from shoal.actors.scheduler.planner import Planner
+from shoal.actors.scheduler.request import Phase, PlannerConfig
 from shoal.cache.kv import KVCache
 from shoal.params import SamplingParams
 

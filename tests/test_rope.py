@@ -20,18 +20,18 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from shoal.kernels.loading.checkpoint import CONFIG_NAME, CheckpointError
-from shoal.kernels.loading.fields import ConfigFields
-from shoal.kernels.loading.rope_config import (
-    read_layer_ropes,
-    read_partial_rotary,
-    read_rope,
-)
 from shoal.kernels.rope import (
     apply_rope,
     partial_rotary_dim,
     rope_context_limit,
     rope_tables,
+)
+from shoal.loading.checkpoint import CONFIG_NAME, CheckpointError
+from shoal.loading.fields import ConfigFields
+from shoal.loading.rope_config import (
+    read_layer_ropes,
+    read_partial_rotary,
+    read_rope,
 )
 
 CLASSES: dict[str, tuple[Any, Any]] = {

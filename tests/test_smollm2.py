@@ -11,7 +11,7 @@ import pytest
 from conftest import Reference
 
 from shoal.api.engine import Engine
-from shoal.kernels.loading.loader import LoadedModel, load_model
+from shoal.loading.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,8 @@ async def test_chat_greedy_matches_transformers(smollm2: LoadedModel) -> None:
 
 @pytest.mark.parametrize("stages", [2, 3])
 async def test_pipeline_stages_give_transformers_tokens(smollm2: LoadedModel, stages: int) -> None:
-    """Its 30 layers split 15 + 15 (or 10 + 10 + 10) over pipeline stages (actors/stages.py)."""
+    """Its 30 layers split 15 + 15 (or 10 + 10 + 10) over pipeline stages
+    (actors/executor/stages.py)."""
     reference = Reference(smollm2.path, smollm2.config.eos_token_ids)
     messages = [[{"role": "user", "content": c}] for c in CHATS[:2]]
     async with Engine(smollm2, strict_integrity=True, seed=0, pipeline_stages=stages) as engine:

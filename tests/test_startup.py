@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from test_kernel_build import group_is_gone
 
-from shoal.kernels.loading.loader import bundled_model_path
+from shoal.loading.loader import bundled_model_path
 
 
 async def start_serve(cache: Path, *args: str) -> asyncio.subprocess.Process:

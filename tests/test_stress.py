@@ -2,7 +2,7 @@
 flush, update and pause/continue interleaved. It must end with no crash, nothing leaked, and
 every completed greedy request equal to its reference for the weights it ran on.
 
-Each seed runs with one executor stage and with two pipeline stages (actors/stages.py).
+Each seed runs with one executor stage and with two pipeline stages (actors/executor/stages.py).
 STRESS_SEED=N runs one more seed instead of the default two."""
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class Stress:
 SEEDS = [int(os.environ["STRESS_SEED"])] if "STRESS_SEED" in os.environ else [2026, 7]
 
 
-# Two stages: the tiny model's two layers one a stage (actors/stages.py).
+# Two stages: the tiny model's two layers one a stage (actors/executor/stages.py).
 @pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_random_operations_against_a_running_server(

@@ -1,4 +1,4 @@
-"""The model-update lock (actors/update_lock.py) on its own: plain Python, no engine, no
+"""The model-update lock (actors/tokenizer/update_lock.py) on its own: plain Python, no engine, no
 asyncio. Its invariants (docs/architecture.md, law 2 and "Weight updates, cache flush and
 pause") asked as its owner, the tokenizer actor, asks them."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from shoal.actors.messages import Generate, UpdateWeights
-from shoal.actors.update_lock import UpdateLock
+from shoal.actors.tokenizer.update_lock import UpdateLock
 from shoal.params import SamplingParams
 
 

@@ -31,7 +31,7 @@ from shoal.api.http.gateway import Gateway
 from shoal.api.http.limits import check_id
 from shoal.api.http.metrics import CONTENT_TYPE, Metrics
 from shoal.api.http.native_protocol import AbortRequest
-from shoal.kernels.models.registry import family_of
+from shoal.models.registry import family_of
 from shoal.params import SamplingParams
 
 HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)

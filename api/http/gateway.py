@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from shoal.actors.encode import encode_prompt
+from shoal.actors.tokenizer.encode import encode_prompt
 from shoal.api.engine import Engine
 from shoal.api.http.bootstrap_fields import RoomFields, bootstraps
 from shoal.api.http.errors import ApiError, bad_request, from_engine, refused
@@ -91,14 +91,14 @@ class Gateway:
     async def encode_messages(
         self, messages: list[dict[str, Any]], param: str = "messages"
     ) -> list[int]:
-        """The tokenizer actor's own encoding of `messages=` (actors/encode.py), measured
+        """The tokenizer actor's own encoding of `messages=` (actors/tokenizer/encode.py), measured
         first and templated and encoded off the event loop."""
         self.check_prompt_size(None, messages, param)
         return await asyncio.to_thread(self._encode, None, messages, param)
 
     async def encode_text(self, text: str, param: str) -> list[int]:
-        """The tokenizer actor's own encoding of `prompt=` (actors/encode.py), measured first
-        and encoded off the event loop."""
+        """The tokenizer actor's own encoding of `prompt=` (actors/tokenizer/encode.py),
+        measured first and encoded off the event loop."""
         if not text:
             raise bad_request(f"{param} must not be empty", param)
         self.check_prompt_size(text, None, param)

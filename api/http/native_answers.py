@@ -100,7 +100,7 @@ class StreamChunks:
 
     def finish(self, c: Completion) -> GenerateResponse:
         """The last event: with its finish_reason and the Completion's own counts. The
-        Completion's text, ids and logprobs are its deltas' (actors/output.py), so the
+        Completion's text, ids and logprobs are its deltas' (actors/tokenizer/output.py), so the
         incremental event carries what is left of them: nothing, unless a delta never came."""
         if not self.incremental:
             return whole(c, self.arrived_at, self.wanted)

@@ -200,7 +200,7 @@ class ModelCard(msgspec.Struct):
     owned_by: str
     root: str
     max_model_len: int
-    family: str  # shoal's model family (kernels/models/registry.py)
+    family: str  # shoal's model family (models/registry.py)
     sliding_window: int | None  # the largest attention window of any layer; None: full
     object: str = "model"
 

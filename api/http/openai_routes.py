@@ -42,7 +42,7 @@ from shoal.api.http.openai_protocol import (
 )
 from shoal.api.http.sessions import session_turn
 from shoal.api.http.sse import open_sse
-from shoal.kernels.models.registry import family_of
+from shoal.models.registry import family_of
 from shoal.results import Completion, Delta
 
 

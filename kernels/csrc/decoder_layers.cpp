@@ -1,5 +1,5 @@
 // A run of decoder layers for a step whose every token is a decode, chained in C++: the same
-// kernels, in the same order, as the Python forward calls one by one (kernels/models/
+// kernels, in the same order, as the Python forward calls one by one (models/
 // decoder.py), so the same bits, without the ~20 torch dispatches and Python calls around each
 // layer's kernels (3.4 ms of an 11.0 ms one-sequence int8 step on the 2-core VM).
 //

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.kernels.batch import BatchShape
-from shoal.kernels.streams import to_device_many
+from shoal.kernels.device_copy import to_device_many
 from shoal.kernels.triton.decode import decode_attention_triton
 from shoal.kernels.triton.extend import extend_attention_triton
 from shoal.kernels.triton.store import store_kv_triton

@@ -1,0 +1,327 @@
+"""What the executor keeps on the device, and a step from launch to host results.
+
+`DeviceState.launch` runs on the executor's launch thread, strictly in launch order: it applies
+the batch's table writes, then queues the forward and sampling (on CUDA, on the compute
+stream; on CPU they run there and then) and starts copying the sampled tokens to the host.
+`PendingStep.result` (pending_step.py, with the rows' bookkeeping across the two threads)
+runs on the executor's completion thread, in the same order: it waits for the copy and returns
+plain ints. With pipeline stages, stage 0 runs here and the rest on the stages' threads
+(actors/executor/stages.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from shoal.actors.executor.pending_step import PendingStep, RowState
+from shoal.actors.executor.stages import Microbatch, Stage, StageMonitor, StagePipeline
+from shoal.actors.executor.streams import HostResult, StepStreams
+from shoal.actors.messages import Launch
+from shoal.heap import trim_host_heap
+from shoal.kernels.batch import AttentionBackend, BatchShape
+from shoal.kernels.device_copy import to_device, to_device_many
+from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
+from shoal.loading.checkpoint import CheckpointError
+from shoal.loading.identity import weights_digest
+from shoal.loading.loader import checkpoint_folder, load_weights, read_model_config
+from shoal.models.decoder import DecoderModel
+from shoal.models.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from shoal.actors.executor.cuda_graphs import DecodeGraphs  # imports triton
+
+log = logging.getLogger("shoal.executor")
+
+
+@dataclass
+class StepInputs:
+    input_ids: list[int]  # [T]; a decode's slot is filled on the device
+    positions: list[int]  # [T]
+    decode_at: list[int]  # which of the T inputs are decodes
+    decode_rows: list[int]  # ... and whose row's last token each takes
+    sample_index: list[int]  # which of the T tokens sample
+    sample_rows: list[int]  # ... and for which row
+
+
+class DeviceState:
+    """Weights, KV pool, the device request-slot table, each row's last sampled token and its
+    sampling state. Touched by the executor's launch thread (and row outputs by its
+    completion thread, as above)."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv: KVPool,
+        attention: AttentionBackend,
+        num_rows: int,
+        max_pages_per_row: int,
+        page_size: int,
+        eos_token_ids: tuple[int, ...],
+        later_stages: list[Stage] | None = None,
+        streams: StepStreams | None = None,
+        weights_digest: str = "",
+    ) -> None:
+        """`model` and `kv` are the whole model's, or pipeline stage 0's part with the later
+        stages' in `later_stages` (actors/executor/stages.py). `weights_digest`: the loaded weights'
+        identity (loading/identity.py), kept current by every update (read from the
+        event loop by disaggregation's transfer actor: a str, replaced whole)."""
+        self.weights_digest = weights_digest
+        device = model.device
+        self.model = model
+        self.kv = kv
+        self.attention = attention
+        self.page_size = page_size
+        self.eos_token_ids = eos_token_ids
+        self.streams = streams or StepStreams(device)
+        self.page_table = torch.zeros(num_rows, max_pages_per_row, dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.rows: dict[int, RowState] = {}
+        self.arrived = threading.Condition()
+        self.graphs: DecodeGraphs | None = None
+        later = later_stages or []
+        # The request-slot table on each stage's device (stages on one device share it).
+        stage_tables = [self.page_table]
+        for stage in later:
+            other = stage.model.device
+            stage_tables.append(self.page_table if other == device else self.page_table.to(other))
+        self.tables = list({id(t): t for t in stage_tables}.values())  # each written once
+        self.monitor = StageMonitor(1 + len(later))
+        self.pipeline = None
+        if later:
+            first = Stage(model, kv, attention, self.streams)
+            stages = [first, *later]
+            self.pipeline = StagePipeline(stages, stage_tables, self.monitor, self._finish)
+        self.models = [model, *(s.model for s in later)]
+        for streams in [s.streams for s in later] + [self.streams]:
+            streams.synchronize()  # weights, pool and tables were filled on the default stream
+
+    def shutdown(self) -> None:
+        """Stop the pipeline stages' threads (none without stages)."""
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
+
+    def capture_graphs(self, max_batch: int, context_length: int) -> None:
+        """CUDA graphs of the decode forward for batches up to max_batch (CUDA only). If the
+        capture fails, decode runs eagerly and the log says why."""
+        from shoal.actors.executor.cuda_graphs import DecodeGraphs
+
+        began = time.perf_counter()
+        try:
+            with self.streams.computing():
+                self.graphs = DecodeGraphs.capture(
+                    self.model, self.kv, self.page_table, self.page_size, max_batch, context_length
+                )
+        except RuntimeError:
+            log.exception("capturing CUDA graphs failed; decode runs without them")
+            self.graphs = None
+            return
+        self.streams.synchronize()
+        sizes = self.graphs.sizes
+        took = time.perf_counter() - began
+        log.info(
+            "captured %d decode CUDA graphs (batch %d..%d) in %.1fs",
+            len(sizes),
+            sizes[0],
+            sizes[-1],
+            took,
+        )
+
+    def load_weights(self, model_path: str) -> str | None:
+        """`_load_weights`, then the freed host memory (the checkpoint as read, the replaced
+        weights) goes back to the OS (heap.py): ten updates hold RSS where one leaves it."""
+        try:
+            return self._load_weights(model_path)
+        finally:
+            trim_host_heap()  # after the load's frame, with its tensors, is gone
+
+    def _load_weights(self, model_path: str) -> str | None:
+        """Copy a same-architecture checkpoint into the weights in place (captured graphs keep
+        reading the same tensors); None, or why it was refused (old weights stay).
+
+        The whole checkpoint is validated before anything is copied in, and no exception
+        escapes: whatever a checkpoint holds, the executor lives. The reason is for the client
+        (what is wrong with which file of the checkpoint, no paths of ours); the log has the
+        detail."""
+        config = self.model.config
+        try:
+            folder = checkpoint_folder(model_path)
+            other = read_model_config(folder)
+            if other.architecture() != config.architecture():
+                return (
+                    "the checkpoint has a different architecture: "
+                    f"{other.architecture()} instead of {config.architecture()}"
+                )
+            weights = load_weights(folder, config, dtype=self.model.dtype)
+            digest = weights_digest(weights, self.model.linear_kind)  # before: cannot fail after
+            # Validated whole above. Every stage builds its part beside the serving weights
+            # first, and only then does any take it (idle: an update waits for that), so a
+            # failure partway leaves the old weights in every stage, never a mix.
+            staged = [model.stage(weights) for model in self.models]
+            self.streams.synchronize()
+            with self.streams.computing():
+                for model, part in zip(self.models, staged, strict=True):
+                    model.commit(part)
+            self.streams.synchronize()
+            self.weights_digest = digest
+        except CheckpointError as exc:
+            log.warning("refused checkpoint %r: %s", model_path, exc)  # expected: no traceback
+            return f"could not load the checkpoint: {exc}"
+        except Exception:
+            log.exception("loading checkpoint %r failed", model_path)
+            return "could not load the checkpoint: it could not be read as a model checkpoint"
+        return None
+
+    def launch(self, launch: Launch) -> PendingStep:
+        with self.streams.computing():
+            return self._launch(launch)
+
+    def _launch(self, launch: Launch) -> PendingStep:
+        device = self.model.device
+        self._write_table(launch)
+        host = self._inputs(launch)
+        # One host-to-device copy for all of them.
+        ids, pos, decode_at, decode_rows, sample_index, rows_t = to_device_many(
+            (
+                host.input_ids,
+                host.positions,
+                host.decode_at,
+                host.decode_rows,
+                host.sample_index,
+                host.sample_rows,
+            ),
+            torch.int64,
+            device,
+        )
+        if host.decode_at:
+            ids[decode_at] = self.last_token[decode_rows]
+        shape = BatchShape(
+            tuple(s.row for s in launch.seqs),
+            tuple(s.start for s in launch.seqs),
+            tuple(s.num_tokens for s in launch.seqs),
+        )
+        sample_rows = host.sample_rows
+        if self.pipeline is not None:
+            return self._launch_stages(ids, pos, shape, sample_index, rows_t, sample_rows)
+        if self.graphs is not None and self.graphs.fits(shape, len(sample_rows)):
+            logits = self.graphs.run(ids, pos, shape)
+        else:
+            attention = self.attention.prepare(self.page_table, shape)
+            logits = self.model.forward(ids, pos, attention, self.kv, sample_index)
+
+        states = [self.rows[r] for r in sample_rows]
+        next_tokens = sample(logits, self._sampling_rows(states), self.eos_token_ids)
+        if sample_rows:
+            self.last_token[rows_t] = next_tokens
+        want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
+        to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
+        if want:
+            index = to_device(want, torch.int64, device)
+            top_k = max(states[i].sampling.top_logprobs for i in want)
+            to_copy += compute_logprobs(logits[index], next_tokens[index], top_k)
+        pending = PendingStep(states, self.streams.to_host(to_copy), want, self.arrived)
+        for state in states:  # last: a launch that raised above sampled nothing
+            state.num_sampled += 1
+        return pending
+
+    def _launch_stages(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        shape: BatchShape,
+        sample_index: torch.Tensor,
+        rows_t: torch.Tensor,
+        sample_rows: list[int],
+    ) -> PendingStep:
+        """Stage 0's part here (on the launch thread), the rest on the stages' threads."""
+        monitor = self.monitor
+        monitor.enter(0)
+        try:
+            monitor.gate(0)
+            attention = self.attention.prepare(self.page_table, shape)
+            h = self.model.run_layers(self.model.embed(ids), pos, attention, self.kv)
+            self.streams.synchronize()  # h is whole before stage 1 reads it
+        finally:
+            monitor.leave(0)
+        states = [self.rows[r] for r in sample_rows]
+        rows = self._sampling_rows(states)  # before num_sampled moves on: the seed's step
+        want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
+        micro = Microbatch(shape, pos, sample_index, (states, rows, rows_t, want))
+        assert self.pipeline is not None
+        future = self.pipeline.submit(h, micro)
+        pending = PendingStep(states, future, want, self.arrived)
+        for state in states:  # last: a launch that raised above sampled nothing
+            state.num_sampled += 1
+        return pending
+
+    def _finish(self, stage: Stage, h: torch.Tensor, micro: Microbatch) -> HostResult:
+        """The last stage's end: norm, head, sampling, the row's last token (on stage 0's
+        device, where the next decode reads it) and the copy to the host."""
+        states, rows, rows_t, want = micro.context
+        device = stage.model.device
+        logits = stage.model.head(h, micro.sample_index.to(device))
+        next_tokens = sample(logits, rows, self.eos_token_ids)
+        if states:
+            self.last_token[rows_t] = next_tokens.to(self.last_token.device)
+        to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
+        if want:
+            index = to_device(want, torch.int64, device)
+            top_k = max(states[i].sampling.top_logprobs for i in want)
+            to_copy += compute_logprobs(logits[index], next_tokens[index], top_k)
+        return stage.streams.to_host(to_copy)
+
+    def _inputs(self, launch: Launch) -> StepInputs:
+        """The step's host-side inputs; a sequence's first chunk (re)initializes its row."""
+        host = StepInputs([], [], [], [], [], [])
+        for seq in launch.seqs:
+            if seq.init is not None:
+                init = seq.init
+                outputs = list(init.output_ids)
+                state = RowState(init.sampling, init.seed, init.prompt_ids, outputs, len(outputs))
+                self.rows[seq.row] = state
+            if seq.input_ids is None:  # decode: the input is the row's last sampled token
+                host.decode_at.append(len(host.input_ids))
+                host.decode_rows.append(seq.row)
+                host.input_ids.append(0)
+            else:
+                host.input_ids.extend(seq.input_ids)
+            host.positions.extend(range(seq.start, seq.start + seq.num_tokens))
+            if seq.sample:
+                host.sample_index.append(len(host.input_ids) - 1)
+                host.sample_rows.append(seq.row)
+        return host
+
+    def _write_table(self, launch: Launch) -> None:
+        """Apply the batch's row writes before its forward, in the same stream
+        (docs/architecture.md, "Lifecycle laws", law 3)."""
+        if not launch.writes:
+            return
+        pages = to_device(
+            [p for w in launch.writes for p in w.pages], torch.int64, self.model.device
+        )
+        for table in self.tables:  # every stage's copy, before any stage reads this batch
+            on_device = pages.to(table.device)
+            offset = 0
+            for w in launch.writes:
+                n = len(w.pages)
+                table[w.row, w.start : w.start + n] = on_device[offset : offset + n]
+                offset += n
+
+    def _sampling_rows(self, states: list[RowState]) -> list[SamplingRow]:
+        """Each row's sampling view; rows with penalties wait for their earlier tokens."""
+        rows = []
+        for s in states:
+            outputs: tuple[int, ...] | list[int] = s.output_ids
+            if has_penalty(s.sampling):
+                with self.arrived:
+                    self.arrived.wait_for(s.caught_up)
+                    if s.lost:
+                        raise RuntimeError("an earlier step of this request failed")
+                    outputs = tuple(s.output_ids)
+            rows.append(SamplingRow(s.sampling, s.seed, s.prompt_ids, outputs, s.num_sampled))
+        return rows

@@ -1,0 +1,83 @@
+"""A launched step's results on their way to the host, and the per-row sampling state they
+complete.
+
+- `RowState.num_sampled` counts tokens launched for sampling; only the launch thread writes it.
+  It is the row's seed-stream step, known without waiting for the device.
+- `RowState.output_ids` are the sampled tokens that reached the host; only the completion
+  thread appends (`PendingStep.result`). Penalties need them all, so a launch that samples a
+  row with penalties first waits until that row's earlier tokens have arrived (such rows give
+  up overlap).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from shoal.actors.executor.streams import HostResult
+from shoal.params import SamplingParams
+from shoal.results import TokenLogprob
+
+
+class StepResult(NamedTuple):
+    """One step's results on the host, one per sampling sequence in batch order."""
+
+    next_tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob | None, ...]  # empty when no row asked for logprobs
+
+
+@dataclass
+class RowState:
+    sampling: SamplingParams
+    seed: int
+    prompt_ids: tuple[int, ...]
+    output_ids: list[int]
+    num_sampled: int
+    lost: bool = False  # a step that sampled this row failed: its tokens never arrive
+
+    def caught_up(self) -> bool:
+        return self.lost or len(self.output_ids) == self.num_sampled
+
+
+class PendingStep:
+    """A launched step whose sampled tokens (and logprobs) are on their way to the host (with
+    pipeline stages: whose last stage will start them there, `host` a Future)."""
+
+    def __init__(
+        self,
+        states: list[RowState],
+        host: HostResult | Future[HostResult],
+        logprob_rows: list[int],
+        arrived: threading.Condition,
+    ) -> None:
+        self.states = states
+        self.host = host
+        self.logprob_rows = logprob_rows
+        self.arrived = arrived
+
+    def result(self) -> StepResult:
+        try:
+            host = self.host.result() if isinstance(self.host, Future) else self.host
+            tensors = host.wait()
+            tokens = tuple(int(t) for t in tensors[0].tolist())
+        except BaseException:
+            with self.arrived:  # nobody may wait for these tokens any longer
+                for state in self.states:
+                    state.lost = True
+                self.arrived.notify_all()
+            raise
+        with self.arrived:
+            for state, token in zip(self.states, tokens, strict=True):
+                state.output_ids.append(token)
+            self.arrived.notify_all()
+        if not self.logprob_rows:
+            return StepResult(tokens, ())
+        chosen, values, ids = (t.tolist() for t in tensors[1:])
+        out: list[TokenLogprob | None] = [None] * len(self.states)
+        for j, i in enumerate(self.logprob_rows):
+            k = self.states[i].sampling.top_logprobs
+            top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
+            out[i] = TokenLogprob(tokens[i], float(chosen[j]), top)
+        return StepResult(tokens, tuple(out))

@@ -1,0 +1,120 @@
+"""One live request as the scheduler sees it, and when it is finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal
+
+from shoal.actors.messages import Bootstrap
+from shoal.params import SamplingParams
+from shoal.results import FinishReason, TokenLogprob
+
+Role = Literal["send", "receive"]  # a disaggregated request's half (docs/disaggregation.md)
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    RETRACTING = "retracting"
+    FINISHING = "finishing"
+    TRANSFER = "transfer"  # its pages are being written: by this server (send) or into it
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    max_running: int
+    chunk_size: int
+    max_batch_tokens: int
+    eos_token_ids: tuple[int, ...]
+    max_mixed_prefill_tokens: int = 0  # prompt tokens in a step that also decodes; 0: no cap
+    prefix_cache: bool = True  # False: no KV is ever kept in the tree for reuse
+    page_size: int = 16
+    # Pipeline stages (actors/executor/stages.py): with more than one, a request is in at most one
+    # launched batch at a time (a decode's input is the last stage's token of its previous
+    # batch), and a batch takes at most its share of the decodes, so that every stage has one.
+    stages: int = 1
+    # Prefill/decode disaggregation: a request with a bootstrap sends its prompt's KV
+    # ("prefill") or receives it ("decode"); "null" serves every request alone.
+    disaggregation: Literal["null", "prefill", "decode"] = "null"
+
+    def role(self, bootstrap: Bootstrap | None) -> Role | None:
+        if bootstrap is None or self.disaggregation == "null":
+            return None
+        return "send" if self.disaggregation == "prefill" else "receive"
+
+    @property
+    def disjoint(self) -> bool:
+        return self.stages > 1
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prompt tokens a step with this many decodes may take: the batch's room, capped
+        while decodes run so that a newcomer's prompt never stalls every stream for long."""
+        room = self.max_batch_tokens - num_decodes
+        if num_decodes and self.max_mixed_prefill_tokens:
+            return min(room, self.max_mixed_prefill_tokens)
+        return room
+
+
+@dataclass
+class Req:
+    rid: str
+    order: int
+    sampling: SamplingParams
+    seed: int
+    num_prompt: int
+    tokens: list[int]
+    phase: Phase = Phase.WAITING
+    finish: FinishReason | None = None
+    row: int | None = None
+    num_cached_tokens: int | None = None
+    num_launched: int = 0
+    num_computed: int = 0  # positions whose KV a finished batch wrote into the row
+    num_published: int = 0  # of those, the prefix offered to the tree (KVCache.publish)
+    pending: int = 0
+    inflight: int = 0
+    needs_init: bool = False
+    release_sent: bool = False
+    drop_kv: bool = False
+    session_id: str | None = None
+    session_prev_len: int = 0
+    keep_outputs: int | None = None  # a stop string ended it: the outputs the caller kept
+    # Disaggregation (actors/scheduler/planner_transfers.py): its half, the room, the row's pages as
+    # admitted, whether a transfer may still touch them (no release until it is over), and
+    # a prefill's first token, held back until its KV has landed.
+    bootstrap: Bootstrap | None = None
+    role: Role | None = None
+    pages: tuple[int, ...] = ()
+    transfer_open: bool = False
+    held_first: tuple[int, TokenLogprob | None] | None = None
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    def kept_tokens(self, prefix_cache: bool) -> tuple[tuple[int, ...] | None, str | None]:
+        """At release: the tokens whose KV to keep, and the session that keeps them."""
+        if self.drop_kv:
+            return None, None
+        computed = self.tokens[: self.num_launched]
+        if self.session_id is None or self.phase is Phase.RETRACTING:
+            return (tuple(computed) if prefix_cache else None), None
+        if self.finish == "abort":  # the turn is rolled back to the last completed one
+            return tuple(computed[: self.session_prev_len]), self.session_id
+        if self.keep_outputs is not None:
+            computed = computed[: self.num_prompt + self.keep_outputs]
+        return tuple(computed), self.session_id
+
+
+def finish_reason(req: Req, token: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
+    """After `token` was appended: "stop" (stop token or EOS), "length", or None."""
+    sp = req.sampling
+    if req.num_outputs >= sp.min_new_tokens:
+        if token in sp.stop_token_ids:
+            return "stop"
+        if not sp.ignore_eos and token in eos_token_ids:
+            return "stop"
+    if req.num_outputs >= sp.max_new_tokens:
+        return "length"
+    return None

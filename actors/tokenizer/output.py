@@ -1,0 +1,161 @@
+"""The tokenizer actor's way out: each live request's tokens into text, cut at its stop
+strings, pushed into its caller's stream, which ends with a Completion
+(docs/architecture.md, "Out: detokenize, stop strings, the stream").
+
+    streams.open(gen, ids, weight_version, session)   # at admission
+    streams.deliver(output)                           # every Output the scheduler sends
+    streams.fail(rid, error)                          # ends it with an error, if live
+
+A request is live here from its admission until its stream ends (its last token, a stop
+string, a failure); it stays a reader of the update lock until Released, which is not this
+file's business. A stop string ends the stream at once and tells the scheduler to end the
+request (Abort, reason "stop"); tokens still arriving for it are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.actors.mailbox import Mailbox
+from shoal.actors.messages import Abort, Generate, Output, SchedulerMsg
+from shoal.actors.tokenizer.detokenize import IncrementalDetokenizer, fast_decoder
+from shoal.actors.tokenizer.sessions import SessionBook, SessionState
+from shoal.actors.tokenizer.stops import StopMatcher
+from shoal.results import (
+    Completion,
+    Delta,
+    ErrorCode,
+    FinishReason,
+    RequestStream,
+    TokenLogprob,
+    Usage,
+)
+
+
+@dataclass
+class Live:
+    stream: RequestStream
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    num_prompt: int
+    output_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    weight_version: int = 0
+    session: SessionState | None = None
+
+
+def aborted_before_admission(gen: Generate, message: str) -> None:
+    """End the stream of a request aborted while it queued (nothing of it was computed)."""
+    usage = Usage(0, 0, 0)
+    gen.stream.finish(Completion(gen.rid, "", (), "abort", usage, None, message))
+
+
+class RequestStreams:
+    """Every live request's stream and what its text needs: detokenizer, stop matcher."""
+
+    def __init__(
+        self, tokenizer: Any, scheduler: Mailbox[SchedulerMsg], sessions: SessionBook
+    ) -> None:
+        self.decoder = fast_decoder(tokenizer)  # what the detokenizers decode with
+        self.scheduler = scheduler
+        self.sessions = sessions  # a turn's end becomes its session's history
+        self.live: dict[str, Live] = {}
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self.live
+
+    def rids(self) -> Iterator[str]:
+        return iter(self.live)
+
+    def has_stream(self, rid: str, stream: RequestStream) -> bool:
+        """This live request is the one with this stream (not another with its id)."""
+        live = self.live.get(rid)
+        return live is not None and live.stream is stream
+
+    def open(
+        self, gen: Generate, ids: list[int], weight_version: int, session: SessionState | None
+    ) -> None:
+        """Book an admitted request: its output is decoded after its prompt."""
+        sampling = gen.sampling
+        detok = IncrementalDetokenizer(self.decoder, ids, sampling.skip_special_tokens)
+        live = Live(gen.stream, detok, StopMatcher(sampling.stop), len(ids))
+        live.logprobs = [] if sampling.wants_logprobs else None
+        live.weight_version = weight_version
+        live.session = session
+        self.live[gen.rid] = live
+
+    def restamp(self, weight_version: int) -> None:
+        """A weight update landed while these requests were parked across it: what they
+        generate next comes from the new weights, and their Completions say so."""
+        for live in self.live.values():
+            live.weight_version = weight_version
+
+    def deliver(self, item: Output) -> None:
+        live = self.live.get(item.rid)
+        if live is None:
+            return  # its stream already ended on a stop string; late tokens are dropped
+        if item.num_cached_tokens is not None:
+            live.num_cached_tokens = item.num_cached_tokens
+        live.output_ids.extend(item.token_ids)
+        text = live.detok.push(item.token_ids) if item.token_ids else ""
+        if item.finish in ("stop", "length"):
+            text += live.detok.flush()
+        emit, matched = live.stops.push(text) if text else ("", None)
+        if matched is None and item.finish is not None:
+            emit += live.stops.flush()
+        if item.logprobs is not None and live.logprobs is not None:
+            live.logprobs.extend(item.logprobs)
+        if emit or item.token_ids:
+            live.text.append(emit)
+            live.stream.push(Delta(emit, item.token_ids, item.logprobs))
+        if matched is not None:
+            kept = len(live.output_ids)
+            self.scheduler.put(Abort(item.rid, reason="stop", keep_outputs=kept))
+            self.end(item.rid, "stop", matched)
+        elif item.finish is not None:
+            self.end(item.rid, item.finish, item.matched_token, item.message, item.code)
+
+    def end(
+        self,
+        rid: str,
+        reason: FinishReason,
+        matched: str | int | None,
+        message: str = "",
+        code: ErrorCode | None = None,
+    ) -> None:
+        live = self.live.pop(rid)
+        if live.session is not None:
+            self.sessions.ended(live.session, "".join(live.text), live.output_ids, reason)
+        usage = Usage(live.num_prompt, len(live.output_ids), live.num_cached_tokens)
+        logprobs = tuple(live.logprobs) if live.logprobs is not None else None
+        completion = Completion(
+            rid,
+            "".join(live.text),
+            tuple(live.output_ids),
+            reason,
+            usage,
+            matched,
+            message,
+            logprobs,
+            live.weight_version,
+            code,
+        )
+        live.stream.finish(completion)
+
+    def fail(self, rid: str, error: BaseException) -> None:
+        """End a live request's stream with an error (its session turn too); nothing if it
+        is not live."""
+        live = self.live.pop(rid, None)
+        if live is not None:
+            if live.session is not None:
+                self.sessions.ended(live.session, "", [], "error")
+            live.stream.fail(error)
+
+    def fail_all(self, error: BaseException) -> None:
+        for live in self.live.values():
+            live.stream.fail(error)
+        self.live.clear()

@@ -1,0 +1,146 @@
+"""A decode-only step through one C++ call for all of a model part's layers
+(`csrc/decoder_layers.cpp`), where the Python forward (decoder.py) makes about twenty torch
+calls a layer around the same kernels.
+
+It runs the same compiled kernels in the same order, so the same bits; what it saves is the
+dispatch and Python around them: 3.4 ms of an 11.0 ms one-sequence int8 step and 3.1 ms of a
+23.5 ms float32 one on the 2-core VM (bench/README.md). It is built at load (and again after a
+weight update, since a packed or int8 linear repacks into new tensors) only where every piece
+has a compiled form:
+
+    the model   standard layers (no q/k norm, no sandwich norms, RoPE over the whole head, no
+                sliding window or soft-cap, a SiLU-gated dense MLP), the compiled element-wise
+                ops, every linear packed float32 (in panels, gate_up in gated ones) or int8
+                (a gate_up's float32 panels gated too)
+    the step    every token a decode, attended by the compiled kernel (`attention="cpu"`)
+
+Anything else takes the Python forward, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.kernels.attention import AttentionMetadata
+from shoal.kernels.batch import Attention
+from shoal.kernels.elementwise import CompiledElementwise, Elementwise
+from shoal.kernels.linear import GatedPanels, Linear, PackedLinear
+from shoal.kernels.quant import MANY_ROWS, GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks
+from shoal.loading.config import ModelConfig
+from shoal.models.kv_pool import KVPool
+from shoal.models.weights import DenseWeights, LayerWeights
+
+# A linear's kind as decoder_layers.cpp numbers them.
+FLOAT32, Q8, Q4 = 0, 1, 2
+
+
+class FusedLayers:
+    """The layers of a model part as one `DecoderLayers` (decoder_layers.cpp)."""
+
+    def __init__(self, layers: object) -> None:
+        self.layers = layers
+
+    @staticmethod
+    def takes(attention: Attention, tokens: int) -> bool:
+        """Whether this step is one the C++ layers run: decodes only, through the kernel."""
+        if not isinstance(attention, AttentionMetadata):
+            return False
+        fused = attention.kernel_decodes
+        return (
+            fused is not None
+            and attention.store_kernel is not None
+            and not attention.decodes
+            and not attention.extends
+            and int(fused.token_index.numel()) == tokens
+        )
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionMetadata,
+        kv: KVPool,
+    ) -> torch.Tensor:
+        """h [T, hidden], updated in place and returned; cos, sin [T, head_dim]."""
+        fused = attention.kernel_decodes
+        assert fused is not None
+        return self.layers.forward(  # type: ignore[attr-defined]
+            h, cos, sin, kv.k, kv.v, attention.slot_mapping, fused.page_ids, fused.seq_lens,
+            fused.token_index, attention.page_size,
+        )  # fmt: skip
+
+
+def fused_layers(
+    config: ModelConfig,
+    layers: list[LayerWeights],
+    windows: tuple[int | None, ...],
+    elementwise: Elementwise,
+    scale: float,
+) -> FusedLayers | None:
+    """The part's layers as one C++ call, or None where some piece has no compiled form."""
+    if not registered():
+        return None
+    if not isinstance(elementwise, CompiledElementwise) or not standard(config, windows):
+        return None
+    tensors: list[torch.Tensor] = []
+    layout: list[int] = []
+    for layer in layers:
+        norms = layer.norms
+        if norms.q is not None or norms.pre_mlp is not None or norms.post_mlp is not None:
+            return None
+        if not isinstance(layer.mlp, DenseWeights):
+            return None
+        tensors += [norms.input, norms.post_attention]
+        for linear in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down):
+            form = kernel_form(linear)
+            if form is None:
+                return None
+            kind, parts, bias, gated = form
+            tensors += parts if bias is None else [*parts, bias]
+            layout += [kind, linear.out_features, int(bias is not None), int(gated)]
+    built = torch.classes.shoal_cpu.DecoderLayers(
+        tensors, layout, config.num_heads, config.num_kv_heads, config.head_dim,
+        config.rms_norm_eps, scale, MANY_ROWS,
+    )  # fmt: skip
+    return FusedLayers(built)
+
+
+def registered() -> bool:
+    """Whether the compiled kernels (cpu_kernels.py) are loaded, with their `DecoderLayers`."""
+    try:
+        torch.classes.shoal_cpu.DecoderLayers  # noqa: B018 (raises when not registered)
+    except RuntimeError:
+        return False
+    return True
+
+
+def standard(config: ModelConfig, windows: tuple[int | None, ...]) -> bool:
+    """Layers the C++ forward computes as transformers does."""
+    rotary = config.rotary_dim or config.head_dim
+    return (
+        rotary == config.head_dim
+        and config.sliding_rope is None
+        and all(w is None for w in windows)
+        and config.attn_softcap is None
+        and config.activation == "silu"
+    )
+
+
+def kernel_form(
+    linear: Linear,
+) -> tuple[int, list[torch.Tensor], torch.Tensor | None, bool] | None:
+    """(kind, parts, bias, gated panels) as decoder_layers.cpp takes a linear, or None
+    without one."""
+    if isinstance(linear, PackedLinear) and linear.panels is not None:
+        return FLOAT32, [linear.panels], linear.bias, False
+    if isinstance(linear, GatedPanels):
+        return FLOAT32, [linear.panels], None, True
+    if isinstance(linear, Int8Linear):
+        gated = isinstance(linear, GatedInt8Linear)
+        blocks = linear.blocks
+        if isinstance(blocks, Q4Blocks):
+            return Q4, [blocks.q, blocks.d, blocks.m, linear.panels], linear.bias, gated
+        if isinstance(blocks, Q8Blocks):
+            return Q8, [blocks.q, blocks.d, linear.panels], linear.bias, gated
+    return None

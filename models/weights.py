@@ -1,0 +1,140 @@
+"""A model's weights as the decoder multiplies them, built from a family's `ModelSource`
+(layout.py) and reloaded from one on a weight update: norms and the embedding as plain tensors
+(Gemma's norms as 1 + w), projections as `Linear`s of the engine's kind (linear.py), each
+mixture-of-experts layer as an `Experts` (moe.py).
+
+`tensors()`, `linears()` and `experts()` walk them in a fixed order, the order
+`plain_tensors`, `linear_weights` and `expert_weights` give a new source's, so a reload copies
+each into its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shoal.kernels.linear import Linear, LinearKind, make_linear
+from shoal.kernels.moe import Experts
+from shoal.loading.config import ModelConfig
+from shoal.models.layout import DenseMLP, ExpertMLP, LayerNorms, ModelSource
+
+
+@dataclass
+class DenseWeights:
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass
+class LayerWeights:
+    norms: LayerNorms
+    qkv: Linear
+    o: Linear
+    mlp: DenseWeights | Experts
+
+
+@dataclass
+class ModelWeights:
+    layers: list[LayerWeights]
+    embed: torch.Tensor | None  # a pipeline stage holds only its part (layout.Part)
+    norm: torch.Tensor | None
+    lm_head: Linear | None  # built from the embedding when tied
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The plain tensors (norms, embedding), in a fixed order."""
+        out = [t for t in (self.embed, self.norm) if t is not None]
+        for layer in self.layers:
+            out += layer.norms.present()
+        return out
+
+    def experts(self) -> list[Experts]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, Experts)]
+
+    def linears(self) -> list[Linear]:
+        out = [] if self.lm_head is None else [self.lm_head]
+        for layer in self.layers:
+            out += [layer.qkv, layer.o]
+            if isinstance(layer.mlp, DenseWeights):
+                out += [layer.mlp.gate_up, layer.mlp.down]
+        return out
+
+
+def plain_tensors(config: ModelConfig, source: ModelSource) -> list[torch.Tensor]:
+    """The source's tensors in the order of `ModelWeights.tensors`, norms as the forward
+    multiplies them (1 + w for Gemma's)."""
+    plus = 1.0 if config.norm_plus_one else 0.0
+    out = [] if source.embed is None else [source.embed]
+    if source.norm is not None:
+        out.append(source.norm + plus)
+    for layer in source.layers:
+        out += [t + plus for t in layer.norms.present()]
+    return out
+
+
+def expert_weights(source: ModelSource) -> list[ExpertMLP]:
+    """The source's expert layers in the order of `ModelWeights.experts`."""
+    return [layer.mlp for layer in source.layers if isinstance(layer.mlp, ExpertMLP)]
+
+
+def linear_weights(source: ModelSource) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The source's linears in the order of `ModelWeights.linears`."""
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    if source.lm_head is not None:
+        out.append((source.lm_head, None))
+    for layer in source.layers:
+        out += [layer.qkv, layer.o]
+        if isinstance(layer.mlp, DenseMLP):
+            out += [(layer.mlp.gate_up, None), (layer.mlp.down, None)]
+    return out
+
+
+def build_weights(
+    config: ModelConfig,
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    kind: LinearKind,
+) -> ModelWeights:
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # Always a copy: later loads write into these tensors, never into the caller's.
+        return t.to(device=device, dtype=dtype, copy=True)
+
+    plain = iter([own(t) for t in plain_tensors(config, source)])
+    embed = None if source.embed is None else next(plain)
+    norm = None if source.norm is None else next(plain)
+    layers = []
+    gated = config.activation == "silu"  # a dense MLP's gate_up is SiLU-gated
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool = False) -> Linear:
+        # In the order of `linear_weights`, which a reload walks.
+        if kind == "dense" and embed is not None and weight is source.embed:
+            return make_linear(kind, embed, None)  # tied: the embedding itself
+        own_bias = None if bias is None else own(bias)
+        return make_linear(kind, own(weight), own_bias, gated=gate_up and gated)
+
+    lm_head = None if source.lm_head is None else linear(source.lm_head, None)
+    for layer in source.layers:
+        n = layer.norms
+        input_norm, post_attention = next(plain), next(plain)
+        optional = (n.pre_mlp, n.post_mlp, n.q, n.k)
+        pre_mlp, post_mlp, q, k = (None if t is None else next(plain) for t in optional)
+        norms = LayerNorms(input_norm, post_attention, pre_mlp, post_mlp, q, k)
+        qkv, o = linear(*layer.qkv), linear(*layer.o)
+        mlp: DenseWeights | Experts
+        if isinstance(layer.mlp, ExpertMLP):
+            assert config.moe is not None
+            router, gate_up, down = (
+                own(t) for t in (layer.mlp.router, layer.mlp.gate_up, layer.mlp.down)
+            )
+            moe = config.moe
+            mlp = Experts(
+                router, gate_up, down, moe.top_k, moe.normalize,
+                float32_weights=moe.float32_weights,
+            )  # fmt: skip
+        else:
+            mlp = DenseWeights(
+                linear(layer.mlp.gate_up, None, gate_up=True), linear(layer.mlp.down, None)
+            )
+        layers.append(LayerWeights(norms, qkv, o, mlp))
+    return ModelWeights(layers, embed, norm, lm_head)
