@@ -4,25 +4,30 @@ from shoal import Engine, SamplingParams
 """
 
 from shoal.api.engine import Engine
-from shoal.params import SamplingParams
+from shoal.params import Bootstrap, SamplingParams
 from shoal.results import (
     Completion,
     Delta,
     EngineDeadError,
+    FlushResult,
     InternalError,
     RequestError,
     RequestStream,
+    UpdateResult,
     Usage,
 )
 
 __all__ = [
+    "Bootstrap",
     "Completion",
     "Delta",
     "Engine",
     "EngineDeadError",
+    "FlushResult",
     "InternalError",
     "RequestError",
     "RequestStream",
     "SamplingParams",
+    "UpdateResult",
     "Usage",
 ]

@@ -41,25 +41,26 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LimitExceeded(RequestError):
-    """An input over a limit: a RequestError with its field and OpenAI's code for it. str()
-    starts with the field's name, as every refusal of SamplingParams.validate does."""
+    """An input over a limit: a RequestError with its field and OpenAI's code for it. The
+    message is the field's name then the detail, as every refusal of SamplingParams.validate
+    is, so a door says it in its own name (RequestError.spoken)."""
 
-    def __init__(self, field: str, message: str, code: ErrorCode) -> None:
-        super().__init__(message, field, code)
+    def __init__(self, field: str, detail: str, code: ErrorCode) -> None:
+        super().__init__(detail, field, code, named=True)
         self.field: str = field  # always named
 
 
 def check_count(count: int, limit: int, field: str, option: str) -> None:
     if count > limit:
-        message = f"{field} has {count} entries, more than the limit of {limit} ({option})"
-        raise LimitExceeded(field, message, TOO_MANY)
+        detail = f" has {count} entries, more than the limit of {limit} ({option})"
+        raise LimitExceeded(field, detail, TOO_MANY)
 
 
 def check_chars(length: int, limit: int, field: str, option: str, what: str = "") -> None:
     if length > limit:
         raise LimitExceeded(
             field,
-            f"{field}{what} is {length} characters, more than the limit of {limit} ({option})",
+            f"{what} is {length} characters, more than the limit of {limit} ({option})",
             TOO_LONG,
         )
 

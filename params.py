@@ -2,7 +2,8 @@
 
 SamplingParams is the one declaration of the sampling vocabulary: every door takes each of its
 fields, named as its wire names it (api/sampling_wire.py), with the default declared here, and
-Engine.generate validates each request once (`validate`).
+Engine.generate validates each request once (`validate`). `Bootstrap`, the other input of
+Engine.generate, makes a request one half of a disaggregated pair.
 """
 
 from __future__ import annotations
@@ -110,4 +111,24 @@ def _finite(value: float) -> bool:
 
 def _check(ok: bool, field: str, rule: str, value: object) -> None:
     if not ok:
-        raise RequestError(f"{field} {rule}, got {value!r}", field)
+        raise RequestError(f" {rule}, got {value!r}", field, named=True)
+
+
+class RoomLeft(msgspec.Struct, frozen=True):
+    """max_new_tokens as the room the prompt leaves in the context, at most `at_most` (None:
+    all of it): a door's rule for a max_new_tokens it was not given (OpenAI's: all the room;
+    /generate's: the declared default, capped at the room). Engine.generate takes it as
+    `max_new_tokens=RoomLeft(...)`; the tokenizer actor sizes it where it measures the prompt
+    (actors/tokenizer/encode.py, `checked`)."""
+
+    at_most: int | None = None
+
+
+class Bootstrap(msgspec.Struct, frozen=True):
+    """Prefill/decode disaggregation (docs/disaggregation.md): where this request's other
+    half runs. SGLang's names: the prefill server's bootstrap host and port, and the room
+    both servers know the request by."""
+
+    host: str
+    port: int
+    room: int

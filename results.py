@@ -1,7 +1,8 @@
 """The engine's output vocabulary: what a caller holds for one request (an async stream of
 deltas ending in a Completion), its parts (Delta, Usage, TokenLogprob), the closed sets its
-seams speak (FinishReason, ErrorCode) and the errors a request can end with. The core: the
-actors produce these and every door hands them out, so it lives outside `api/`
+seams speak (FinishReason, ErrorCode, RefusalCode), the errors a request can end with, and
+what the lifecycle operations answer (UpdateResult, FlushResult, OperationRefused). The core:
+the actors produce these and every door hands them out, so it lives outside `api/`
 (tests/test_import_directions.py keeps `actors/` from importing `api/`)."""
 
 from __future__ import annotations
@@ -77,14 +78,33 @@ class Completion(msgspec.Struct, frozen=True):
 class RequestError(ValueError):
     """A request or operation the engine refuses as given: `field` names the culprit (the
     engine's name for it, e.g. "max_new_tokens"; None when no one field is), `code` says what
-    kind of refusal it is. The message is for people; code and field are for programs."""
+    kind of refusal it is, `detail` what is wrong. The message is for people; code and field
+    are for programs.
+
+    `named`: the message is the field's name followed by the detail ("max_new_tokens" +
+    " must be >= 1, got 0"), so a door that calls the field otherwise says it in its own name
+    (`spoken`), never by rewriting the text. Otherwise the message is the detail alone.
+    """
 
     def __init__(
-        self, message: str, field: str | None = None, code: ErrorCode = "invalid_value"
+        self,
+        detail: str,
+        field: str | None = None,
+        code: ErrorCode = "invalid_value",
+        *,
+        named: bool = False,
     ) -> None:
-        super().__init__(message)
+        self.named = named and field is not None
+        super().__init__(f"{field}{detail}" if self.named else detail)
+        self.detail = detail
         self.field = field
         self.code: ErrorCode = code
+
+    def spoken(self, name: str | None) -> str:
+        """The message with the field called `name` (a door's name for it)."""
+        if not self.named or name is None:
+            return str(self)
+        return name + self.detail
 
 
 class InternalError(RuntimeError):
@@ -97,11 +117,52 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (an actor died or it was shut down) before the request ended."""
 
 
+# What kind of refusal an OperationRefused is: an operation the engine did not carry out,
+# nothing changed. An operation's reply raises it (actors/replies.py); the HTTP lifecycle
+# routes answer each operation's refusal with a status of their own (api/http/lifecycle.py).
+RefusalCode = Literal[
+    "engine_busy",  # a cache flush found the engine busy until its deadline
+    "invalid_checkpoint",  # a weight update's checkpoint was refused: the old weights serve
+    "integrity_violation",  # the cache's books do not close (a page, row or lock leaked)
+]
+
+
+class OperationRefused(Exception):
+    """An operation the engine did not carry out, and why: `code` says what kind of refusal it
+    is, the message is for people."""
+
+    def __init__(self, message: str, code: RefusalCode) -> None:
+        super().__init__(message)
+        self.code: RefusalCode = code
+
+
+class UpdateResult(msgspec.Struct, frozen=True):
+    """A weight update's end (Engine.update_weights_from_disk, POST /update_weights_from_disk):
+    whether the checkpoint loaded, what happened (on failure: why; the old weights serve on),
+    and the weight version serving now."""
+
+    success: bool
+    message: str
+    weight_version: int
+
+
+class FlushResult(msgspec.Struct, frozen=True):
+    """A cache flush's end (Engine.flush_cache, POST /flush_cache): whether the prefix cache was
+    emptied, and what happened (on failure: why; nothing changed)."""
+
+    success: bool
+    message: str
+
+
 class RequestStream:
     """Async-iterate for Deltas; `await result()` for the Completion.
 
     Leaving `async with stream:` early, or cancelling the task that iterates it, aborts the
     request. Written to only by the tokenizer actor, on the event loop.
+
+    `await accepted()` waits until the prompt is encoded and checked (its number of tokens),
+    before any Delta: a door that must know of a refusal before it answers (an HTTP stream's
+    status line) awaits it, then iterates.
     """
 
     def __init__(self, rid: str, abort: Callable[[str], None]) -> None:
@@ -111,12 +172,22 @@ class RequestStream:
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._ended = False
+        self._decided = asyncio.Event()  # accepted, or ended first
+        self._prompt_tokens: int | None = None  # once accepted
+        self._failure: BaseException | None = None  # fail()'s error, for accepted()
         # Told once how the request ended: None when it finished, else why not (an abort, an
         # error) and whether the request was refused as given (a ValueError: the caller's
         # mistake). Disaggregation ends the request's room with it (api/engine.py).
         self.on_end: Callable[[str | None, bool], None] | None = None
 
     # ---- producer side (tokenizer actor) -------------------------------------------------
+
+    def accept(self, prompt_tokens: int) -> None:
+        """The prompt is encoded and checked: the request will be admitted (now, or after a
+        weight update it waits for)."""
+        if not self._ended and self._prompt_tokens is None:
+            self._prompt_tokens = prompt_tokens
+            self._decided.set()
 
     def push(self, delta: Delta) -> None:
         if not self._ended:
@@ -126,6 +197,7 @@ class RequestStream:
         if not self._ended:
             self._ended = True
             self._queue.put_nowait(completion)
+            self._decided.set()
             aborted = completion.finish_reason in ("abort", "error")
             cause = (completion.message or "aborted") if aborted else None
             self._tell_end(cause, completion.code is not None)
@@ -134,6 +206,8 @@ class RequestStream:
         if not self._ended:
             self._ended = True
             self._queue.put_nowait(error)
+            self._failure = error
+            self._decided.set()
             self._tell_end(str(error) or type(error).__name__, isinstance(error, ValueError))
 
     def _tell_end(self, cause: str | None, refused: bool) -> None:
@@ -145,6 +219,15 @@ class RequestStream:
         return self._ended
 
     # ---- consumer side ---------------------------------------------------------------------
+
+    async def accepted(self) -> int | None:
+        """The prompt's number of tokens once it is accepted; None if the request ended
+        before (aborted while it waited); raises why it failed before (a refusal of the
+        prompt: RequestError). Consumes nothing: iterate afterwards for the Deltas."""
+        await self._decided.wait()
+        if self._prompt_tokens is None and self._failure is not None:
+            raise self._failure
+        return self._prompt_tokens
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -1,6 +1,7 @@
 """Every message that crosses a mailbox: frozen msgspec Structs, one tagged union per actor.
 A message that asks for an answer carries a typed `reply` future (what each carries:
-actors/replies.py). The KV transfer actor's mailbox (disaggregation) is
+actors/replies.py). The executor's mailbox (a launch and its parts, a weight load) is
+actors/executor_messages.py; the KV transfer actor's (disaggregation)
 actors/transfer_messages.py.
 
 Channels::
@@ -19,31 +20,23 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from shoal.actors.replies import SchedulerSnapshot, UpdateOutcome
+from shoal.actors.replies import SchedulerSnapshot
 from shoal.cache.stats import KVStats
-from shoal.params import SamplingParams
-from shoal.results import ErrorCode, FinishReason, TokenLogprob
+from shoal.params import Bootstrap, RoomLeft, SamplingParams
+from shoal.results import (
+    ErrorCode,
+    FinishReason,
+    InternalError,
+    OperationRefused,
+    TokenLogprob,
+    UpdateResult,
+)
 
 if TYPE_CHECKING:
+    from shoal.actors.executor_messages import RowWriteMsg  # msgspec never resolves it here
+    from shoal.actors.scheduler.pacing import PaceOrder
+    from shoal.actors.tokenizer.encode import Prompt
     from shoal.results import RequestStream
-
-
-class Bootstrap(msgspec.Struct, frozen=True):
-    """Prefill/decode disaggregation (docs/disaggregation.md): where this request's other
-    half runs. SGLang's names: the prefill server's bootstrap host and port, and the room
-    both servers know the request by."""
-
-    host: str
-    port: int
-    room: int
-
-
-class RowWriteMsg(msgspec.Struct, frozen=True):
-    """Device request-slot table update: table[row, start:start + len(pages)] = pages."""
-
-    row: int
-    start: int
-    pages: tuple[int, ...]
 
 
 # ---- into the tokenizer -------------------------------------------------------------------
@@ -58,6 +51,17 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     stream: RequestStream
     session_id: str | None = None
     bootstrap: Bootstrap | None = None
+    room: RoomLeft | None = None  # max_new_tokens not given: sized to the prompt (params.py)
+
+
+class Encoded(msgspec.Struct, frozen=True, tag=True):
+    """A prompt's measuring ended on the tokenizer's worker thread (posted by its own worker,
+    actors/tokenizer/intake.py): the request `ticket` stands for, its prompt checked, or the
+    refusal (or failure) that ended it."""
+
+    ticket: int
+    prompt: Prompt | None
+    error: Exception | None
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -101,7 +105,7 @@ class UpdateWeights(msgspec.Struct, frozen=True, tag=True):
     model_path: str
     abort_all: bool
     weight_version: int | None
-    reply: asyncio.Future[UpdateOutcome]
+    reply: asyncio.Future[UpdateResult]  # success False: why, and the old weights serve on
 
 
 class Pause(msgspec.Struct, frozen=True, tag=True):
@@ -129,9 +133,10 @@ class EndSession(msgspec.Struct, frozen=True, tag=True):
 
 
 class WriteDone(msgspec.Struct, frozen=True, tag=True):
-    """The writer's work finished (posted by the tokenizer's own write task)."""
+    """The writer's work finished (posted by the tokenizer's own write task): `failure` None,
+    or the refusal or internal error that stopped it."""
 
-    error: str | None
+    failure: OperationRefused | InternalError | None
 
 
 # ---- into the scheduler -------------------------------------------------------------------
@@ -199,7 +204,7 @@ class FlushWhenIdle(msgspec.Struct, frozen=True, tag=True):
 
     flush_id: int
     timeout_s: float
-    reply: asyncio.Future[str | None]  # None: flushed; else why not
+    reply: asyncio.Future[None]  # raises OperationRefused: engine_busy, integrity_violation
 
 
 class FlushDeadline(msgspec.Struct, frozen=True, tag=True):
@@ -219,22 +224,16 @@ class Park(msgspec.Struct, frozen=True, tag=True):
     reply: asyncio.Future[None]
 
 
-class Gate(msgspec.Struct, frozen=True, tag=True):
-    """Test stepping: hold=True stops planning and result processing until told to go on."""
+class Pace(msgspec.Struct, frozen=True, tag=True):
+    """Test stepping: an order for the scheduler's pacer (actors/scheduler/pacing.py: hold,
+    release, advance one step, deliver one result), which the scheduler hands over unread."""
 
-    hold: bool
+    order: PaceOrder
 
-
-class Advance(msgspec.Struct, frozen=True, tag=True):
-    """While held: plan and launch one step; the reply is the launched batch id or None."""
-
-    reply: asyncio.Future[int | None]
-
-
-class Deliver(msgspec.Struct, frozen=True, tag=True):
-    """While held: process the oldest result (waiting for one); the reply is its batch id."""
-
-    reply: asyncio.Future[int]
+    @property
+    def reply(self) -> asyncio.Future[int] | asyncio.Future[int | None] | None:
+        """The order's reply, if it has one: what supervision fails (fail_replies)."""
+        return getattr(self.order, "reply", None)
 
 
 SchedulerMsg = (
@@ -248,9 +247,7 @@ SchedulerMsg = (
     | FlushDeadline
     | SetPaused
     | Park
-    | Gate
-    | Advance
-    | Deliver
+    | Pace
     | Shutdown
 )
 
@@ -303,11 +300,11 @@ class PlanRequest(msgspec.Struct, frozen=True, tag=True):
 
 
 class CheckIntegrity(msgspec.Struct, frozen=True, tag=True):
-    """Check the books (the engine is idle); the reply is None or the violation. Without a
-    reply (the scheduler's self-check on becoming idle) a violation is logged, and stops the
-    engine under strict_integrity."""
+    """Check the books (the engine is idle); the reply raises OperationRefused
+    (integrity_violation) on a violation. Without a reply (the scheduler's self-check on
+    becoming idle) a violation is logged, and stops the engine under strict_integrity."""
 
-    reply: asyncio.Future[str | None] | None = None
+    reply: asyncio.Future[None] | None = None
 
 
 class CacheStats(msgspec.Struct, frozen=True, tag=True):
@@ -315,9 +312,10 @@ class CacheStats(msgspec.Struct, frozen=True, tag=True):
 
 
 class FlushCache(msgspec.Struct, frozen=True, tag=True):
-    """Empty the prefix tree (sent only while idle); the reply is None or what is wrong."""
+    """Empty the prefix tree (sent only while idle); the reply raises OperationRefused
+    (integrity_violation) if the books do not close after it."""
 
-    reply: asyncio.Future[str | None]
+    reply: asyncio.Future[None]
 
 
 class CloseSession(msgspec.Struct, frozen=True, tag=True):
@@ -329,52 +327,9 @@ class CloseSession(msgspec.Struct, frozen=True, tag=True):
 CacheMsg = PlanRequest | CheckIntegrity | CacheStats | FlushCache | CloseSession | Shutdown
 
 
-# ---- into the executor --------------------------------------------------------------------
-
-
-class RowInit(msgspec.Struct, frozen=True):
-    """A request's sampling state, sent with its first chunk (again after a retraction)."""
-
-    sampling: SamplingParams
-    seed: int
-    prompt_ids: tuple[int, ...]
-    output_ids: tuple[int, ...]
-
-
-class SeqChunk(msgspec.Struct, frozen=True):
-    """One sequence of a batch: new tokens at positions start .. start + n - 1 of its row.
-
-    input_ids None means a decode step whose input is the row's last sampled token.
-    """
-
-    row: int
-    start: int
-    num_tokens: int
-    input_ids: tuple[int, ...] | None
-    sample: bool
-    init: RowInit | None = None
-
-
-class Launch(msgspec.Struct, frozen=True, tag=True):
-    batch_id: int
-    writes: tuple[RowWriteMsg, ...]
-    seqs: tuple[SeqChunk, ...]
-
-
-class LoadWeights(msgspec.Struct, frozen=True, tag=True):
-    """Swap in a checkpoint of the same architecture (only sent while nothing is in flight).
-    The reply is None on success or the reason it was refused (old weights stay)."""
-
-    model_path: str
-    reply: asyncio.Future[str | None]
-
-
-ExecutorMsg = Launch | LoadWeights | Shutdown
-
-
 # Control messages from the API pass through the tokenizer, so they keep their order with
-# the requests sent before them (an Advance never overtakes the Generate it follows).
-SchedulerControl = Snapshot | FlushWhenIdle | Gate | Advance | Deliver
+# the requests sent before them (a Pace's Advance never overtakes the Generate it follows).
+SchedulerControl = Snapshot | FlushWhenIdle | Pace
 TokenizerMsg = (
     Generate
     | Abort
@@ -383,6 +338,7 @@ TokenizerMsg = (
     | UpdateWeights
     | Pause
     | WriteDone
+    | Encoded
     | OpenSession
     | EndSession
     | SchedulerControl

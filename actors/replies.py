@@ -1,30 +1,41 @@
-"""What the reply futures of actors/messages.py carry, and the one way to answer them.
+"""What the reply futures of actors/messages.py carry, and the one way to ask and to answer.
 
-A message that asks for an answer holds `reply: asyncio.Future[T]`, T named on the message:
+A message that asks for an answer holds `reply: asyncio.Future[T]`, T named on the message.
+A reply succeeds with its value or raises; it never answers "why not" as text:
 
     Snapshot.reply        SchedulerSnapshot        where every request is
     CacheStats.reply      KVStats (cache/stats.py)  the cache's accounting
-    UpdateWeights.reply   UpdateOutcome            success, why, the version now serving
+    UpdateWeights.reply   UpdateResult (results.py) success, why, the version now serving
     OpenSession.reply     None, or raises RequestError (too_many_sessions, a session id in use)
     EndSession.reply      None, or raises RequestError (session_not_found)
-    FlushWhenIdle.reply, FlushCache.reply, LoadWeights.reply, CheckIntegrity.reply
-                          None when done, else why not (str)
+    FlushWhenIdle.reply   None, or raises OperationRefused (engine_busy, integrity_violation)
+    FlushCache.reply, CheckIntegrity.reply
+                          None, or raises OperationRefused (integrity_violation)
+    LoadWeights.reply     None, or raises OperationRefused (invalid_checkpoint)
     Park.reply            None once nothing is held and nothing is in flight
-    Advance.reply         the launched batch id, or None;  Deliver.reply: the batch id
+    TransferCountsAsk.reply  TransferStats
+    Pace's Advance.reply  the launched batch id, or None;  Deliver.reply: the batch id
+                          (actors/scheduler/pacing.py; RuntimeError while not held)
 
 Any reply may instead raise InternalError: the actor failed while handling the message
 (actors/supervise.py, `fail_replies`).
+
+    snapshot = await ask(box, Snapshot)                       # the message built around a reply
+    await ask(executor, partial(LoadWeights, model_path))     # raises what the reply raises
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import NamedTuple, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import msgspec
 
+from shoal.actors.mailbox import Mailbox
+
 T = TypeVar("T")
+M = TypeVar("M")
 
 
 class SchedulerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,14 +89,6 @@ def rooms_in_states(states: tuple[str, ...], in_states: Iterable[str]) -> dict[s
     return out
 
 
-class UpdateOutcome(NamedTuple):
-    """A weight update's end: whether it loaded, what happened, the version serving now."""
-
-    success: bool
-    message: str
-    weight_version: int
-
-
 def answer(reply: asyncio.Future[T], value: T) -> None:
     """Resolve a reply, unless it is already done (failed by supervision, or cancelled by a
     caller that gave up waiting)."""
@@ -97,3 +100,18 @@ def refuse(reply: asyncio.Future[T], error: BaseException) -> None:
     """Answer a reply with an error its caller raises."""
     if not reply.done():
         reply.set_exception(error)
+
+
+def settle(reply: asyncio.Future[None], refusal: BaseException | None) -> None:
+    """Answer an operation's reply: done (refusal None), or the refusal its caller raises."""
+    if refusal is None:
+        answer(reply, None)
+    else:
+        refuse(reply, refusal)
+
+
+async def ask(mailbox: Mailbox[M], message: Callable[[asyncio.Future[T]], M]) -> T:
+    """Post `message(reply)` and wait for its reply: its value, or what it raises."""
+    reply: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    mailbox.put(message(reply))
+    return await reply

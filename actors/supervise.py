@@ -45,7 +45,7 @@ class InjectedFault(Exception):
 class FaultInjector:
     """A test seam: make an actor's handling of the next message of a kind raise.
 
-        engine.faults.arm("scheduler", "Admit")   # the next Admit the scheduler handles fails
+        engine.testing.faults.arm("scheduler", "Admit")   # the scheduler's next Admit fails
 
     Unarmed, it costs one truth test per message.
     """
@@ -94,9 +94,9 @@ async def serve(
             return
 
 
-def fail_replies(msg: object, error: InternalError) -> None:
-    """What every recovery does first: a reply future gets the error; a request's stream
-    ends with it."""
+def fail_replies(msg: object, error: BaseException) -> None:
+    """What every recovery does first (and the engine's end, with EngineDeadError): a reply
+    future gets the error; a request's stream ends with it."""
     reply = getattr(msg, "reply", None)
     if isinstance(reply, asyncio.Future) and not reply.done():
         reply.set_exception(error)

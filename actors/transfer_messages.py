@@ -1,7 +1,7 @@
 """The KV transfer actor's mailbox (actors/transfer/kv_transfer.py; prefill/decode disaggregation,
 docs/disaggregation.md): what the scheduler, the Engine, the bootstrap endpoint and the actor's
-own tasks send it. Its answer to the scheduler, `TransferEnded`, and the request's
-`Bootstrap` are in actors/messages.py with the mailboxes they travel in."""
+own tasks send it. Its answer to the scheduler, `TransferEnded`, is in actors/messages.py
+with the mailbox it travels in; the request's `Bootstrap` is public (params.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import asyncio
 
 import msgspec
 
-from shoal.actors.messages import Bootstrap, Shutdown
+from shoal.actors.messages import Shutdown
 from shoal.actors.replies import TransferStats
 from shoal.disagg.wire import RoomRequest, RoomResult
+from shoal.params import Bootstrap
 from shoal.results import TokenLogprob
 
 

@@ -13,8 +13,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from threading import Event
 from typing import Any
 
 from shoal.actors.cache_manager.cache_manager import CacheManager
@@ -23,15 +21,10 @@ from shoal.actors.executor.device_state import DeviceState
 from shoal.actors.executor.executor import Executor
 from shoal.actors.executor.stages import Stage, StageMonitor, split_layers, stage_devices
 from shoal.actors.executor.streams import StepStreams
+from shoal.actors.executor_messages import ExecutorMsg
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import (
-    CacheMsg,
-    ExecutorMsg,
-    Generate,
-    SchedulerMsg,
-    Shutdown,
-    TokenizerMsg,
-)
+from shoal.actors.messages import CacheMsg, Generate, SchedulerMsg, Shutdown, TokenizerMsg
+from shoal.actors.scheduler.pacing import FreeRun
 from shoal.actors.scheduler.planner import Planner
 from shoal.actors.scheduler.request import PlannerConfig
 from shoal.actors.scheduler.scheduler import Scheduler
@@ -43,12 +36,12 @@ from shoal.config import EngineOptions, Resolved
 from shoal.disagg.backend import LocalFabric
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import AttentionBackend
-from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_kernels
+from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.loading.identity import weights_digest
-from shoal.loading.loader import LoadedModel
 from shoal.models.kv_pool import KVPool
 from shoal.models.layout import Part
+from shoal.models.load import LoadedModel
 from shoal.models.registry import family_of
 from shoal.results import EngineDeadError
 
@@ -109,27 +102,6 @@ class Actors:
             other.cancel()
         self._fail_open(reason)
         on_death(reason)
-
-
-def cpu_kernels(
-    resolved: Resolved, cache_dir: Path, asked_attention: str, cancel: Event | None = None
-) -> CpuKernels | None:
-    """The compiled CPU kernels when the resolved attention is "cpu" or the linears are int8
-    (built on first use; StartCancelled if `cancel` is set meanwhile). When they cannot be
-    built, int8 and an explicit `attention="cpu"` fail the start, and "auto" falls back to the
-    torch reference with a warning."""
-    wanted = resolved.attention == "cpu" or resolved.linear_kind == "int8"
-    if not wanted:
-        return None
-    try:
-        return load_cpu_kernels(cache_dir, cancel)
-    except KernelUnavailable as error:
-        if resolved.linear_kind == "int8":
-            raise ValueError(f"quantization int8: {error}") from error
-        if asked_attention == "cpu":
-            raise ValueError(f"attention cpu: {error}") from error
-        log.warning("%s; the torch reference runs instead (attention=torch)", error)
-        return None
 
 
 def attention_backend(
@@ -278,6 +250,7 @@ def start_actors(
             cache_box,
             executor_box,
             tokenizer_box,
+            FreeRun(),  # the tests' Pace orders may make it a Stepper (pacing.py)
             faults,
             actors.transfer_box,
         ).run(),

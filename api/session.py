@@ -12,11 +12,27 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from shoal.config import DEFAULT_SESSION_TIMEOUT_S
 from shoal.params import SamplingParams
-from shoal.results import RequestStream
+from shoal.results import RequestError, RequestStream
 
 if TYPE_CHECKING:
     from shoal.api.engine import Engine
+
+
+def session_bounds(timeout_s: float | None, max_tokens: int | None, bound_s: float) -> float:
+    """A session's idle timeout as opened (not given: 600 s, or `bound_s` if lower), checked
+    against `bound_s` (max_session_timeout_s), and its max_tokens checked: RequestError naming
+    the option."""
+    timeout_s = min(DEFAULT_SESSION_TIMEOUT_S, bound_s) if timeout_s is None else timeout_s
+    if not 0 < timeout_s <= bound_s:
+        raise RequestError(
+            f"timeout_s must be in (0, {bound_s:g}] (max_session_timeout_s), got {timeout_s:g}",
+            "timeout_s",
+        )
+    if max_tokens is not None and max_tokens < 2:
+        raise RequestError(f"max_tokens must be >= 2, got {max_tokens}", "max_tokens")
+    return timeout_s
 
 
 class Session:

@@ -327,7 +327,7 @@ def model_argument(model: str | None) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from shoal.config import EngineOptions, resolve_device
-    from shoal.loading.loader import load_model
+    from shoal.models.load import load_model
 
     options: dict[str, Any] = {
         "device": args.device,

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         args.groups, args.per_group, args.prefix_len, args.question_len = 2, 2, 32, 4
         args.output_len = 2
 
-    from shoal.loading.loader import load_model
+    from shoal.models.load import load_model
 
     loaded = load_model(args.model)
     prompts, prefixes = workload(

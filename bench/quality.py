@@ -36,9 +36,10 @@ from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import load_cpu_kernels
 from shoal.kernels.linear import LinearKind
-from shoal.loading.loader import LoadedModel, default_cache_dir, load_model
+from shoal.loading.loader import default_cache_dir
 from shoal.models.decoder import DecoderModel
 from shoal.models.kv_pool import KVPool
+from shoal.models.load import LoadedModel, load_model
 from shoal.models.registry import family_of
 
 TEXT = Path(__file__).resolve().parent / "quality_text.txt"

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.turns < 2:
         parser.error("--turns must be >= 2 (the summary compares with turn 2)")
 
-    from shoal.loading.loader import load_model
+    from shoal.models.load import load_model
 
     began = time.perf_counter()
     loaded = load_model(args.model)

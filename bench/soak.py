@@ -14,9 +14,11 @@ Every minute (`--sample-every-s`) one line: the server process's RSS, open descr
 (and of them sockets), threads, and the operations done and failed so far. At the end the
 clients stop, the engine must come idle, and a flush must leave every page and row free, no
 session kept, no HTTP request open and the descriptors where they were before the first
-client; then one summary line: each figure's spread after the warm-up as a fraction of its
-value at the warm-up's end (`flat` is whether RSS and threads stayed within `--flat` of it)
-and `leaked`, what was left.
+client; then one summary line. For RSS, descriptors and threads after the warm-up: `drift`, the
+median of the last third of the samples against the median of the first third (a leak grows
+it; a weight update's momentary second copy of the weights, caught by a sample now and then,
+does not), `peak` and the spread (max - min over the first third's median); `flat` is whether
+RSS and threads drifted less than `--flat`; `leaked`, what was left.
 Exit status 0 when flat and nothing leaked.
 """
 
@@ -28,6 +30,7 @@ import contextlib
 import os
 import signal
 import socket
+import statistics
 import sys
 import time
 from collections import Counter
@@ -148,10 +151,22 @@ def counts(counter: Counter[str]) -> str:
     return ",".join(f"{kind}:{n}" for kind, n in sorted(counter.items()))
 
 
+def thirds(samples: list[Sample], name: str) -> tuple[float, float]:
+    """The medians of a figure over the first and the last third of the samples."""
+    values = [float(getattr(s, name)) for s in samples]
+    third = max(1, len(values) // 3)
+    return statistics.median(values[:third]), statistics.median(values[-third:])
+
+
+def drift(samples: list[Sample], name: str) -> float:
+    first, last = thirds(samples, name)
+    return round((last - first) / max(first, 1.0), 4)
+
+
 def spread(samples: list[Sample], name: str) -> float:
-    """max - min of a figure after the warm-up, over its value when the warm-up ended."""
-    values = [getattr(s, name) for s in samples]
-    return round((max(values) - min(values)) / max(values[0], 1), 4)
+    values = [float(getattr(s, name)) for s in samples]
+    first, _ = thirds(samples, name)
+    return round((max(values) - min(values)) / max(first, 1.0), 4)
 
 
 async def soak(args: argparse.Namespace) -> int:
@@ -211,15 +226,19 @@ async def soak(args: argparse.Namespace) -> int:
         await asyncio.sleep(2.0)  # closed client sockets leave the server's table
         fds_after = sample(proc.pid, 0).fds
         after = [s for s in samples if s.minute > args.warm_up_minutes] or samples[-1:]
-        flat = all(spread(after, name) <= args.flat for name in ("rss_mb", "threads"))
+        flat = all(abs(drift(after, name)) <= args.flat for name in ("rss_mb", "threads"))
         left = leaks(info, fds_before, fds_after)
         summary = {
             "minutes": args.minutes,
             "clients": args.clients,
             "ops": counts(tally.done),
             "failed": counts(tally.failed) or "none",
+            "rss_drift": drift(after, "rss_mb"),
+            "rss_peak_mb": max(s.rss_mb for s in after),
             "rss_spread": spread(after, "rss_mb"),
+            "threads_drift": drift(after, "threads"),
             "threads_spread": spread(after, "threads"),
+            "fds_drift": drift(after, "fds"),
             "fds_spread": spread(after, "fds"),
             "fds_before": fds_before,
             "fds_after": fds_after,
@@ -251,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush-every-s", type=float, default=30.0)
     parser.add_argument("--update-every-s", type=float, default=120.0)
     parser.add_argument("--warm-up-minutes", type=float, default=5.0)
-    parser.add_argument("--flat", type=float, default=0.05, help="allowed spread after warm-up")
+    parser.add_argument("--flat", type=float, default=0.05, help="allowed drift after warm-up")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--quiet", action="store_true", help="hide the server's log")
     parser.add_argument("--out", type=Path, default=None, help="append each line as JSON")

@@ -89,7 +89,7 @@ def model_class(loaded: Any) -> Any:
 
 def build(kind: str | None, attention: str, fused: str) -> tuple[Any, Any, Any]:
     from shoal.kernels.attention import TorchAttention
-    from shoal.loading.loader import load_model
+    from shoal.models.load import load_model
 
     try:
         from shoal.models.kv_pool import KVPool

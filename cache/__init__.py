@@ -8,7 +8,10 @@ Files::
     node.py    Node            the tree's node, IntegrityError, walks
     lru.py     LazyHeap        eviction queue keyed by a logical clock
     kv.py      KVCache         the composition, one owner per page, Admission
+    live.py    LiveRequest     what one live request holds (a part of KVCache)
     session_kv.py SessionKV    KV kept by sessions between turns (a part of KVCache)
+    supply.py  PageSupply      where new pages come from: free, evicted, reclaimed
+    audit.py   check_integrity the recount of every page's owner against the books
     stats.py   KVStats         the accounting KVCache.stats() reports
 """
 

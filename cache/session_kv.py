@@ -22,7 +22,8 @@ turn re-prefills its history).
 
 The next turn takes the keep over (`take`): the tree pages become its matched prefix, the
 trimmed slots its row's first holes and the keep's pages its first own pages, if the turn
-continues exactly these tokens. Under memory pressure idle sessions give their KV back, least
+continues exactly these tokens and the keep adds to what the tree matches
+(`SessionKeep.continuation`). Under memory pressure idle sessions give their KV back, least
 recently kept first (`reclaim`).
 """
 
@@ -30,10 +31,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .node import IntegrityError, Node, path_pages
 from .pages import PageAllocator
 from .radix import RadixTree
+
+
+class Continuation(NamedTuple):
+    """How a turn's row starts on its session's keep: the tree prefix it locks, the holes
+    after it, the session's pages it carries on, and the tokens all of them cover."""
+
+    matched_pages: list[int]
+    node: Node
+    num_holes: int
+    carried: list[int]
+    num_cached_tokens: int
 
 
 @dataclass(slots=True)
@@ -48,6 +61,23 @@ class SessionKeep:
         """Whether a turn of ``tokens`` goes on exactly from this keep's tokens."""
         n = len(self.tokens)
         return n < len(tokens) and tuple(tokens[:n]) == self.tokens
+
+    def continuation(
+        self, tokens: Sequence[int], matched_pages: list[int], node: Node
+    ) -> Continuation | None:
+        """How a turn of ``tokens`` starts on this keep, given the tree's match
+        (``matched_pages``, ``node``); None when it starts from that match alone (the turn
+        does not go on from these tokens, or the keep adds nothing to the match)."""
+        if not self.continues(tokens):
+            return None
+        kept_tree = path_pages(self.node)
+        if self.num_trimmed:  # a window keep: its tree prefix, its holes, its pages
+            if len(matched_pages) >= len(kept_tree) + self.num_trimmed:
+                return None
+            matched_pages, node = kept_tree, self.node
+        elif not self.pages or len(matched_pages) != len(kept_tree):
+            return None  # an aligned keep adds nothing; its partial page fits only its match
+        return Continuation(matched_pages, node, self.num_trimmed, self.pages, len(self.tokens))
 
 
 class SessionKV:
@@ -96,17 +126,31 @@ class SessionKV:
         return tail
 
     def keep_window(
-        self, session: str, tokens: Sequence[int], node: Node, num_trimmed: int, pages: list[int]
-    ) -> None:
-        """Keep a trimmed row's KV for ``session``: a lock on ``node`` (the row's matched
-        prefix), ``num_trimmed`` slots with no page, then ``pages``, which become the
-        session's (the caller must not free them)."""
+        self,
+        session: str,
+        tokens: Sequence[int],
+        node: Node,
+        num_trimmed: int,
+        own_pages: list[int],
+        window: int,
+    ) -> list[int]:
+        """A trimmed row's release: keep its KV for ``session`` when the next turn's first
+        query (at position len(tokens)) reads no key in a trimmed slot: a lock on ``node``
+        (the row's matched prefix), ``num_trimmed`` slots with no page, then the leading
+        ``own_pages`` that hold the rest of ``tokens``. Returns those pages, the session's
+        now (the caller must not free them); none when nothing is kept."""
         ps = self.page_size
-        num_slots = len(path_pages(node)) + num_trimmed + len(pages)
-        assert num_slots * ps >= len(tokens) > (num_slots - 1) * ps, (
-            f"session {session!r}: {num_slots} page slots for {len(tokens)} tokens"
+        n = len(tokens)
+        num_tree = len(path_pages(node))
+        if n - window + 1 < (num_tree + num_trimmed) * ps:
+            return []  # e.g. a rollback to before the window: the next turn re-prefills
+        pages = own_pages[: -(-n // ps) - num_tree - num_trimmed]
+        num_slots = num_tree + num_trimmed + len(pages)
+        assert num_slots * ps >= n > (num_slots - 1) * ps, (
+            f"session {session!r}: {num_slots} page slots for {n} tokens"
         )
         self._add(session, node, tokens, num_trimmed, pages)
+        return pages
 
     def _add(
         self, session: str, node: Node, tokens: Sequence[int], num_trimmed: int, pages: list[int]

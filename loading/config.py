@@ -1,8 +1,9 @@
 """The model shape the forward needs, resolved once from a Hugging Face config.json.
 
 ModelConfig is frozen and narrow: only what shoal's decoder (models/decoder.py) needs to
-run one of the families in models/registry.py. The family's `Traits` (traits.py) say
-how its config.json is read. Everything else in config.json is ignored, and anything that would
+run one of the families in models/registry.py. The family's `Traits` (traits.py), which the
+caller resolves from `model_type_of(config)` and passes in, say how its config.json is read:
+this module knows no family. Everything else in config.json is ignored, and anything that would
 change the math without this config saying so (another activation, MLP biases, a model type we
 do not implement) is rejected rather than silently run wrong.
 
@@ -16,6 +17,7 @@ CheckpointError that names the file and the field, e.g.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from shoal.kernels.rope import rope_context_limit
@@ -25,6 +27,7 @@ from shoal.loading.checkpoint import (
     CheckpointError,
     json_kind,
     json_value,
+    read_json_object,
 )
 from shoal.loading.fields import ConfigFields
 from shoal.loading.layers_config import (
@@ -35,6 +38,7 @@ from shoal.loading.layers_config import (
 )
 from shoal.loading.moe_config import MoEConfig
 from shoal.loading.rope_config import read_layer_ropes, read_partial_rotary, read_rope
+from shoal.loading.traits import Traits
 
 ARCHITECTURE_FIELDS = (
     "model_type",
@@ -118,24 +122,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(
-        cls, d: dict[str, Any], generation: dict[str, Any] | None = None
+        cls, d: dict[str, Any], traits: Traits, generation: dict[str, Any] | None = None
     ) -> ModelConfig:
-        """Read a config.json dict of a supported model_type, with generation_config.json's
+        """Read a config.json dict through its family's `traits`, with generation_config.json's
         bos/eos merged in (eos ids are the union).
 
         Both the transformers 4 spelling (rope_theta, rope_scaling) and the transformers 5 one
         (rope_parameters) are understood. A bad field raises CheckpointError (a ValueError).
         """
-        from shoal.models.registry import family_of  # the registry imports this module
-
-        if not isinstance(d, dict):
-            raise CheckpointError(f"{CONFIG_NAME}: must be a JSON object, got {json_kind(d)}")
+        model_type = model_type_of(d)
         fields = ConfigFields(d, CONFIG_NAME)
-        model_type = fields.text("model_type")
-        traits = family_of(model_type).traits
-        activation_field = "hidden_activation" if traits.gemma else "hidden_act"
-        default_activation = "gelu_pytorch_tanh" if traits.gemma else "silu"
-        act_name = fields.text(activation_field, default_activation)
+        activation_field = traits.activation_field
+        act_name = fields.text(activation_field, traits.default_activation)
         if act_name not in ACTIVATIONS:
             raise CheckpointError(
                 f"{CONFIG_NAME}: {activation_field} {json_value(act_name)} is not supported "
@@ -182,8 +180,10 @@ class ModelConfig:
         vocab_size = fields.positive_int("vocab_size")
         generation_fields = ConfigFields(generation or {}, GENERATION_CONFIG_NAME)
         bos, eos = _special_tokens(fields, generation_fields, vocab_size)
-        gemma = traits.gemma
-        scalar = fields.positive_number("query_pre_attn_scalar", head_dim) if gemma else head_dim
+        scalar: float = head_dim
+        if traits.query_pre_attn_scalar:
+            scalar = fields.positive_number("query_pre_attn_scalar", head_dim)
+        capped = traits.softcapping
         return cls(
             model_type=model_type,
             vocab_size=vocab_size,
@@ -196,7 +196,7 @@ class ModelConfig:
             rms_norm_eps=fields.positive_number("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=fields.flag("tie_word_embeddings", gemma),  # HF defaults
+            tie_word_embeddings=fields.flag("tie_word_embeddings", traits.tied_by_default),
             attention_bias=traits.qkv_bias_always or biased,
             max_position_embeddings=max_positions,
             bos_token_id=bos,
@@ -205,16 +205,34 @@ class ModelConfig:
             o_bias=biased and not traits.qkv_bias_always,
             qk_norm=traits.qk_norm,
             activation=ACTIVATIONS[act_name],
-            sandwich_norms=gemma,
-            norm_plus_one=gemma,
-            embed_scale=hidden_size**0.5 if gemma else None,
+            sandwich_norms=traits.sandwich_norms,
+            norm_plus_one=traits.norm_plus_one,
+            embed_scale=hidden_size**0.5 if traits.embed_scale else None,
             query_scale=float(scalar) ** -0.5,
-            attn_softcap=softcap(fields, "attn_logit_softcapping") if gemma else None,
-            final_softcap=softcap(fields, "final_logit_softcapping") if gemma else None,
+            attn_softcap=softcap(fields, "attn_logit_softcapping") if capped else None,
+            final_softcap=softcap(fields, "final_logit_softcapping") if capped else None,
             rotary_dim=rotary_dim,
             sliding_rope=sliding_rope,
             moe=moe_config(fields, traits, num_layers),
         )
+
+
+def model_type_of(d: object) -> str:
+    """config.json's model_type, which names the family that reads the rest (CheckpointError
+    when the config is not a JSON object or has no model_type string)."""
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{CONFIG_NAME}: must be a JSON object, got {json_kind(d)}")
+    return ConfigFields(d, CONFIG_NAME).text("model_type")
+
+
+def read_config_files(folder: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The folder's config.json and its generation_config.json, if it has one: JSON objects
+    (CheckpointError), read for `ModelConfig.from_hf_config`."""
+    config = read_json_object(folder, CONFIG_NAME)
+    generation = None
+    if (folder / GENERATION_CONFIG_NAME).is_file():
+        generation = read_json_object(folder, GENERATION_CONFIG_NAME)
+    return config, generation
 
 
 def _special_tokens(

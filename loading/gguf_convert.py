@@ -254,7 +254,7 @@ def _write_tokenizer(gguf_path: Path, folder: Path, *, model_max_length: int) ->
     with gguf_file would also parse the whole file again for a config (several seconds) and
     gives the same tokenizer.
     """
-    # Imported by name, not statically: see HFTokenizer in loader.py.
+    # Imported by name, not statically: see loading/hf_tokenizer.py.
     transformers = importlib.import_module("transformers")
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True

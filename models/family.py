@@ -11,6 +11,7 @@ from shoal.kernels.elementwise import Elementwise
 from shoal.kernels.linear import LinearKind
 from shoal.loading.config import ModelConfig
 from shoal.loading.traits import Traits
+from shoal.loading.weights import WeightShapes
 from shoal.models.decoder import DecoderModel, SourceFn
 from shoal.models.layout import Part
 
@@ -19,11 +20,12 @@ from shoal.models.layout import Part
 class Family:
     name: str
     model_types: tuple[str, ...]  # the config.json model_type values it serves
-    # Every tensor its forward reads, by Hugging Face name, with its shape: the loader checks a
-    # checkpoint against it before any weight is read.
-    weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    # Every tensor its forward reads, by Hugging Face name, with its shape: a checkpoint is
+    # checked against it before any weight is read (load.py passes it to loading/weights.py).
+    weight_shapes: Callable[[ModelConfig], WeightShapes]
     source: SourceFn  # HF-named weights -> the decoder's layout (models/layout.py)
-    traits: Traits = field(default_factory=Traits)  # how its config.json reads
+    # How its config.json reads (load.py passes them to ModelConfig.from_hf_config).
+    traits: Traits = field(default_factory=Traits)
     tested: str = ""  # what the tests check of it (the README's table of families)
 
     def build(

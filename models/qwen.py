@@ -12,7 +12,7 @@ QWEN2 = Family(
     model_types=("qwen2",),
     weight_shapes=standard.weight_shapes,
     source=standard.model_source,
-    traits=Traits(sliding="qwen", qkv_bias_always=True),
+    traits=Traits(sliding="flagged_upper", qkv_bias_always=True),
 )
 
 QWEN3 = Family(
@@ -20,5 +20,5 @@ QWEN3 = Family(
     model_types=("qwen3",),
     weight_shapes=standard.weight_shapes,
     source=standard.model_source,
-    traits=Traits(sliding="qwen", qk_norm=True),
+    traits=Traits(sliding="flagged_upper", qk_norm=True),
 )

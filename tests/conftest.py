@@ -40,7 +40,8 @@ from tiny_model import make_tiny_model_folder  # noqa: E402
 
 from shoal.api.engine import Engine  # noqa: E402
 from shoal.kernels.cpu_kernels import KernelUnavailable, load_cpu_kernels  # noqa: E402
-from shoal.loading.loader import LoadedModel, default_cache_dir, load_model  # noqa: E402
+from shoal.loading.loader import default_cache_dir  # noqa: E402
+from shoal.models.load import LoadedModel, load_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

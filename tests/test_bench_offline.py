@@ -354,10 +354,10 @@ SMOLLM2_135M = {  # its config.json, the fields the roofline reads
 
 
 def test_roofline_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shoal.loading.config import ModelConfig
+    from shoal.models.load import model_config
 
     roofline = load_bench("roofline", monkeypatch)
-    config = ModelConfig.from_hf_config(SMOLLM2_135M)
+    config = model_config(SMOLLM2_135M)
     # Per layer: q 576*576 + k,v 2*576*192 + o 576*576 + mlp 3*576*1536 + norms 2*576
     #   = 331776 + 221184 + 331776 + 2654208 + 1152 = 3540096; x 30 layers = 106202880;
     # + final norm 576 + lm_head 49152*576 = 28311552 -> 134515008 (SmolLM2-135M's parameter
@@ -380,7 +380,7 @@ def test_roofline_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     tiny = {**SMOLLM2_135M, "model_type": "qwen2", "vocab_size": 10, "hidden_size": 4}
     tiny |= {"intermediate_size": 6, "num_hidden_layers": 1, "num_attention_heads": 2}
     tiny |= {"num_key_value_heads": 1, "tie_word_embeddings": False}
-    small = roofline.decode_step_bytes(ModelConfig.from_hf_config(tiny), 3, 5, 4)
+    small = roofline.decode_step_bytes(model_config(tiny), 3, 5, 4)
     assert (small.weights, small.kv_cache) == (192 * 4, 60 * 4)
     assert roofline.roofline_s(small.total, 100.0) == pytest.approx(1008 / 100e9)
 

@@ -33,5 +33,6 @@ def test_soak_benchmark_smoke(
         assert int(minute["threads"]) > 0 and minute["failed"] == "0"
     summary = fields[-1]
     assert summary["leaked"] == "nothing" and summary["failed"] == "none"
+    assert float(summary["rss_peak_mb"]) > 0 and abs(float(summary["threads_drift"])) < 1
     done = dict(item.split(":") for item in summary["ops"].split(","))
     assert {"chat", "session", "websocket", "leave", "abort", "flush_cache"} <= done.keys()

@@ -21,13 +21,14 @@ from tiny_families import WINDOW, make_family_folder
 
 from shoal import Engine
 from shoal.actors.cache_manager.cache_manager import CacheManager
+from shoal.actors.executor_messages import Launch
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import Admit, Launch, Output, StepDone
+from shoal.actors.messages import Admit, Output, StepDone
 from shoal.actors.scheduler.planner import Planner
 from shoal.actors.scheduler.request import PlannerConfig
 from shoal.cache.kv import KVCache
 from shoal.cache.rows import HOLE
-from shoal.loading.loader import LoadedModel, load_model
+from shoal.models.load import LoadedModel, load_model
 from shoal.params import SamplingParams
 
 

@@ -20,9 +20,9 @@ from tiny_model import make_tiny_model_folder
 from shoal import Engine
 from shoal.kernels.linear import Linear
 from shoal.loading.checkpoint import CheckpointError, read_header
-from shoal.loading.loader import load_model
 from shoal.models import weights as weights_module
 from shoal.models.decoder import DecoderModel
+from shoal.models.load import load_model
 
 __all__ = ["serve"]
 

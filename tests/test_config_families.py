@@ -4,11 +4,14 @@ carry experts, what the family fixes (biases, q/k norm, Gemma's scaling), and th
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import pytest
 
 from shoal.loading.config import ModelConfig
+from shoal.loading.traits import Traits
+from shoal.models.load import model_config
 
 
 def config(model_type: str, layers: int = 6, **overrides: Any) -> ModelConfig:
@@ -23,7 +26,7 @@ def config(model_type: str, layers: int = 6, **overrides: Any) -> ModelConfig:
         "max_position_embeddings": 4096,
     }
     d.update(overrides)
-    return ModelConfig.from_hf_config(d)
+    return model_config(d)
 
 
 def slides(c: ModelConfig) -> list[bool]:
@@ -105,3 +108,32 @@ def test_rope_by_family() -> None:
     assert config("llama", partial_rotary_factor=0.5).rotary_dim == 64  # Llama rotates it all
     gemma3 = config("gemma3_text", sliding_window=64, rope_theta=1e6, rope_local_base_freq=1e4)
     assert gemma3.rope_theta == 1e6 and gemma3.sliding_rope == (1e4, None)
+
+
+# Each of the facts Gemma fixes, alone: the Traits field, its value, and the ModelConfig fields
+# it changes (of a config.json that carries every field any of them reads).
+ONE_FACT = [
+    ("activation_field", "hidden_activation", {"activation"}),
+    ("tied_by_default", True, {"tie_word_embeddings"}),
+    ("norm_plus_one", True, {"norm_plus_one"}),
+    ("sandwich_norms", True, {"sandwich_norms"}),
+    ("embed_scale", True, {"embed_scale"}),
+    ("query_pre_attn_scalar", True, {"query_scale"}),
+    ("softcapping", True, {"attn_softcap", "final_softcap"}),
+]
+
+
+@pytest.mark.parametrize(("trait", "value", "changed"), ONE_FACT)
+def test_each_trait_is_one_fact(trait: str, value: object, changed: set[str]) -> None:
+    """Traits name facts, not families: any one of Gemma's, alone, changes only its own
+    part of the config (loading/ reads through the traits it is given, knowing no family)."""
+    d = {
+        "model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "silu",
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 144,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    }  # fmt: skip
+    plain = ModelConfig.from_hf_config(d, Traits())
+    one = ModelConfig.from_hf_config(d, Traits(**{trait: value}))
+    differ = {f.name for f in fields(ModelConfig) if getattr(plain, f.name) != getattr(one, f.name)}
+    assert differ == changed

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from test_attention_reference import dense_outputs, poison_before_windows
 
-from shoal.actors.wiring import cpu_kernels
 from shoal.api.engine import Engine
+from shoal.api.startup import cpu_kernels
 from shoal.config import EngineOptions, Resolved, resolve
 from shoal.kernels import cpu_kernels as cpu_kernels_module
 from shoal.kernels.attention import TorchAttention, store_kv
@@ -30,7 +30,8 @@ from shoal.kernels.linear import (
     pack_panels,
 )
 from shoal.kernels.rope import cos_sin_table, inv_frequencies
-from shoal.loading.loader import LoadedModel, default_cache_dir
+from shoal.loading.loader import default_cache_dir
+from shoal.models.load import LoadedModel
 from shoal.params import SamplingParams
 
 
@@ -201,7 +202,7 @@ def test_a_failed_build_falls_back_under_auto_and_fails_when_asked_for(
         options = EngineOptions(device="cpu", attention=attention, quantization=quantization)
         return resolve(options, 2048)
 
-    monkeypatch.setattr("shoal.actors.wiring.load_cpu_kernels", no_compiler)
+    monkeypatch.setattr("shoal.api.startup.load_cpu_kernels", no_compiler)
     with caplog.at_level(logging.WARNING, logger="shoal"):
         assert cpu_kernels(resolved("auto"), tmp_path, asked_attention="auto") is None
     assert "no compiler" in caplog.text

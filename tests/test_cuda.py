@@ -18,8 +18,8 @@ from conftest import EngineFactory, Reference
 from test_engine_parity import expect, mixed_prompts, run_all
 
 from shoal.api.engine import Engine
-from shoal.loading.loader import LoadedModel, load_model
 from shoal.memory import CPU_KV_CACHE_TOKENS
+from shoal.models.load import LoadedModel, load_model
 
 pytestmark = pytest.mark.gpu
 

@@ -18,11 +18,11 @@ pytest.importorskip("triton", reason="the triton package is not installed")
 
 from shoal.actors.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from shoal.actors.executor.device_state import DeviceState
-from shoal.actors.messages import Launch, RowInit, RowWriteMsg, SeqChunk
+from shoal.actors.executor_messages import Launch, RowInit, RowWriteMsg, SeqChunk
 from shoal.kernels.triton.attention import TritonAttention
-from shoal.loading.loader import LoadedModel
 from shoal.models.kv_pool import KVPool
 from shoal.models.llama import LLAMA
+from shoal.models.load import LoadedModel
 from shoal.params import SamplingParams
 
 PAGE_SIZE = 4

@@ -32,12 +32,13 @@ from test_engine_parity import mixed_prompts
 from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
-from shoal.actors.messages import Bootstrap, Shutdown
+from shoal.actors.messages import Shutdown
 from shoal.actors.transfer_messages import TransferMsg
 from shoal.disagg.backend import LocalFabric
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.wire import RoomRequest
-from shoal.loading.loader import LoadedModel
+from shoal.models.load import LoadedModel
+from shoal.params import Bootstrap
 from shoal.results import Completion, RequestStream
 
 NEW_TOKENS = 10
@@ -314,7 +315,7 @@ async def test_a_different_kv_layout_is_refused(
 ) -> None:
     pair = await make_pair(prefill={"page_size": 8})
     if first == "prefill computes first":
-        pair.decode.hold()  # its request waits: the prefill room has the KV before the peer
+        pair.decode.testing.hold()  # its request waits: the prefill room has the KV before the peer
     firsts = pair.halves(mixed_prompts(tiny_model.config.vocab_size)[1])
     if first == "prefill computes first":  # its request holds the KV, in TRANSFER
         for _ in range(int(WAIT_S / 0.005)):
@@ -322,7 +323,7 @@ async def test_a_different_kv_layout_is_refused(
                 break
             await asyncio.sleep(0.005)
         assert (await pair.prefill.transfer_counts())["bootstrap"] == 1
-        pair.decode.release()
+        pair.decode.testing.release()
     outcomes = await asyncio.gather(*(s.result() for s in firsts), return_exceptions=True)
     for outcome in outcomes:
         assert "KV layouts differ: page_size" in error_of(outcome)
@@ -359,7 +360,7 @@ async def test_a_decode_abort_while_the_prompt_is_computed_ends_the_prefill_half
     make_pair: PairFactory, tiny_model: LoadedModel, tiny_reference: Reference
 ) -> None:
     pair = await make_pair()
-    pair.prefill.hold()  # the prefill request stays unscheduled: its room waits for its KV
+    pair.prefill.testing.hold()  # the prefill request stays unscheduled: its room waits for its KV
     b = pair.bootstrap()
     prompt = mixed_prompts(tiny_model.config.vocab_size)[2]
     first = pair.prefill.generate(input_ids=prompt, bootstrap=b)
@@ -368,7 +369,7 @@ async def test_a_decode_abort_while_the_prompt_is_computed_ends_the_prefill_half
     pair.decode.abort(second.rid, "the client went away")
     assert (await second.result()).finish_reason == "abort"
     assert "the decode server cancelled: the client went away" in error_of(await first.result())
-    pair.prefill.release()
+    pair.prefill.testing.release()
     await pair.idle()
     await served_after(pair, tiny_reference, tiny_model.config.vocab_size)
 
@@ -443,8 +444,8 @@ async def test_sglang_26912_a_failure_in_the_bootstrap_queue_with_stages(
     pair = await make_pair(prefill={"pipeline_stages": 2})
     vocab = tiny_model.config.vocab_size
     prompt = mixed_prompts(vocab)[2]
-    pair.prefill.hold()
-    pair.decode.hold()  # the decode request waits in its queue: it never asks for KV
+    pair.prefill.testing.hold()
+    pair.decode.testing.hold()  # the decode request waits in its queue: it never asks for KV
     b = pair.bootstrap()
     first = pair.prefill.generate(input_ids=prompt, bootstrap=b)
     second = pair.decode.generate(input_ids=prompt, bootstrap=b)
@@ -453,8 +454,8 @@ async def test_sglang_26912_a_failure_in_the_bootstrap_queue_with_stages(
     assert (await second.result()).finish_reason == "abort"
     assert "the router aborted it" in error_of(await first.result())
     await wait_for_counts(pair.prefill, bootstrap=0)
-    pair.prefill.release()
-    pair.decode.release()
+    pair.prefill.testing.release()
+    pair.decode.testing.release()
     await pair.idle()
     await served_after(pair, tiny_reference, vocab)
 
@@ -463,7 +464,7 @@ async def test_a_failing_later_stage_ends_both_halves(
     make_pair: PairFactory, tiny_model: LoadedModel, tiny_reference: Reference
 ) -> None:
     pair = await make_pair(prefill={"pipeline_stages": 2})
-    pair.prefill.stages.fail_next(1)
+    pair.prefill.testing.stages.fail_next(1)
     first, second = await pair.run(mixed_prompts(tiny_model.config.vocab_size)[2])
     assert "forward failed" in error_of(first) and "forward failed" in error_of(second)
     await pair.idle()
@@ -508,7 +509,7 @@ async def test_a_server_killed_mid_transfer(
         await pair.idle()
         await served_after(pair, tiny_reference, vocab)
         # The prefill server dies while the decode server waits for its KV.
-        prefill.hold()
+        prefill.testing.hold()
         b = pair.bootstrap()
         prefill.generate(input_ids=prompt, bootstrap=b)
         second = decode.generate(input_ids=prompt, bootstrap=b)
@@ -550,7 +551,7 @@ async def _transfer_workload(pair: Pair, vocab: int) -> None:
         await asyncio.wait_for(asyncio.gather(work, return_exceptions=True), WAIT_S)
 
     await bounded(pair.run(prompts[1]))  # claim, arrive, send, write, expect, poll, ended
-    pair.prefill.hold()  # a decode abort while the prompt waits: drop, cancel, cancelled
+    pair.prefill.testing.hold()  # a decode abort while the prompt waits: drop, cancel, cancelled
     b = pair.bootstrap()
     first = pair.prefill.generate(input_ids=prompts[2], bootstrap=b)
     second = pair.decode.generate(input_ids=prompts[2], bootstrap=b)
@@ -558,7 +559,7 @@ async def _transfer_workload(pair: Pair, vocab: int) -> None:
     pair.decode.abort(second.rid, "the client went away")
     await bounded(second.result())
     await bounded(first.result())
-    pair.prefill.release()
+    pair.prefill.testing.release()
     b = pair.bootstrap()  # a room whose request never comes: its deadline
     await bounded(pair.prefill.generate(input_ids=prompts[2], bootstrap=b).result())
     url = f"http://127.0.0.1:{pair.prefill.bootstrap_port}/shoal/pd/rooms/{next(rooms)}"
@@ -582,9 +583,9 @@ async def test_a_fault_in_one_transfer_message_fails_only_that_message(
     if kind not in PREFILL_ONLY | DECODE_ONLY:
         sides = [pair.prefill, pair.decode]
     for engine in sides:
-        engine.faults.arm(actor, kind)
+        engine.testing.faults.arm(actor, kind)
     await _transfer_workload(pair, tiny_model.config.vocab_size)
-    fired = [f for engine in sides for f in engine.faults.fired]
+    fired = [f for engine in sides for f in engine.testing.faults.fired]
     assert (actor, kind) in fired, f"never sent {kind} to the {actor}"
     for engine in (pair.prefill, pair.decode):
         assert engine.dead_reason is None, engine.dead_reason

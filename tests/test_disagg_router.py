@@ -32,7 +32,7 @@ from test_http_support import MODEL, Served, ServeFactory, chat, serve, sse_even
 
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.wire import RoomRequest, RoomResult, prompt_digest
-from shoal.loading.loader import load_model
+from shoal.models.load import load_model
 
 __all__ = ["other_folder", "serve"]  # fixtures, used by name
 
@@ -218,7 +218,7 @@ async def test_a_prefill_400_ends_the_decode_half(pd: Any) -> None:
 
 async def test_a_prefill_500_is_retried_and_the_failed_attempt_ends_on_both(pd: Any) -> None:
     pair = await pd()
-    pair.prefill.engine.faults.arm("scheduler", "Admit")  # the first attempt fails: 500
+    pair.prefill.engine.testing.faults.arm("scheduler", "Admit")  # the first attempt fails: 500
     route, body = requests_of_every_route(PROMPTS[:1])[0]
     routed = await text_of(pair.solo.http, pair.url, route, body)  # the router's retry
     assert routed == await text_of(pair.solo.http, pair.solo.url, route, body)
@@ -280,11 +280,11 @@ async def test_a_transfer_timeout_ends_both_halves(pd: Any) -> None:
     """The prefill server never computes the prompt (its step gate is held): the decode
     server's wait times out, it cancels the room, and both halves end."""
     pair = await pd(decode={"disaggregation_timeout_s": 1.0})
-    pair.prefill.engine.hold()
+    pair.prefill.engine.testing.hold()
     body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}
     async with pair.solo.http.post(pair.url + "/generate", json=body) as response:
         assert response.status >= 500
-    pair.prefill.engine.release()
+    pair.prefill.engine.testing.release()
     await pair.idle()
 
 
@@ -296,14 +296,14 @@ async def test_a_client_gone_before_the_transfer_ends_both_halves(pd: Any, held:
     pair = await pd()
     engine = pair.prefill.engine if held == "prefill" else pair.decode.engine
     state = "prefilling" if held == "prefill" else "bootstrap"
-    engine.hold()
+    engine.testing.hold()
     body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}
     async with aiohttp.ClientSession() as http:
         task = asyncio.create_task(http.post(pair.url + "/generate", json=body))
         await wait_for_rooms(pair.prefill, state, 1)
         task.cancel()
     await wait_for_rooms(pair.prefill, state, 0)
-    engine.release()
+    engine.testing.release()
     await pair.idle()
 
 
@@ -376,12 +376,12 @@ async def test_a_killed_decode_server_ends_the_prefill_half(
         routers.append(router)
         await router.ready(prefill.http)
         url = router.url
-        prefill.engine.hold()
+        prefill.engine.testing.hold()
         body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}}
         sent = asyncio.create_task(prefill.http.post(url + "/generate", json=body))
         await wait_for_rooms(prefill, "prefilling", 1)
         decode.kill()
-        prefill.engine.release()
+        prefill.engine.testing.release()
         await wait_for_rooms(prefill, "prefilling", 0)
         with contextlib.suppress(aiohttp.ClientError):
             (await sent).release()
@@ -398,7 +398,7 @@ async def test_a_killed_decode_server_ends_the_prefill_half(
         assert response.status == 200
         await prefill.engine.wait_idle(WAIT_S)
     finally:
-        prefill.engine.release()
+        prefill.engine.testing.release()
         for process in processes:
             if process.proc.poll() is None:
                 process.kill()

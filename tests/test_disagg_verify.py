@@ -28,13 +28,13 @@ from test_engine_parity import mixed_prompts
 from test_http_support import ServeFactory, serve
 
 from shoal import Engine
-from shoal.actors.messages import Bootstrap
 from shoal.disagg.backend import LocalFabric
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.peers import PrefillPeers
 from shoal.disagg.wire import RoomRequest
 from shoal.loading.identity import weights_digest
-from shoal.loading.loader import LoadedModel, load_model
+from shoal.models.load import LoadedModel, load_model
+from shoal.params import Bootstrap
 from shoal.results import RequestError
 
 __all__ = ["other_folder", "serve"]  # fixtures, used by name

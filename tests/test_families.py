@@ -20,7 +20,7 @@ from test_engine_parity import mixed_prompts
 from test_http_support import ServeFactory, serve  # noqa: F401  (the fixture)
 from tiny_families import FAMILIES, WINDOW, make_family_folder
 
-from shoal.loading.loader import LoadedModel, load_model
+from shoal.models.load import LoadedModel, load_model
 from shoal.models.registry import family_of, supported_model_types
 
 NEW_TOKENS = 12

@@ -24,7 +24,8 @@ import pytest
 from conftest import EngineFactory
 from test_http_support import ServeFactory, serve  # noqa: F401  (the fixture)
 
-from shoal.actors.messages import CacheMsg, ExecutorMsg, SchedulerMsg, Shutdown, TokenizerMsg
+from shoal.actors.executor_messages import ExecutorMsg
+from shoal.actors.messages import CacheMsg, SchedulerMsg, Shutdown, TokenizerMsg
 from shoal.api.engine import Engine
 from shoal.results import EngineDeadError, InternalError, RequestError
 
@@ -97,14 +98,14 @@ async def _pause_and_continue(engine: Engine) -> Any:
 
 
 async def _stepping(engine: Engine) -> Any:
-    engine.hold()
+    engine.testing.hold()
     stream = engine.generate(input_ids=PROMPT, max_new_tokens=2, ignore_eos=True)
     try:
         for _ in range(4):
-            if await engine.advance() is not None:
-                await engine.deliver()
+            if await engine.testing.advance() is not None:
+                await engine.testing.deliver()
     finally:
-        engine.release()
+        engine.testing.release()
     return await stream.result()
 
 
@@ -145,9 +146,9 @@ async def test_a_fault_in_one_message_fails_only_that_message(
 ) -> None:
     engine = await make_engine()
     before = await _greedy(engine)
-    engine.faults.arm(actor, kind)
+    engine.testing.faults.arm(actor, kind)
     outcomes = await _workload(engine, tiny_folder)
-    assert engine.faults.fired == [(actor, kind)], f"never sent {kind} to the {actor}"
+    assert engine.testing.faults.fired == [(actor, kind)], f"never sent {kind} to the {actor}"
     if (actor, kind) in FATAL:
         assert engine.dead_reason is not None
         assert actor in engine.dead_reason and "Injected" not in engine.dead_reason
@@ -175,7 +176,7 @@ async def test_a_request_whose_message_failed_ends_with_an_error(
     make_engine: EngineFactory, tiny_folder: Path, actor: str, kind: str, expected: str
 ) -> None:
     engine = await make_engine()
-    engine.faults.arm(actor, kind)
+    engine.testing.faults.arm(actor, kind)
     outcomes: dict[str, str] = {}
     await _step("generate", lambda: _greedy(engine), outcomes)
     assert outcomes["generate"].startswith(expected), outcomes
@@ -189,7 +190,7 @@ async def test_an_update_whose_message_failed_reports_failure(
     make_engine: EngineFactory, tiny_folder: Path, actor: str, kind: str
 ) -> None:
     engine = await make_engine()
-    engine.faults.arm(actor, kind)
+    engine.testing.faults.arm(actor, kind)
     result = await engine.update_weights_from_disk(tiny_folder)
     assert not result.success and actor in result.message
     assert (await engine.update_weights_from_disk(tiny_folder)).success  # the lock is free
@@ -203,7 +204,7 @@ async def test_a_fatal_failure_ends_every_stream_and_health_says_why(
         s.engine.generate(input_ids=PROMPT, max_new_tokens=64, ignore_eos=True) for _ in range(3)
     ]
     await asyncio.sleep(0)
-    s.engine.faults.arm("cache manager", "PlanRequest")
+    s.engine.testing.faults.arm("cache manager", "PlanRequest")
     for stream in streams:
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(stream.result(), STEP_TIMEOUT_S)
@@ -226,7 +227,7 @@ async def test_a_resume_that_waited_for_a_failed_write_done_still_goes_through(
     async for _ in stream:
         break
     engine.pause_generation()
-    engine.faults.arm("tokenizer", "WriteDone")
+    engine.testing.faults.arm("tokenizer", "WriteDone")
     update = asyncio.create_task(engine.update_weights_from_disk(tiny_folder))
     await asyncio.sleep(0)  # UpdateWeights is in the mailbox: the writer starts, paused
     engine.continue_generation()
@@ -234,5 +235,5 @@ async def test_a_resume_that_waited_for_a_failed_write_done_still_goes_through(
     assert not result.success and "tokenizer" in result.message
     done = await asyncio.wait_for(stream.result(), STEP_TIMEOUT_S)
     assert done.finish_reason == "length" and len(done.token_ids) == 24
-    assert engine.faults.fired == [("tokenizer", "WriteDone")]
+    assert engine.testing.faults.fired == [("tokenizer", "WriteDone")]
     await engine.check_integrity()

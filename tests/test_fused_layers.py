@@ -21,11 +21,12 @@ from shoal.kernels.cpu_kernels import CpuKernels, load_cpu_kernels
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.linear import LinearKind
 from shoal.kernels.quant import MANY_ROWS
-from shoal.loading.loader import LoadedModel, default_cache_dir, load_model
+from shoal.loading.loader import default_cache_dir
 from shoal.models.decoder import DecoderModel
 from shoal.models.fused_layers import FusedLayers
 from shoal.models.kv_pool import KVPool
 from shoal.models.layout import Part
+from shoal.models.load import LoadedModel, load_model
 from shoal.models.registry import family_of
 
 PAGE = 4

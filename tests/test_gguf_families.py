@@ -28,7 +28,7 @@ from tiny_model import BOS_ID, EOS_ID, PAD_ID, make_tiny_tokenizer
 from shoal.api.engine import Engine
 from shoal.loading.checkpoint import CheckpointError
 from shoal.loading.gguf_convert import convert_gguf, hf_name
-from shoal.loading.loader import load_model
+from shoal.models.load import load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -181,6 +181,32 @@ async def test_bad_input_table_then_the_server_is_unharmed(serve: ServeFactory) 
     assert snapshot.idle and not s.server.gateway.jobs
 
 
+async def test_a_streamed_request_the_engine_refuses_answers_before_its_stream(
+    serve: ServeFactory,
+) -> None:
+    """The engine measures the prompt (its tokenizer actor): a streamed request waits for
+    that before it opens its stream, so a refused prompt is a 4xx, never an error event in a
+    200 stream."""
+    s = await serve(context_length=CONTEXT, max_n=8)
+    refused = [
+        (CHAT, {**chat("hi", max_tokens=10**6), "n": 2}, "max_tokens", TOO_LONG),
+        (COMPLETIONS, {"prompt": [5] * CONTEXT}, "prompt", TOO_LONG),
+        (COMPLETIONS, {"prompt": [[5], [5, 600]], "max_tokens": 2}, "prompt[1]", None),
+        (GENERATE, {"input_ids": [5] * 300}, "input_ids", TOO_LONG),
+        (GENERATE, {"input_ids": [5, 99999]}, "input_ids", None),
+    ]
+    for path, body, param, code in refused:
+        if path != GENERATE:
+            body = {"model": MODEL, **body}
+        async with s.http.post(s.url + path, json={**body, "stream": True}) as resp:
+            got = await resp.json()
+            assert resp.status == 400, (path, body, got)
+            assert resp.headers["Content-Type"].startswith("application/json"), path
+            assert_error_shape(got, param, code)
+    await s.engine.check_integrity()
+    assert not s.server.gateway.jobs
+
+
 async def test_the_openai_client_sees_typed_errors_without_retrying(serve: ServeFactory) -> None:
     s = await serve(context_length=CONTEXT)
     with pytest.raises(openai.BadRequestError) as caught:

@@ -20,8 +20,8 @@ import pytest
 from test_http_sessions import GREEDY, released
 from test_http_support import MODEL, Served, ServeFactory, serve
 
+from shoal.actors.tokenizer import encode as tokenizer_encode
 from shoal.api.cli import build_parser
-from shoal.api.http import gateway as http_gateway
 from shoal.api.http.server import ServerOptions
 
 __all__ = ["serve"]
@@ -403,7 +403,7 @@ async def test_health_answers_while_a_prompt_at_the_char_limit_is_encoded(
     max_chars = 100_000
     s = await serve(max_prompt_chars=max_chars)
     encoding, finish = threading.Event(), threading.Event()
-    real_encode = http_gateway.encode_prompt
+    real_encode = tokenizer_encode.encode_prompt
 
     def held_encode(tokenizer: Any, text: str | None, ids: Any, messages: Any) -> list[int]:
         if text is not None and len(text) == max_chars:
@@ -411,7 +411,7 @@ async def test_health_answers_while_a_prompt_at_the_char_limit_is_encoded(
             assert finish.wait(30), "the test never let the encoding finish"
         return real_encode(tokenizer, text, ids, messages)
 
-    monkeypatch.setattr(http_gateway, "encode_prompt", held_encode)
+    monkeypatch.setattr(tokenizer_encode, "encode_prompt", held_encode)
     body = {"model": MODEL, "prompt": "the " * (max_chars // 4), "max_tokens": 1}
     request = asyncio.ensure_future(s.http.post(s.url + "/v1/completions", json=body))
     try:

@@ -29,8 +29,9 @@ from shoal.kernels.quant import (
     exact_q4_blocks,
     q8_blocks,
 )
-from shoal.loading.loader import default_cache_dir, load_model
+from shoal.loading.loader import default_cache_dir
 from shoal.models.llama import LLAMA
+from shoal.models.load import load_model
 from shoal.models.weights import linear_weights
 
 # Weights are int8 in blocks of 32 (relative step 1/127 of a block's largest weight) and

@@ -88,7 +88,7 @@ async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
 ) -> None:
     engine = await make_engine(page_size=4, chunk_size=16)
     prompts = [prompt(5 + 3 * i, 100 + i) for i in range(16)]
-    engine.stages.hold(0)  # no step runs until released: none of the 16 can finish
+    engine.testing.stages.hold(0)  # no step runs until released: none of the 16 can finish
     try:
         streams = [engine.generate(input_ids=p, max_new_tokens=40, **greedy()) for p in prompts]
         await until_admitted(engine, {s.rid for s in streams})
@@ -99,7 +99,7 @@ async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
         assert not any(s.ended for s in streams)
         assert not update.done() and not late.ended  # both wait for the 16 in flight
     finally:
-        engine.stages.release(0)
+        engine.testing.stages.release(0)
     done = await asyncio.gather(*(s.result() for s in streams))
     result = await update
     assert result.success, result.message
@@ -163,16 +163,16 @@ async def test_flush_posted_while_a_batch_is_in_flight_waits_for_idle(
     ids = prompt(21, 7)
     await engine.generate(input_ids=ids, max_new_tokens=3, **greedy()).result()  # warm cache
     assert (await engine.cache_stats()).cached_tokens > 0
-    engine.hold()
+    engine.testing.hold()
     stream = engine.generate(input_ids=ids, max_new_tokens=3, **greedy())
-    assert await engine.advance() is not None
+    assert await engine.testing.advance() is not None
     snap = await engine.snapshot()
     # The window: a batch launched, its result not processed, every queue empty.
     assert snap.launched_batches and not snap.waiting and not snap.prefill
     flush = asyncio.create_task(engine.flush_cache(timeout_s=30))
     await asyncio.sleep(0.1)
     assert not flush.done()  # it did not run inside the window
-    engine.release()
+    engine.testing.release()
     done = await stream.result()
     assert list(done.token_ids) == tiny_reference.greedy(ids, 3, True)
     result = await flush
@@ -185,13 +185,13 @@ async def test_flush_that_times_out_refuses_and_loses_nothing(
     make_engine: EngineFactory, tiny_reference: Reference
 ) -> None:
     engine = await make_engine()
-    engine.hold()
+    engine.testing.hold()
     ids = prompt(15, 8)
     stream = engine.generate(input_ids=ids, max_new_tokens=4, **greedy())
-    await engine.advance()
+    await engine.testing.advance()
     result = await engine.flush_cache(timeout_s=0.05)
     assert not result.success and "did not become idle" in result.message
-    engine.release()
+    engine.testing.release()
     assert list((await stream.result()).token_ids) == tiny_reference.greedy(ids, 4, True)
     flushes = await asyncio.gather(*(engine.flush_cache(timeout_s=5) for _ in range(3)))
     assert all(f.success for f in flushes)
@@ -206,13 +206,13 @@ async def test_chunked_request_keeps_its_row_with_the_table_full(
     engine = await make_engine(page_size=4, chunk_size=4, max_running_requests=2)
     long_prompt = prompt(30, 9)
     shorts = [prompt(3 + i, 200 + i) for i in range(6)]
-    engine.hold()
+    engine.testing.hold()
     long_stream = engine.generate(input_ids=long_prompt, max_new_tokens=5, **greedy())
     streams = [engine.generate(input_ids=p, max_new_tokens=4, **greedy()) for p in shorts]
     long_rows: set[int] = set()
     chunks = 0
     while not long_stream.ended or not all(s.ended for s in streams):
-        launched = await engine.advance()
+        launched = await engine.testing.advance()
         snap = await engine.snapshot()
         rows = snap.rows
         if long_stream.rid in rows:
@@ -221,8 +221,8 @@ async def test_chunked_request_keeps_its_row_with_the_table_full(
             assert all(rows[rid] != rows[long_stream.rid] for rid in others)
             chunks += long_stream.rid in snap.prefill or snap.progress[long_stream.rid] > 0
         if launched is not None or snap.launched_batches:
-            await engine.deliver()
-    engine.release()
+            await engine.testing.deliver()
+    engine.testing.release()
     assert len(long_rows) == 1 and chunks >= 4
     assert list((await long_stream.result()).token_ids) == tiny_reference.greedy(
         long_prompt, 5, True
@@ -251,8 +251,8 @@ async def run_to(engine: Engine, rid: str, stage: str) -> None:
         if stage == "finished" and rid in snap.finishing and not in_flight:
             return
         if snap.launched_batches:
-            await engine.deliver()  # waits for the result (max_inflight is 1 here)
-        elif await engine.advance() is None:
+            await engine.testing.deliver()  # waits for the result (max_inflight is 1 here)
+        elif await engine.testing.advance() is None:
             break
     pytest.fail(f"never reached {stage}: {await engine.snapshot()}")
 
@@ -263,19 +263,19 @@ async def test_abort_at_every_stage_releases_everything(
 ) -> None:
     engine = await make_engine(page_size=4, chunk_size=4, max_running_requests=1, max_inflight=1)
     start = await baseline(engine)
-    engine.hold()
+    engine.testing.hold()
     blocker = engine.generate(input_ids=prompt(3, 1), max_new_tokens=2, **greedy())
     max_new = 1 if stage == "finished" else 50
     target = engine.generate(input_ids=prompt(14, 2), max_new_tokens=max_new, **greedy())
     if stage != "waiting":
         while not blocker.ended:
             if (await engine.snapshot()).launched_batches:
-                await engine.deliver()
+                await engine.testing.deliver()
             else:
-                await engine.advance()
+                await engine.testing.advance()
     await run_to(engine, target.rid, stage)
     engine.abort(target.rid)
-    engine.release()
+    engine.testing.release()
     done = await target.result()
     assert done.finish_reason == ("length" if stage == "finished" else "abort")
     await blocker.result()

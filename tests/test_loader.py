@@ -15,16 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_model import BOS_ID, CHAT_TEMPLATE, EOS_ID, make_tiny_model_folder
 
-from shoal.loading.config import ModelConfig
 from shoal.loading.gguf_convert import MARKER_NAME, hf_name, unpermute_rope_rows
-from shoal.loading.loader import (
-    bundled_model_path,
-    expected_weight_shapes,
-    load_model,
-    read_model_config,
-    resolve_model_folder,
-)
+from shoal.loading.loader import bundled_model_path, resolve_model_folder
 from shoal.models.llama import LLAMA
+from shoal.models.load import expected_weight_shapes, load_model, model_config, read_model_config
 from shoal.models.registry import family_of, supported_model_types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -231,7 +225,7 @@ def test_config_llama3_rope_scaling_transformers4_spelling() -> None:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    config = ModelConfig.from_hf_config(_hf_dict(rope_theta=500000.0, rope_scaling=scaling))
+    config = model_config(_hf_dict(rope_theta=500000.0, rope_scaling=scaling))
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == scaling
     assert config.head_dim == 128 and config.num_kv_heads == 8
@@ -242,17 +236,15 @@ def test_config_llama3_rope_scaling_transformers4_spelling() -> None:
 
 def test_config_rope_parameters_transformers5_spelling() -> None:
     params = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
-    config = ModelConfig.from_hf_config(_hf_dict(rope_parameters=params))
+    config = model_config(_hf_dict(rope_parameters=params))
     assert config.rope_theta == 1e6
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    plain = ModelConfig.from_hf_config(
-        _hf_dict(rope_parameters={"rope_type": "default", "rope_theta": 5.0})
-    )
+    plain = model_config(_hf_dict(rope_parameters={"rope_type": "default", "rope_theta": 5.0}))
     assert plain.rope_theta == 5.0 and plain.rope_scaling is None
 
 
 def test_config_legacy_type_key_and_defaults() -> None:
-    config = ModelConfig.from_hf_config(
+    config = model_config(
         _hf_dict(rope_scaling={"type": "linear", "factor": 4.0}, eos_token_id=7, head_dim=64)
     )
     assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
@@ -261,12 +253,10 @@ def test_config_legacy_type_key_and_defaults() -> None:
 
 
 def test_config_qwen2_and_mistral() -> None:
-    qwen = ModelConfig.from_hf_config(
-        _hf_dict(model_type="qwen2", sliding_window=4096, use_sliding_window=False)
-    )
+    qwen = model_config(_hf_dict(model_type="qwen2", sliding_window=4096, use_sliding_window=False))
     assert qwen.attention_bias and qwen.max_position_embeddings == 131072
     assert qwen.kv_window is None and set(qwen.layer_windows) == {None}
-    mistral = ModelConfig.from_hf_config(_hf_dict(model_type="mistral", sliding_window=4096))
+    mistral = model_config(_hf_dict(model_type="mistral", sliding_window=4096))
     # The window is part of its attention now, not a cap on the context.
     assert not mistral.attention_bias and mistral.max_position_embeddings == 131072
     assert mistral.kv_window == 4096 and set(mistral.layer_windows) == {4096}
@@ -284,12 +274,12 @@ def test_config_qwen2_and_mistral() -> None:
 )
 def test_config_rejects_what_we_do_not_run(overrides: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        ModelConfig.from_hf_config(_hf_dict(**overrides))
+        model_config(_hf_dict(**overrides))
 
 
 def test_the_registry_names_each_family_and_refuses_the_rest() -> None:
     for model_type in ("llama", "mistral", "qwen2"):
-        config = ModelConfig.from_hf_config(_hf_dict(model_type=model_type))
+        config = model_config(_hf_dict(model_type=model_type))
         assert family_of(config.model_type).model_types == (model_type,)
         assert config.architecture()["model_type"] == model_type
     assert family_of("llama") is LLAMA
@@ -586,7 +576,7 @@ def test_bundled_tokenizer_matches_transformers_gguf_tokenizer(smollm2) -> None:
 def test_bundled_second_load_is_fast(smollm2, bundled_cache: Path) -> None:
     script = (
         "import time; t = time.perf_counter(); from pathlib import Path; "
-        "from shoal.loading.loader import load_model; i = time.perf_counter(); "
+        "from shoal.models.load import load_model; i = time.perf_counter(); "
         f"m = load_model(cache_dir=Path({str(bundled_cache)!r})); e = time.perf_counter(); "
         "print(f'{i - t:.2f} {e - i:.2f} {e - t:.2f}')"
     )

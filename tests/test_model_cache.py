@@ -28,8 +28,9 @@ from test_loader import write_tiny_gguf
 from shoal.api.cli import main
 from shoal.kernels.cache_files import FolderLock, StartCancelled, lock_path, temporaries
 from shoal.loading.gguf_convert import convert_gguf, converted_folder
-from shoal.loading.loader import load_model, resolve_model_folder
+from shoal.loading.loader import resolve_model_folder
 from shoal.loading.model_cache import MARKER_NAME, CorruptCacheError
+from shoal.models.load import load_model
 
 TESTS = Path(__file__).resolve().parent
 
@@ -233,7 +234,7 @@ READ_ONLY_LOAD = """
 import json, sys
 from pathlib import Path
 import read_only_hook
-from shoal.loading.loader import load_model
+from shoal.models.load import load_model
 read_only_hook.install(sys.argv[2])
 loaded = load_model(Path(sys.argv[1]), cache_dir=Path(sys.argv[2]), progress=False)
 print(json.dumps({"layers": loaded.config.num_layers, "refused": read_only_hook.refused()}))

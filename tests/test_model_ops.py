@@ -9,8 +9,8 @@ import torch
 from shoal.kernels.elementwise import rms_norm
 from shoal.kernels.linear import LinearKind
 from shoal.kernels.rope import apply_rope
-from shoal.loading.loader import LoadedModel
 from shoal.models.llama import LLAMA
+from shoal.models.load import LoadedModel
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ from tiny_model import make_tiny_model_folder
 
 from shoal import Engine
 from shoal.actors.executor.stages import StagePipeline
-from shoal.loading.loader import LoadedModel, load_model
+from shoal.models.load import LoadedModel, load_model
 from shoal.results import EngineDeadError
 
 __all__ = ["serve"]  # the fixture, used by name
@@ -100,8 +100,8 @@ async def until(engine: Engine, stage: int, count: int = 1) -> None:
     def ready(counts: Counts) -> bool:
         return counts[stage] == count
 
-    reached = await asyncio.to_thread(engine.stages.wait_until, ready, WAIT_S)
-    assert reached, f"never {count} in stage {stage}: {engine.stages.counts()}"
+    reached = await asyncio.to_thread(engine.testing.stages.wait_until, ready, WAIT_S)
+    assert reached, f"never {count} in stage {stage}: {engine.testing.stages.counts()}"
 
 
 async def stays_pending(task: asyncio.Future[Any], within_s: float = 0.3) -> None:
@@ -126,7 +126,7 @@ async def test_greedy_equals_transformers_over_stages(
     staged: Staged, deep_reference: Reference, stages: int, page_size: int
 ) -> None:
     engine = await staged(stages, page_size=page_size, chunk_size=7, kv_cache_tokens=4096)
-    assert len(engine.stages.counts()) == stages
+    assert len(engine.testing.stages.counts()) == stages
     prompts = mixed_prompts(engine.loaded.config.vocab_size)
     expected = [deep_reference.greedy(p, NEW_TOKENS) for p in prompts]
     done = await run_all(engine, prompts)
@@ -280,21 +280,21 @@ async def test_counts_show_a_held_microbatch_and_return_to_zero(
     staged: Staged, deep_reference: Reference
 ) -> None:
     engine = await staged(3)
-    assert engine.stages.counts() == (0, 0, 0)
+    assert engine.testing.stages.counts() == (0, 0, 0)
     ids = prompt(9, 1)
-    engine.stages.hold(1)
+    engine.testing.stages.hold(1)
     try:
         stream = engine.generate(input_ids=ids, **greedy(4))
         await until(engine, 1)
-        assert engine.stages.counts() == (0, 1, 0)
+        assert engine.testing.stages.counts() == (0, 1, 0)
         snap = await engine.snapshot()
         assert [stream.rid] in [list(rids) for rids in snap.launched_batches.values()]
         assert not stream.ended
     finally:
-        engine.stages.release(1)
+        engine.testing.stages.release(1)
     assert list((await stream.result()).token_ids) == deep_reference.greedy(ids, 4, True)
     await engine.wait_idle()
-    assert engine.stages.counts() == (0, 0, 0)
+    assert engine.testing.stages.counts() == (0, 0, 0)
 
 
 async def test_server_info_and_metrics_show_the_stage_counts(
@@ -303,7 +303,7 @@ async def test_server_info_and_metrics_show_the_stage_counts(
     served = await serve(model=deep_model, pipeline_stages=3, page_size=4)
     engine = served.engine
     body = {"input_ids": prompt(9, 3), "sampling_params": greedy(4)}
-    engine.stages.hold(1)
+    engine.testing.stages.hold(1)
     try:
         request = asyncio.create_task(served.http.post(served.url + "/generate", json=body))
         await until(engine, 1)
@@ -315,21 +315,23 @@ async def test_server_info_and_metrics_show_the_stage_counts(
         assert 'shoal_stage_microbatches{stage="1"} 1.0' in text
         assert 'shoal_stage_microbatches{stage="2"} 0.0' in text
     finally:
-        engine.stages.release(1)
+        engine.testing.stages.release(1)
     async with await request as resp:
         assert (await resp.json())["meta_info"]["finish_reason"]["type"] == "length"
 
 
 async def test_stage_zero_can_be_held_and_counted(staged: Staged) -> None:
     engine = await staged(2)
-    engine.stages.hold(0)
+    engine.testing.stages.hold(0)
     try:
         stream = engine.generate(input_ids=prompt(9, 2), **greedy(3))
-        reached = await asyncio.to_thread(engine.stages.wait_until, lambda c: c[0] == 1, 1.0)
+        reached = await asyncio.to_thread(
+            engine.testing.stages.wait_until, lambda c: c[0] == 1, 1.0
+        )
     finally:
-        engine.stages.release(0)
+        engine.testing.stages.release(0)
     await stream.result()
-    assert reached, f"no microbatch was ever counted in stage 0: {engine.stages.counts()}"
+    assert reached, f"no microbatch was ever counted in stage 0: {engine.testing.stages.counts()}"
 
 
 # ---- SGLang's window: lifecycle operations while a microbatch is in a later stage ---------
@@ -342,7 +344,7 @@ async def test_flush_waits_for_a_microbatch_in_the_last_stage(
     warm = prompt(21, 7)
     await engine.generate(input_ids=warm, **greedy(3)).result()  # something to flush
     assert (await engine.cache_stats()).cached_tokens > 0
-    engine.stages.hold(2)
+    engine.testing.stages.hold(2)
     try:
         stream = engine.generate(input_ids=prompt(17, 8), **greedy(50))
         await until(engine, 2)
@@ -354,10 +356,10 @@ async def test_flush_waits_for_a_microbatch_in_the_last_stage(
         assert snap.launched_batches and not snap.idle  # but its microbatch is in stage 2
         flush = asyncio.create_task(engine.flush_cache(timeout_s=30))
         await stays_pending(flush)
-        assert engine.stages.counts() == (0, 0, 1)
+        assert engine.testing.stages.counts() == (0, 0, 1)
         assert (await engine.cache_stats()).cached_tokens > 0  # the tree is untouched
     finally:
-        engine.stages.release(2)
+        engine.testing.stages.release(2)
     result = await flush
     assert result.success, result.message
     await engine.check_integrity()
@@ -374,14 +376,14 @@ async def test_flush_that_times_out_in_the_window_refuses_and_loses_nothing(
 ) -> None:
     engine = await staged(2)
     ids = prompt(15, 9)
-    engine.stages.hold(1)
+    engine.testing.stages.hold(1)
     try:
         stream = engine.generate(input_ids=ids, **greedy(5))
         await until(engine, 1)
         result = await engine.flush_cache(timeout_s=0.05)
         assert not result.success and "did not become idle" in result.message
     finally:
-        engine.stages.release(1)
+        engine.testing.stages.release(1)
     assert list((await stream.result()).token_ids) == deep_reference.greedy(ids, 5, True)
     assert (await engine.flush_cache(timeout_s=5)).success
 
@@ -395,17 +397,17 @@ async def test_weight_update_waits_for_a_microbatch_in_the_last_stage(
     engine = await staged(3)
     ids = prompt(13, 10)
     assert deep_reference.greedy(ids, 6, True) != second_reference.greedy(ids, 6, True)
-    engine.stages.hold(2)
+    engine.testing.stages.hold(2)
     try:
         stream = engine.generate(input_ids=ids, **greedy(6))
         await until(engine, 2)
         update = asyncio.create_task(engine.update_weights_from_disk(second_folder))
         await stays_pending(update)
         late = engine.generate(input_ids=ids, **greedy(6))  # waits for the update
-        assert engine.stages.counts() == (0, 0, 1) and not late.ended
+        assert engine.testing.stages.counts() == (0, 0, 1) and not late.ended
         assert engine.weight_version == 0
     finally:
-        engine.stages.release(2)
+        engine.testing.stages.release(2)
     done = await stream.result()  # the request in flight keeps the old weights, every stage
     assert list(done.token_ids) == deep_reference.greedy(ids, 6, True)
     assert done.weight_version == 0
@@ -435,14 +437,14 @@ async def test_update_during_pause_with_a_microbatch_in_a_later_stage(
         seen += len(delta.token_ids)
         if seen >= 3:
             break
-    engine.stages.hold(1)
+    engine.testing.stages.hold(1)
     try:
         await until(engine, 1)
         engine.pause_generation()
         update = asyncio.create_task(engine.update_weights_from_disk(second_folder))
         await stays_pending(update)
     finally:
-        engine.stages.release(1)
+        engine.testing.stages.release(1)
     result = await update
     assert result.success, result.message
     engine.continue_generation()
@@ -467,7 +469,7 @@ async def test_abort_with_its_microbatch_in_a_stage(
     if phase == "decode":
         async for _ in stream:  # it has decoded: its next microbatch is a decode
             break
-    engine.stages.hold(stage)
+    engine.testing.stages.hold(stage)
     try:
         await until(engine, stage)
         engine.abort(stream.rid)
@@ -478,7 +480,7 @@ async def test_abort_with_its_microbatch_in_a_stage(
         # Its row and pages stay with it while its microbatch is in the stage.
         assert (await engine.cache_stats()).request_pages > 0
     finally:
-        engine.stages.release(stage)
+        engine.testing.stages.release(stage)
     await engine.check_integrity()
     end = await engine.cache_stats()
     assert end.free_rows == start.free_rows
@@ -503,22 +505,22 @@ async def test_session_turn_aborted_in_a_stage_rolls_back_and_close_waits(
     stream = session.turn(input_ids=prompt(6, 17), **greedy(200))
     async for _ in stream:
         break
-    engine.stages.hold(2)
+    engine.testing.stages.hold(2)
     try:
         await until(engine, 2)
         stream.abort()
         assert (await stream.result()).finish_reason == "abort"
     finally:
-        engine.stages.release(2)
+        engine.testing.stages.release(2)
     new = prompt(4, 18)
-    engine.stages.hold(1)
+    engine.testing.stages.hold(1)
     try:
         turn = session.turn(input_ids=new, **greedy(6))
         await until(engine, 1)
         closing = asyncio.create_task(session.close())
         await stays_pending(closing)  # close waits for the live turn
     finally:
-        engine.stages.release(1)
+        engine.testing.stages.release(1)
     after = await turn.result()
     await closing
     assert list(after.token_ids) == deep_reference.greedy(history + new, 6, True)
@@ -540,26 +542,26 @@ async def spread_over_stages(
         return engine.generate(input_ids=prompt(9 + i, 20 + i), **greedy(100))
 
     begin = start or generate
-    engine.stages.hold(2)
-    engine.hold()
+    engine.testing.stages.hold(2)
+    engine.testing.hold()
     started = [await begin(0)]
-    assert await engine.advance() is not None
+    assert await engine.testing.advance() is not None
     await until(engine, 2)
-    engine.stages.hold(1)
+    engine.testing.stages.hold(1)
     for i in range(1, count):
         started.append(await begin(i))
-        assert await engine.advance() is not None
+        assert await engine.testing.advance() is not None
         await until(engine, 1, i)
-    engine.release()  # results wait in the stages, not at the scheduler's gate
-    assert engine.stages.counts() == (0, count - 1, 1)
+    engine.testing.release()  # results wait in the stages, not at the scheduler's gate
+    assert engine.testing.stages.counts() == (0, count - 1, 1)
     assert len((await engine.snapshot()).launched_batches) == count
     return started
 
 
 def release_stages(engine: Engine) -> None:
-    engine.stages.release(1)
-    engine.stages.release(2)
-    engine.release()  # when spread_over_stages failed before letting the gate go
+    engine.testing.stages.release(1)
+    engine.testing.stages.release(2)
+    engine.testing.release()  # when spread_over_stages failed before letting the gate go
 
 
 async def test_update_with_abort_all_over_microbatches_in_every_later_stage(
@@ -572,7 +574,7 @@ async def test_update_with_abort_all_over_microbatches_in_every_later_stage(
             engine.update_weights_from_disk(second_folder, abort_all_requests=True)
         )
         await stays_pending(update)
-        assert engine.stages.counts() == (0, 3, 1)
+        assert engine.testing.stages.counts() == (0, 3, 1)
     finally:
         release_stages(engine)
     done = await asyncio.gather(*(s.result() for s in streams))
@@ -606,7 +608,7 @@ async def test_http_abort_all_over_microbatches_in_every_later_stage(
         ) as resp:
             assert resp.status == 200, await resp.text()
             assert (await resp.json())["aborted"] == 4
-        assert engine.stages.counts() == (0, 3, 1)
+        assert engine.testing.stages.counts() == (0, 3, 1)
     finally:
         release_stages(engine)
     for request in requests:
@@ -637,7 +639,7 @@ async def test_client_disconnect_with_its_microbatch_in_the_last_stage(
 
     reader = asyncio.create_task(consume())
     await decoding.wait()
-    engine.stages.hold(2)
+    engine.testing.stages.hold(2)
     try:
         await until(engine, 2)
         reader.cancel()
@@ -647,9 +649,9 @@ async def test_client_disconnect_with_its_microbatch_in_the_last_stage(
         assert done.finish_reason == "abort"
         assert (await engine.snapshot()).launched_batches
     finally:
-        engine.stages.release(2)
+        engine.testing.stages.release(2)
     await engine.check_integrity()
-    assert engine.stages.counts() == (0, 0, 0)
+    assert engine.testing.stages.counts() == (0, 0, 0)
     assert len(got) >= 2 and got == deep_reference.greedy(ids, len(got), True)
     after = await engine.generate(input_ids=ids, **greedy(5)).result()
     assert list(after.token_ids) == deep_reference.greedy(ids, 5, True)
@@ -662,7 +664,7 @@ async def test_a_stage_failure_mid_flight_ends_requests_with_an_error(
     engine = await staged(3)
     try:
         streams = await spread_over_stages(engine, 4)
-        engine.stages.fail_next(stage)
+        engine.testing.stages.fail_next(stage)
     finally:
         release_stages(engine)
     done = await asyncio.wait_for(asyncio.gather(*(s.result() for s in streams)), WAIT_S)
@@ -674,7 +676,7 @@ async def test_a_stage_failure_mid_flight_ends_requests_with_an_error(
     assert all(d.finish_reason in ("error", "length") for d in done)
     assert engine.dead_reason is None
     await engine.check_integrity()
-    assert engine.stages.counts() == (0, 0, 0)
+    assert engine.testing.stages.counts() == (0, 0, 0)
     # The same prompts again (nothing half-written was kept for them), and more.
     prompts = [prompt(9 + i, 20 + i) for i in range(4)]
     prompts += mixed_prompts(engine.loaded.config.vocab_size)
@@ -749,14 +751,14 @@ async def test_engine_death_with_microbatches_mid_pipeline_leaves_no_thread_wait
     monkeypatch.setattr(StagePipeline, "submit", recorded)
     before = set(threading.enumerate())
     engine = await staged(3)
-    monitor = engine.stages  # engine.stages refuses once the engine is dead
+    monitor = engine.testing.stages  # which refuses once the engine is dead
     monitor.hold(1)
     try:
         streams = [engine.generate(input_ids=prompt(9, 30), **greedy(50))]
         await until(engine, 1)
         streams.append(engine.generate(input_ids=prompt(12, 31), **greedy(50)))
         await until(engine, 1, 2)  # queued at stage 1's thread
-        engine.faults.arm("cache manager", "PlanRequest")
+        engine.testing.faults.arm("cache manager", "PlanRequest")
         streams.append(engine.generate(input_ids=prompt(9, 32), **greedy(5)))
         for stream in streams:
             with pytest.raises(EngineDeadError):

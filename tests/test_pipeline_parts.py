@@ -10,9 +10,9 @@ import torch
 from shoal.actors.executor.stages import split_layers
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
-from shoal.loading.loader import LoadedModel
 from shoal.models.kv_pool import KVPool
 from shoal.models.layout import Part
+from shoal.models.load import LoadedModel
 from shoal.models.registry import family_of
 
 

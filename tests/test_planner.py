@@ -9,8 +9,9 @@ from collections import deque
 import pytest
 
 from shoal.actors.cache_manager.cache_manager import CacheManager
+from shoal.actors.executor_messages import Launch
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import Admit, Launch, Output, StepDone
+from shoal.actors.messages import Admit, Output, StepDone
 from shoal.actors.scheduler.planner import Planner
 from shoal.actors.scheduler.request import Phase, PlannerConfig
 from shoal.cache.kv import KVCache

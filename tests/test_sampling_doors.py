@@ -19,7 +19,7 @@ import pytest
 from test_http_support import MODEL, Served, ServeFactory, serve
 from test_sampling import EXAMPLES
 
-from shoal.actors.messages import Generate
+from shoal.actors.messages import Admit
 from shoal.api.cli import build_parser
 from shoal.api.sampling_wire import (
     LOGPROBS,
@@ -64,15 +64,16 @@ def argv() -> list[str]:
 
 
 class Received:
-    """The SamplingParams of every request that reaches the engine's tokenizer mailbox."""
+    """The SamplingParams of every request the engine admits: as the scheduler receives it,
+    once its prompt is measured (where a max tokens not given is sized to the room)."""
 
     def __init__(self, s: Served, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sampling: list[SamplingParams] = []
-        box = s.engine.actors.tokenizer_box
+        box = s.engine.actors.scheduler_box
         put = box.put
 
         def spy(msg: Any) -> None:
-            if isinstance(msg, Generate):
+            if isinstance(msg, Admit):
                 self.sampling.append(msg.sampling)
             put(msg)
 

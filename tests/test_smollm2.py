@@ -11,7 +11,7 @@ import pytest
 from conftest import Reference
 
 from shoal.api.engine import Engine
-from shoal.loading.loader import LoadedModel, load_model
+from shoal.models.load import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ async def test_pipeline_stages_give_transformers_tokens(smollm2: LoadedModel, st
             engine.generate(input_ids=p, max_new_tokens=24, temperature=0.0) for p in prompts
         ]
         done = await asyncio.gather(*(s.result() for s in streams))
-        assert engine.stages.counts() == (0,) * stages
+        assert engine.testing.stages.counts() == (0,) * stages
         await engine.check_integrity()
     for d, prompt in zip(done, prompts, strict=True):
         assert list(d.token_ids) == reference.greedy(prompt, 24)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from shoal.actors.executor_messages import RowWriteMsg
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     Admitted,
@@ -20,14 +21,13 @@ from shoal.actors.messages import (
     FlushCache,
     Plan,
     PlanRequest,
-    RowWriteMsg,
     SchedulerMsg,
     Shutdown,
 )
-from shoal.actors.replies import answer
+from shoal.actors.replies import answer, settle
 from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
 from shoal.cache.kv import KVCache
-from shoal.results import InternalError
+from shoal.results import InternalError, OperationRefused
 
 log = logging.getLogger("shoal.cache")
 
@@ -55,9 +55,9 @@ class CacheManager:
             case PlanRequest() as req:
                 self.scheduler.put(self.plan(req))
             case CheckIntegrity(reply=reply):
-                error = self.check(loud=reply is None and self.strict)
+                violation = self.check(loud=reply is None and self.strict)
                 if reply is not None:
-                    answer(reply, error)
+                    settle(reply, violation)
             case CacheStats(reply=reply):
                 answer(reply, self.kv.stats())
             case FlushCache(reply=reply):
@@ -65,7 +65,7 @@ class CacheManager:
                 # predicate, docs/architecture.md, law 1), so this cannot fail on a live
                 # request.
                 self.kv.flush()
-                answer(reply, self.check(loud=False))
+                settle(reply, self.check(loud=False))
             case CloseSession(session_id=session_id):
                 self.kv.close_session(session_id)
             case Shutdown():
@@ -80,7 +80,7 @@ class CacheManager:
         match msg:
             case PlanRequest():
                 raise Fatal("the cache manager could not make a plan") from error
-            case CheckIntegrity(reply=None) if self.strict and self.check(loud=False):
+            case CheckIntegrity(reply=None) if self.strict and self.check(loud=False) is not None:
                 raise Fatal("the idle integrity check found a violation") from error
             case FlushCache() if self.check(loud=False) is not None:
                 raise Fatal("a cache flush left the page accounting inconsistent") from error
@@ -127,9 +127,9 @@ class CacheManager:
             tuple(writes),
         )
 
-    def check(self, loud: bool) -> str | None:
-        """Laws 3-4 (docs/architecture.md) when idle: nothing leaked, accounting closes.
-        Loud on violation."""
+    def check(self, loud: bool) -> OperationRefused | None:
+        """Laws 3-4 (docs/architecture.md) when idle: nothing leaked, accounting closes. None,
+        or the violation as the refusal a reply raises; loud: the AssertionError raised."""
         try:
             self.kv.check_integrity()
             stats = self.kv.stats()
@@ -142,5 +142,5 @@ class CacheManager:
             log.error("integrity violation while idle: %s", exc)
             if loud:
                 raise
-            return str(exc)
+            return OperationRefused(str(exc), "integrity_violation")
         return None

@@ -22,16 +22,18 @@ import torch
 from shoal.actors.executor.pending_step import PendingStep, RowState
 from shoal.actors.executor.stages import Microbatch, Stage, StageMonitor, StagePipeline
 from shoal.actors.executor.streams import HostResult, StepStreams
-from shoal.actors.messages import Launch
+from shoal.actors.executor_messages import Launch
 from shoal.heap import trim_host_heap
 from shoal.kernels.batch import AttentionBackend, BatchShape
 from shoal.kernels.device_copy import to_device, to_device_many
 from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
 from shoal.loading.checkpoint import CheckpointError
 from shoal.loading.identity import weights_digest
-from shoal.loading.loader import checkpoint_folder, load_weights, read_model_config
+from shoal.loading.loader import checkpoint_folder
 from shoal.models.decoder import DecoderModel
 from shoal.models.kv_pool import KVPool
+from shoal.models.load import load_weights, read_model_config
+from shoal.results import OperationRefused
 
 if TYPE_CHECKING:
     from shoal.actors.executor.cuda_graphs import DecodeGraphs  # imports triton
@@ -132,19 +134,20 @@ class DeviceState:
             took,
         )
 
-    def load_weights(self, model_path: str) -> str | None:
+    def load_weights(self, model_path: str) -> None:
         """`_load_weights`, then the freed host memory (the checkpoint as read, the replaced
         weights) goes back to the OS (heap.py): ten updates hold RSS where one leaves it."""
         try:
-            return self._load_weights(model_path)
+            self._load_weights(model_path)
         finally:
             trim_host_heap()  # after the load's frame, with its tensors, is gone
 
-    def _load_weights(self, model_path: str) -> str | None:
+    def _load_weights(self, model_path: str) -> None:
         """Copy a same-architecture checkpoint into the weights in place (captured graphs keep
-        reading the same tensors); None, or why it was refused (old weights stay).
+        reading the same tensors); OperationRefused (invalid_checkpoint) saying why it was
+        refused (old weights stay).
 
-        The whole checkpoint is validated before anything is copied in, and no exception
+        The whole checkpoint is validated before anything is copied in, and no other exception
         escapes: whatever a checkpoint holds, the executor lives. The reason is for the client
         (what is wrong with which file of the checkpoint, no paths of ours); the log has the
         detail."""
@@ -153,9 +156,10 @@ class DeviceState:
             folder = checkpoint_folder(model_path)
             other = read_model_config(folder)
             if other.architecture() != config.architecture():
-                return (
+                raise OperationRefused(
                     "the checkpoint has a different architecture: "
-                    f"{other.architecture()} instead of {config.architecture()}"
+                    f"{other.architecture()} instead of {config.architecture()}",
+                    "invalid_checkpoint",
                 )
             weights = load_weights(folder, config, dtype=self.model.dtype)
             digest = weights_digest(weights, self.model.linear_kind)  # before: cannot fail after
@@ -171,11 +175,14 @@ class DeviceState:
             self.weights_digest = digest
         except CheckpointError as exc:
             log.warning("refused checkpoint %r: %s", model_path, exc)  # expected: no traceback
-            return f"could not load the checkpoint: {exc}"
+            why = f"could not load the checkpoint: {exc}"
+            raise OperationRefused(why, "invalid_checkpoint") from None
+        except OperationRefused:
+            raise
         except Exception:
             log.exception("loading checkpoint %r failed", model_path)
-            return "could not load the checkpoint: it could not be read as a model checkpoint"
-        return None
+            why = "could not load the checkpoint: it could not be read as a model checkpoint"
+            raise OperationRefused(why, "invalid_checkpoint") from None
 
     def launch(self, launch: Launch) -> PendingStep:
         with self.streams.computing():

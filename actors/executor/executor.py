@@ -25,18 +25,12 @@ import torch
 
 from shoal.actors.executor.device_state import DeviceState
 from shoal.actors.executor.pending_step import PendingStep, StepResult
+from shoal.actors.executor_messages import ExecutorMsg, Launch, LoadWeights
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import (
-    ExecutorMsg,
-    Launch,
-    LoadWeights,
-    SchedulerMsg,
-    Shutdown,
-    StepDone,
-)
-from shoal.actors.replies import answer
+from shoal.actors.messages import SchedulerMsg, Shutdown, StepDone
+from shoal.actors.replies import answer, refuse
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
-from shoal.results import InternalError
+from shoal.results import InternalError, OperationRefused
 
 log = logging.getLogger("shoal.executor")
 
@@ -90,7 +84,12 @@ class Executor:
                 self.launcher.submit(self._launch, self.completer, launch, step)
             case LoadWeights(model_path=model_path, reply=reply):
                 loading = self.launcher.submit(self.state.load_weights, model_path)
-                answer(reply, await asyncio.wrap_future(loading))
+                try:
+                    await asyncio.wrap_future(loading)
+                except OperationRefused as refusal:  # the checkpoint, not the executor
+                    refuse(reply, refusal)
+                else:
+                    answer(reply, None)
             case Shutdown():
                 # Let launched steps finish: they write into the KV pool.
                 pending = [asyncio.wrap_future(f) for f in self.running]

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-from shoal.actors.messages import Bootstrap
-from shoal.params import SamplingParams
+from shoal.params import Bootstrap, SamplingParams
 from shoal.results import FinishReason, TokenLogprob
 
 Role = Literal["send", "receive"]  # a disaggregated request's half (docs/disaggregation.md)

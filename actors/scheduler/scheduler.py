@@ -8,32 +8,31 @@ Operations that need the engine idle (a cache flush) or quiet (a weight update d
 pause) are deferred here until the planner says so — never asserted (docs/architecture.md,
 "Lifecycle laws", law 5). Because the cache manager's mailbox is FIFO, a flush sent while
 idle lands before any later admission.
+
+When to plan and when to process a result is its pacer's to say (actors/scheduler/pacing.py):
+free-running in production, stepped by the tests' `Pace` orders.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from dataclasses import dataclass, field
 
 import msgspec
 
+from shoal.actors.executor_messages import ExecutorMsg
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     Abort,
     Admit,
-    Advance,
     CacheMsg,
     CheckIntegrity,
-    Deliver,
-    ExecutorMsg,
     FlushCache,
     FlushDeadline,
     FlushWhenIdle,
-    Gate,
     Output,
     Outputs,
+    Pace,
     Park,
     Plan,
     Released,
@@ -45,26 +44,15 @@ from shoal.actors.messages import (
     TokenizerMsg,
     TransferEnded,
 )
-from shoal.actors.replies import answer
+from shoal.actors.replies import answer, refuse
+from shoal.actors.scheduler.pacing import Pacer
 from shoal.actors.scheduler.planner import Planner
 from shoal.actors.scheduler.planner_transfers import concerns
 from shoal.actors.supervise import Fatal, FaultInjector, fail_replies, serve
 from shoal.actors.transfer_messages import TransferMsg
-from shoal.results import InternalError
+from shoal.results import InternalError, OperationRefused
 
 log = logging.getLogger("shoal.scheduler")
-
-
-@dataclass
-class StepGate:
-    """Test stepping. While held, a plan is made only per Advance, a result processed only
-    per Deliver; results that arrive meanwhile wait in `results`."""
-
-    held: bool = False
-    advances: deque[asyncio.Future[int | None]] = field(default_factory=deque)
-    planning: asyncio.Future[int | None] | None = None
-    delivers: deque[asyncio.Future[int]] = field(default_factory=deque)
-    results: deque[StepDone] = field(default_factory=deque)
 
 
 class Scheduler:
@@ -76,6 +64,7 @@ class Scheduler:
         cache: Mailbox[CacheMsg],
         executor: Mailbox[ExecutorMsg],
         tokenizer: Mailbox[TokenizerMsg],
+        pacer: Pacer,
         faults: FaultInjector | None = None,
         transfer: Mailbox[TransferMsg] | None = None,
     ) -> None:
@@ -88,8 +77,8 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.step = 0
         self.was_idle = True
-        self.gate = StepGate()
-        self.flushes: dict[int, tuple[asyncio.Future[str | None], asyncio.TimerHandle]] = {}
+        self.pacer = pacer  # when to plan, when to process a result (pacing.py)
+        self.flushes: dict[int, tuple[asyncio.Future[None], asyncio.TimerHandle]] = {}
         self.parks: list[asyncio.Future[None]] = []
         self.faults = faults
         self.transfer = transfer  # disaggregation's transfer actor (actors/transfer/kv_transfer.py)
@@ -101,7 +90,7 @@ class Scheduler:
         if isinstance(msg, Shutdown):
             return
         self.apply(msg)
-        self._pump_gate()
+        self._process_due()
         self._maybe_plan()
         self._when_quiet()
         self._send_transfers()
@@ -122,7 +111,7 @@ class Scheduler:
                 self._send(planner.process(StepDone(batch_id, (), error=str(error))))
             case FlushDeadline(flush_id=flush_id) if flush_id in self.flushes:
                 reply, _ = self.flushes.pop(flush_id)
-                answer(reply, f"not flushed: {error}")
+                refuse(reply, error)
             case Plan():
                 raise Fatal("the scheduler could not apply a plan") from error
             case TransferEnded(rid=rid) as ended if concerns(planner.reqs.get(rid), ended):
@@ -144,18 +133,14 @@ class Scheduler:
                 self._send(planner.take_errors())
                 if launch is not None:
                     self.executor.put(launch)
-                if self.gate.planning is not None:
-                    answer(self.gate.planning, launch.batch_id if launch else None)
-                    self.gate.planning = None
+                self.pacer.launched(launch.batch_id if launch else None)
             case TransferEnded() as ended:
                 self._send(planner.transfer_ended(ended))
             case StepDone() as done:
-                if self.gate.held:
-                    self.gate.results.append(done)
-                else:
+                if self.pacer.may_process(done):
                     self._send(planner.process(done))
             case Snapshot(reply=reply):
-                held = tuple(d.batch_id for d in self.gate.results)
+                held = self.pacer.held_results()
                 answer(reply, msgspec.structs.replace(planner.snapshot(), held_results=held))
             case FlushWhenIdle(flush_id=flush_id, timeout_s=timeout_s, reply=reply):
                 loop = asyncio.get_running_loop()
@@ -165,25 +150,15 @@ class Scheduler:
                 if flush_id in self.flushes:
                     reply, _ = self.flushes.pop(flush_id)
                     busy = planner.snapshot().busy_summary()
-                    answer(reply, f"not flushed: the engine did not become idle in time ({busy})")
+                    why = f"not flushed: the engine did not become idle in time ({busy})"
+                    refuse(reply, OperationRefused(why, "engine_busy"))
             case SetPaused(paused=paused):
                 planner.set_paused(paused)
             case Park(reply=reply):
                 planner.park_all()
                 self.parks.append(reply)
-            case Gate(hold=hold):
-                self.gate.held = hold
-                if not hold:
-                    for done in self.gate.results:
-                        self._send(planner.process(done))
-                    self.gate.results.clear()
-            case Advance(reply=reply) | Deliver(reply=reply) if not self.gate.held:
-                # The engine runs freely: there is no step to wait for.
-                reply.set_exception(RuntimeError("the step gate is not held: call hold() first"))
-            case Advance(reply=reply):
-                self.gate.advances.append(reply)
-            case Deliver(reply=reply):
-                self.gate.delivers.append(reply)
+            case Pace(order=order):
+                self.pacer = self.pacer.told(order)
 
     def _send(self, outputs: list[Output]) -> None:
         if outputs:
@@ -197,32 +172,24 @@ class Scheduler:
             assert self.transfer is not None, "a transfer without disaggregation"
             self.transfer.put(msg)
 
-    def _pump_gate(self) -> None:
-        gate = self.gate
-        while gate.delivers and gate.results:
-            done = gate.results.popleft()
+    def _process_due(self) -> None:
+        """The results the pacer kept and hands back now."""
+        for done in self.pacer.due():
             self._send(self.planner.process(done))
-            answer(gate.delivers.popleft(), done.batch_id)
 
     def _maybe_plan(self) -> None:
         planner = self.planner
-        if planner.plan_pending:
-            return
-        gate = self.gate
-        if gate.held and (not gate.advances or gate.planning is not None):
+        if planner.plan_pending or not self.pacer.may_plan():
             return
         if len(planner.batches) >= self.max_inflight:
-            if gate.held:
-                answer(gate.advances.popleft(), None)  # the pipeline is full
+            self.pacer.launched(None)  # the pipeline is full
             return
         request = planner.propose(self.step)
-        if request is not None:
-            self.step += 1
-            self.cache.put(request)
-            if self.gate.held:
-                self.gate.planning = self.gate.advances.popleft()
-        elif self.gate.held:
-            answer(self.gate.advances.popleft(), None)
+        if request is None:
+            self.pacer.launched(None)
+            return
+        self.step += 1
+        self.cache.put(request)  # the Plan that answers it says what was launched
 
     def _when_quiet(self) -> None:
         """Serve deferred operations; run the integrity self-check on becoming idle."""

@@ -1,15 +1,58 @@
-"""Prompts into token ids, and the checks every prompt passes before it is admitted."""
+"""Prompts into token ids, and the checks every prompt passes before it is admitted: the one
+place a prompt is measured, for every door (docs/architecture.md, "In: a request enters").
+
+    prompt = measure(tokenizer, gen, vocab_size, context_length)      # a request's prompt
+    prompt = measure_turn(tokenizer, history, gen, ...)               # a session turn's
+                                                                      # (chat_turns.py)
+
+Pure functions over their arguments: the tokenizer actor runs them on its worker thread
+(intake.py), never on the event loop. Every refusal is a RequestError naming the field as the
+engine calls it ("prompt", "messages", "max_new_tokens"); its message leads with that name
+(`named`), so each door says it in its own ("input_ids[1] is 300 tokens; ...").
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
+from shoal.actors.messages import Generate
+from shoal.loading.hf_tokenizer import HFTokenizer
+from shoal.params import RoomLeft, SamplingParams
 from shoal.results import RequestError
 
 
+class ChatHistory(msgspec.Struct, frozen=True):
+    """A session's history as chat messages, for turns that send messages: the conversation
+    so far (empty: the history is not a chat conversation) and the text the template expects
+    after the last reply beyond what the model emitted (the newline after an end-of-turn)."""
+
+    messages: tuple[dict[str, Any], ...] = ()
+    closing_text: str = ""
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    """A request's prompt, encoded and checked: its ids and the sampling it runs with
+    (max_new_tokens sized to the room when the door left it so). A session turn's also carries
+    the chat history its session keeps once the turn is admitted (chat_turns.py)."""
+
+    ids: list[int]
+    sampling: SamplingParams
+    chat: ChatHistory | None = None
+
+
+def measure(tokenizer: HFTokenizer, gen: Generate, vocab_size: int, context_length: int) -> Prompt:
+    """A request's prompt as checked ids (its text, chat messages or input_ids), and its
+    sampling sized: RequestError naming what is wrong."""
+    ids = encode_prompt(tokenizer, gen.text, gen.input_ids, gen.messages)
+    sampling = checked(ids, gen.sampling, gen.room, vocab_size, context_length)
+    return Prompt(ids, sampling)
+
+
 def encode_prompt(
-    tokenizer: Any,
+    tokenizer: HFTokenizer,
     text: str | None,
     input_ids: Sequence[int] | None,
     messages: Sequence[dict[str, Any]] | None,
@@ -20,7 +63,7 @@ def encode_prompt(
         return list(input_ids)
     if messages is not None:
         if not messages:
-            raise RequestError("messages must not be empty", "messages")
+            raise RequestError(" must not be empty", "messages", named=True)
         rendered = render_chat(tokenizer, messages, add_generation_prompt=True)
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     if text is not None:
@@ -29,7 +72,7 @@ def encode_prompt(
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
+    tokenizer: HFTokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
 ) -> str:
     """The model's chat template applied to messages. A template that refuses them (its
     `raise_exception`, a missing key) is the caller's error, never the actor's."""
@@ -39,27 +82,61 @@ def render_chat(
         )
     except Exception as exc:  # jinja2 TemplateError and whatever a template may raise
         raise RequestError(
-            f"messages could not be formatted by the chat template: {exc}",
+            f" could not be formatted by the chat template: {exc}",
             "messages",
             "invalid_messages",
+            named=True,
         ) from None
     assert isinstance(rendered, str)
     return rendered
 
 
-def check_prompt(
-    ids: Sequence[int], max_new_tokens: int, vocab_size: int, context_length: int
-) -> None:
-    """RequestError naming the problem: empty, ids outside the vocabulary, or too long."""
-    if not ids:
-        raise RequestError("the prompt is empty", "prompt")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"input_ids contain ids outside the vocabulary: {bad[:5]}", "prompt")
-    if len(ids) + max_new_tokens > context_length:
+def checked(
+    ids: Sequence[int],
+    sampling: SamplingParams,
+    room: RoomLeft | None,
+    vocab_size: int,
+    context_length: int,
+    num_checked: int = 0,
+) -> SamplingParams:
+    """The sampling this prompt runs with, once the prompt is checked: not empty, no longer
+    than the context leaves room for, inside the vocabulary (but its first `num_checked` ids,
+    a session's history, checked before), and max_new_tokens within the room left; `room`:
+    max_new_tokens was not given, and is sized here (RoomLeft). RequestError otherwise."""
+    num_prompt = len(ids)
+    if not num_prompt:
+        raise RequestError(" must not be empty", "prompt", named=True)
+    if num_prompt >= context_length:  # before reading them: a long list costs nothing
         raise RequestError(
-            f"prompt of {len(ids)} tokens plus max_new_tokens {max_new_tokens} exceeds the "
-            f"context length {context_length}",
-            "prompt" if len(ids) >= context_length else "max_new_tokens",
+            f" is {num_prompt} tokens; this model's context length is {context_length} "
+            "tokens, which leaves no room to generate",
+            "prompt",
             "context_length_exceeded",
+            named=True,
         )
+    bad = [t for t in ids[num_checked:] if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(
+            f" has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+            "prompt",
+            named=True,
+        )
+    left = context_length - num_prompt
+    if room is None:
+        if num_prompt + sampling.max_new_tokens > context_length:
+            raise RequestError(
+                f" {sampling.max_new_tokens} plus the prompt's {num_prompt} tokens exceeds the "
+                f"context length {context_length}; ask for at most {left}",
+                "max_new_tokens",
+                "context_length_exceeded",
+                named=True,
+            )
+        return sampling
+    sized = left if room.at_most is None else min(room.at_most, left)
+    if sampling.min_new_tokens > sized:  # SamplingParams.validate's rule, on the sized value
+        raise RequestError(
+            f" must be in [0, max_new_tokens], got {sampling.min_new_tokens!r}",
+            "min_new_tokens",
+            named=True,
+        )
+    return msgspec.structs.replace(sampling, max_new_tokens=sized)

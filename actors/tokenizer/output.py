@@ -2,7 +2,7 @@
 strings, pushed into its caller's stream, which ends with a Completion
 (docs/architecture.md, "Out: detokenize, stop strings, the stream").
 
-    streams.open(gen, ids, weight_version, session)   # at admission
+    streams.open(gen, ids, sampling, version, session) # at admission
     streams.deliver(output)                           # every Output the scheduler sends
     streams.fail(rid, error)                          # ends it with an error, if live
 
@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Abort, Generate, Output, SchedulerMsg
 from shoal.actors.tokenizer.detokenize import IncrementalDetokenizer, fast_decoder
 from shoal.actors.tokenizer.sessions import SessionBook, SessionState
 from shoal.actors.tokenizer.stops import StopMatcher
+from shoal.loading.hf_tokenizer import HFTokenizer
+from shoal.params import SamplingParams
 from shoal.results import (
     Completion,
     Delta,
@@ -58,7 +59,7 @@ class RequestStreams:
     """Every live request's stream and what its text needs: detokenizer, stop matcher."""
 
     def __init__(
-        self, tokenizer: Any, scheduler: Mailbox[SchedulerMsg], sessions: SessionBook
+        self, tokenizer: HFTokenizer, scheduler: Mailbox[SchedulerMsg], sessions: SessionBook
     ) -> None:
         self.decoder = fast_decoder(tokenizer)  # what the detokenizers decode with
         self.scheduler = scheduler
@@ -77,10 +78,15 @@ class RequestStreams:
         return live is not None and live.stream is stream
 
     def open(
-        self, gen: Generate, ids: list[int], weight_version: int, session: SessionState | None
+        self,
+        gen: Generate,
+        ids: list[int],
+        sampling: SamplingParams,
+        weight_version: int,
+        session: SessionState | None,
     ) -> None:
-        """Book an admitted request: its output is decoded after its prompt."""
-        sampling = gen.sampling
+        """Book an admitted request (its measured prompt and sampling): its output is decoded
+        after its prompt."""
         detok = IncrementalDetokenizer(self.decoder, ids, sampling.skip_special_tokens)
         live = Live(gen.stream, detok, StopMatcher(sampling.stop), len(ids))
         live.logprobs = [] if sampling.wants_logprobs else None

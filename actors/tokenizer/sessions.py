@@ -4,9 +4,13 @@ A session's history is the token sequence of every completed turn, inputs and ou
 turn appends new input to it; the KV of the history stays in the cache manager between turns
 (keyed by session id), so only the new tokens are prefilled. Turns are serialized:
 
-    idle ──turn──▶ live (stream open) ──stream ends──▶ live (releasing) ──Released──▶ idle
-                     │ a second turn: refused          │ a next turn waits here
-                     └─ abort / disconnect: the history rolls back to the last completed turn
+    idle ──turn──▶ measured ──admitted──▶ live (stream open) ──stream ends──▶ live (releasing)
+                     │ refused, aborted: idle   │ a second turn: refused   a next turn waits ┘
+                     └ a second turn: refused   └ abort / disconnect: the history rolls back to
+                                                  the last completed turn     ──Released──▶ idle
+
+"measured": the turn's prompt is being encoded on the tokenizer's worker thread (chat_turns.py)
+from a snapshot of the session, which is reserved for it meanwhile.
 
 Closing during a turn waits for the turn's release; an idle session past its timeout is reaped.
 At most max_sessions are open, and at most max_sessions_per_client of one client's (the opener
@@ -19,12 +23,12 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import CacheMsg, CloseSession, EndSession, Generate, OpenSession
 from shoal.actors.replies import answer, refuse
-from shoal.actors.tokenizer.encode import render_chat
+from shoal.actors.tokenizer.chat_turns import History, TurnEnd
+from shoal.actors.tokenizer.encode import ChatHistory
 from shoal.results import FinishReason, RequestError
 
 
@@ -35,64 +39,16 @@ class SessionState:
     max_tokens: int | None
     client: str | None = None  # who opened it; counted in SessionBook.per_client while open
     tokens: list[int] = field(default_factory=list)  # the history of completed turns
-    messages: list[dict[str, Any]] = field(default_factory=list)  # same, as chat messages
-    closing_text: str = ""  # what the template adds after a reply that the model did not emit
-    turn: str | None = None  # the live turn's request id, until its release
+    chat: ChatHistory = field(default_factory=ChatHistory)  # the same as chat messages, but
+    unfolded: TurnEnd | None = None  # the last completed turn, folded in by the next one
+    turn: str | None = None  # the live turn's request id (reserved while it is measured)
     turn_prompt: list[int] = field(default_factory=list)  # the history plus the turn's input
     turn_gen: Generate | None = None
     stream_open: bool = False
-    pending: tuple[list[int], list[dict[str, Any]], str] | None = None  # history once released
+    pending: tuple[list[int], TurnEnd] | None = None  # the history once the turn is released
     queued: deque[Generate] = field(default_factory=deque)
     closing: EndSession | None = None
     timer: asyncio.TimerHandle | None = None
-
-
-def turn_input_ids(tokenizer: Any, state: SessionState, gen: Generate) -> list[int]:
-    """The new tokens a turn appends to the history."""
-    if gen.input_ids is not None:
-        return list(gen.input_ids)
-    if gen.text is not None:
-        return list(tokenizer.encode(gen.text, add_special_tokens=not state.tokens))
-    if not gen.messages:
-        raise RequestError("a turn needs text, input_ids or messages", "prompt")
-    new = list(gen.messages)
-    if not state.tokens:
-        text = render_chat(tokenizer, new, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    if not state.messages:  # checked first: the template refuses an empty conversation
-        raise RequestError(
-            "this session's history cannot be extended with messages: it is not a chat "
-            "conversation (a turn sent text or input_ids); send text or input_ids",
-            "messages",
-        )
-    before = render_chat(tokenizer, state.messages)
-    after = render_chat(tokenizer, state.messages + new, add_generation_prompt=True)
-    if not after.startswith(before):
-        raise RequestError(
-            "this session's history cannot be extended with messages: the chat template does "
-            "not render the conversation incrementally; send text or input_ids",
-            "messages",
-        )
-    delta = state.closing_text + after[len(before) :]
-    return list(tokenizer.encode(delta, add_special_tokens=False))
-
-
-def completed_messages(
-    tokenizer: Any, state: SessionState, gen: Generate, reply: str, output_ids: list[int]
-) -> tuple[list[dict[str, Any]], str]:
-    """The chat history after a messages turn, and the closing text the template expects
-    after the reply beyond what the model emitted (e.g. the newline after an end-of-turn)."""
-    if gen.messages is None:
-        return [], ""
-    history = state.messages + list(gen.messages)
-    opened = render_chat(tokenizer, history, add_generation_prompt=True)
-    history = [*history, {"role": "assistant", "content": reply}]
-    closed = render_chat(tokenizer, history)
-    suffix = closed[len(opened) + len(reply) :] if closed.startswith(opened + reply) else ""
-    emitted = tokenizer.decode(output_ids, skip_special_tokens=False)
-    emitted_tail = emitted[len(reply) :] if emitted.startswith(reply) else ""
-    closing = suffix[len(emitted_tail) :] if suffix.startswith(emitted_tail) else suffix
-    return history, closing
 
 
 def not_open(session_id: str) -> RequestError:
@@ -100,25 +56,28 @@ def not_open(session_id: str) -> RequestError:
 
 
 class SessionBook:
-    """Every open session of the tokenizer actor, and the rules of their turns."""
+    """Every open session of the tokenizer actor, and the rules of their turns. Plain state:
+    no template work happens here (a turn's prompt is measured on the worker thread,
+    chat_turns.py); the tokenizer asks it at each step of a turn:
+
+        state = book.decide(gen)            # at the front of the line: None if refused/queued
+        history = book.reserve(state, gen)  # measured meanwhile: the session is busy
+        book.started(state, gen, prompt)    # admitted
+        book.withdrawn(state)               # or never started (refused, aborted)
+        book.ended(...); book.released(rid) # its stream ended; its KV is handed back
+    """
 
     def __init__(
         self,
-        tokenizer: Any,
         max_sessions: int,
-        validate: Callable[[list[int], int], None],
-        admit: Callable[[Generate, SessionState], None],
         cache: Mailbox[CacheMsg],
         expire: Callable[[EndSession], None],
         max_sessions_per_client: int | None = None,
     ) -> None:
-        self.tokenizer = tokenizer
         self.max_sessions = max_sessions
         self.max_per_client = max_sessions_per_client or max_sessions
         # a client -> how many of states' sessions it opened (no entry at 0)
         self.per_client: dict[str, int] = {}
-        self.validate = validate
-        self.admit = admit
         self.cache = cache
         self.expire = expire
         self.states: dict[str, SessionState] = {}
@@ -149,7 +108,9 @@ class SessionBook:
         self.arm_timer(state)
         answer(msg.reply, None)
 
-    def turn(self, gen: Generate) -> None:
+    def decide(self, gen: Generate) -> SessionState | None:
+        """A turn at the front of the line: its session, free for it; or None: refused (its
+        stream fails), or queued behind the session's last turn, still being released."""
         assert gen.session_id is not None
         state = self.states.get(gen.session_id)
         if state is None or state.closing is not None:
@@ -160,59 +121,62 @@ class SessionBook:
         elif state.turn is not None:
             state.queued.append(gen)  # the last turn ended; its KV is still being handed back
         else:
-            self.admit(gen, state)
+            return state
+        return None
 
-    def prompt(self, state: SessionState, gen: Generate) -> list[int]:
-        """The whole history plus this turn's input, checked."""
-        new = turn_input_ids(self.tokenizer, state, gen)
-        if not new:
-            raise RequestError("the turn adds no tokens", "prompt")
-        ids = state.tokens + new
-        self.validate(ids, gen.sampling.max_new_tokens)
-        cap = state.max_tokens
-        if cap is not None and len(ids) + gen.sampling.max_new_tokens > cap:
-            raise RequestError(
-                f"the session would reach {len(ids) + gen.sampling.max_new_tokens} tokens, "
-                f"over its max_tokens {cap}",
-                "max_new_tokens",
-            )
-        return ids
-
-    def started(self, state: SessionState, gen: Generate, ids: list[int]) -> None:
-        state.turn, state.stream_open = gen.rid, True
-        state.turn_prompt, state.turn_gen = ids, gen
-        self.turn_of[gen.rid] = state.session_id
+    def reserve(self, state: SessionState, gen: Generate) -> History:
+        """The turn's prompt is being measured: the session is busy (another turn is refused,
+        a close waits, no timeout reaps it). The snapshot it is measured from."""
+        state.turn, state.stream_open, state.turn_gen = gen.rid, True, gen
         if state.timer is not None:
             state.timer.cancel()
+        return History(state.tokens, state.chat, state.unfolded, state.max_tokens)
+
+    def started(
+        self, state: SessionState, gen: Generate, ids: list[int], chat: ChatHistory
+    ) -> None:
+        """Admitted: its prompt is the history plus its input; the conversation folded
+        forward by its measuring is the session's."""
+        state.turn_prompt = ids
+        state.chat, state.unfolded = chat, None
+        self.turn_of[gen.rid] = state.session_id
+
+    def withdrawn(self, state: SessionState) -> Generate | None:
+        """The reserved turn never started (refused, aborted, failed): the session is free;
+        the next turn to put at the front of the line, if one waited."""
+        state.turn, state.stream_open, state.turn_gen = None, False, None
+        return self._free(state)
 
     def ended(
         self, state: SessionState, reply: str, output_ids: list[int], reason: FinishReason
     ) -> None:
         """The turn's stream ended: a completed turn becomes history once released."""
         state.stream_open = False
-        if reason in ("stop", "length") and state.turn_gen is not None:
-            try:
-                messages, closing = completed_messages(
-                    self.tokenizer, state, state.turn_gen, reply, output_ids
-                )
-            except RequestError:  # the template refuses the reply: later turns send tokens
-                messages, closing = [], ""
-            state.pending = (state.turn_prompt + output_ids, messages, closing)
+        gen = state.turn_gen
+        if reason in ("stop", "length") and gen is not None:
+            end = TurnEnd(gen.messages, reply, tuple(output_ids))
+            state.pending = (state.turn_prompt + output_ids, end)
 
-    def released(self, rid: str) -> None:
+    def released(self, rid: str) -> Generate | None:
+        """The turn's KV is handed back: the session is free; the next turn to put at the
+        front of the line, if one waited for this release."""
         sid = self.turn_of.pop(rid, None)
         state = self.states.get(sid) if sid is not None else None
         if state is None:
-            return
+            return None
         if state.pending is not None:
-            state.tokens, state.messages, state.closing_text = state.pending
+            state.tokens, state.unfolded = state.pending
         state.turn, state.pending, state.turn_gen = None, None, None
+        return self._free(state)
+
+    def _free(self, state: SessionState) -> Generate | None:
         if state.closing is not None:
             self.close(state)
         elif state.queued:
-            self.turn(state.queued.popleft())
+            return state.queued.popleft()
         else:
             self.arm_timer(state)
+        return None
 
     def end(self, msg: EndSession) -> None:
         state = self.states.get(msg.session_id)

@@ -3,7 +3,10 @@ Engine passes (docs/architecture.md, "Tokenizer: the front desk").
 
 One mailbox, one `match`; the work is its parts', each owning its own state:
 
-    intake     Intake          prompts into checked ids, seeds, Admit    (intake.py)
+    intake     Intake          the line the Engine's messages keep their order in, prompts
+                               measured off the event loop, seeds, Admit (intake.py)
+    admission  Admission       a request's steps from the front of the line to the
+                               scheduler, over the other parts          (admission.py)
     streams    RequestStreams  tokens out: text, stop strings, streams   (output.py)
     lock       UpdateLock      readers, writers, requests queued behind them, the weight
                                version, whether a resume must wait       (update_lock.py)
@@ -12,28 +15,27 @@ One mailbox, one `match`; the work is its parts', each owning its own state:
 
 (each in this folder, actors/tokenizer/)
 
-What stays here is routing (control messages go on to the scheduler in order with the
-requests before them) and the few steps that span parts: admitting a request, a writer's end,
-failing a request wherever it is.
+What stays here is routing and the few steps that span parts: letting the line through
+(admitting a request, a control on to the scheduler in order with the requests before it), a
+writer's end, failing a request wherever it is. The line's invariant is intake.py's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
 
+from shoal.actors.executor_messages import ExecutorMsg
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     Abort,
-    Advance,
     CacheMsg,
-    Deliver,
+    Encoded,
     EndSession,
-    ExecutorMsg,
     FlushWhenIdle,
-    Gate,
     Generate,
     OpenSession,
     Outputs,
+    Pace,
     Pause,
     Released,
     SchedulerMsg,
@@ -44,20 +46,24 @@ from shoal.actors.messages import (
     UpdateWeights,
     WriteDone,
 )
-from shoal.actors.replies import UpdateOutcome, answer
+from shoal.actors.replies import answer
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
-from shoal.actors.tokenizer.intake import Intake
-from shoal.actors.tokenizer.output import RequestStreams, aborted_before_admission
-from shoal.actors.tokenizer.sessions import SessionBook, SessionState
+from shoal.actors.tokenizer.admission import Admission
+from shoal.actors.tokenizer.intake import Intake, Waiting
+from shoal.actors.tokenizer.output import RequestStreams
+from shoal.actors.tokenizer.sessions import SessionBook
 from shoal.actors.tokenizer.update_lock import UpdateLock
 from shoal.actors.tokenizer.weight_writer import WeightWriter
-from shoal.results import InternalError, RequestError
+from shoal.loading.hf_tokenizer import HFTokenizer
+from shoal.results import InternalError, OperationRefused, UpdateResult
+
+log = logging.getLogger("shoal.supervise")
 
 
 class Tokenizer:
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: HFTokenizer,
         context_length: int,
         vocab_size: int,
         mailbox: Mailbox[TokenizerMsg],
@@ -72,19 +78,12 @@ class Tokenizer:
         self.mailbox = mailbox
         self.scheduler = scheduler
         self.faults = faults
-        self.intake = Intake(tokenizer, vocab_size, context_length, seed)
+        self.intake = Intake(tokenizer, vocab_size, context_length, seed, mailbox.put)
         self.lock = UpdateLock()
         self.writer = WeightWriter(mailbox, scheduler, executor, cache)
-        self.sessions = SessionBook(
-            tokenizer,
-            max_sessions,
-            self.intake.check,
-            self.admit,
-            cache,
-            mailbox.put,
-            max_sessions_per_client,
-        )
+        self.sessions = SessionBook(max_sessions, cache, mailbox.put, max_sessions_per_client)
         self.streams = RequestStreams(tokenizer, scheduler, self.sessions)
+        self.admission = Admission(self.intake, self.lock, self.sessions, self.streams, scheduler)
 
     @property
     def weight_version(self) -> int:
@@ -97,21 +96,40 @@ class Tokenizer:
 
     async def handle(self, msg: TokenizerMsg) -> None:
         match msg:
-            case Generate() as gen:
-                if not self.lock.defer(gen):
-                    self.dispatch(gen)
             case Abort(rid=rid) as abort:
                 if rid in self.streams:
                     self.scheduler.put(abort)
                 else:
-                    queued = self.lock.take_queued(rid)
-                    if queued is not None:
-                        aborted_before_admission(queued, abort.message)
+                    self.admission.withdraw(rid, abort.message)
             case Outputs(items=items):
                 for item in items:
                     self.streams.deliver(item)
             case Released(rids=rids):
                 self.released(rids)
+            case WriteDone(failure=failure):
+                self.write_done(failure)
+            case Encoded(ticket=ticket) as encoded:
+                entry = self.intake.find(ticket)
+                if entry is not None:  # None: withdrawn meanwhile
+                    self.admission.measured(entry, encoded)
+            case Shutdown():
+                self.writer.cancel()
+                self.sessions.shutdown()
+                self.intake.close()
+                return
+            case Generate() as gen:  # ordered: it waits its turn in the line (intake.py)
+                entry = self.intake.arrive(gen)
+                done = None if gen.session_id is not None else self.intake.measure(entry)
+                if done is not None:
+                    self.admission.measured(entry, done)
+            case _:  # every other message of the Engine's is ordered too
+                self.intake.arrive(msg)
+        self.let_through()
+        self.maybe_write()
+
+    def in_order(self, msg: TokenizerMsg) -> None:
+        """An ordered message other than a request, at the front of the line."""
+        match msg:
             case OpenSession() as opening:
                 self.sessions.open(opening)
             case EndSession() as ending:
@@ -125,24 +143,29 @@ class Tokenizer:
                 self.lock.set_paused(paused)
                 if paused or self.lock.may_resume():
                     self.scheduler.put(SetPaused(paused))
-            case WriteDone(error=error):
-                self.write_done(error)
-            case Snapshot() | FlushWhenIdle() | Gate() | Advance() | Deliver() as control:
+            case Snapshot() | FlushWhenIdle() | Pace() as control:
                 self.scheduler.put(control)
-            case Shutdown():
-                self.writer.cancel()
-                self.sessions.shutdown()
-                return
-        self.maybe_write()
 
     def recover(self, msg: TokenizerMsg, error: InternalError) -> None:
         """One message failed (actors/supervise.py): end what it stood for, keep the lock's
-        books whole so no writer or queued request waits forever."""
+        books whole so no writer or queued request waits forever, and the line moving."""
+        self.undo(msg, error)
+        self.let_through()
+        self.maybe_write()
+
+    def undo(self, msg: TokenizerMsg, error: InternalError) -> None:
         fail_replies(msg, error)
         match msg:
-            case Generate() as gen:  # its stream has failed; undo its admission if made
+            case Generate() as gen:  # its stream has failed; it leaves, or is undone
+                entry = self.intake.take(gen)
+                if entry is not None:  # in line or aside: it leaves (its session freed)
+                    self.admission.fail(entry, error, withdrawn=True)
                 if self.streams.has_stream(gen.rid, gen.stream):
                     self.fail_request(gen.rid, error)
+            case Encoded(ticket=ticket):
+                entry = self.intake.find(ticket)
+                if entry is not None:
+                    self.admission.fail(entry, error)
             case Abort(rid=rid):
                 self.fail_request(rid, error)
             case Outputs(items=items):
@@ -153,50 +176,64 @@ class Tokenizer:
             case UpdateWeights() as update:
                 self.lock.withdraw(update)
             case WriteDone():
-                self.write_done(str(error))
-        self.maybe_write()
+                self.write_done(error)
 
     def fail_request(self, rid: str, error: InternalError) -> None:
-        """End one request with an error wherever it is: queued behind a writer, live here
-        (its session turn too), and in the scheduler if it was admitted."""
-        queued = self.lock.take_queued(rid)
-        if queued is not None:
-            queued.stream.fail(error)
+        """End one request with an error wherever it is: in line or queued behind a writer,
+        live here (its session turn too), and in the scheduler if it was admitted."""
+        entry = self.intake.withdraw(rid)
+        if entry is not None:
+            self.admission.fail(entry, error, withdrawn=True)
         self.streams.fail(rid, error)
         if self.lock.is_reader(rid):  # admitted: the scheduler ends it and reports Released
             self.scheduler.put(Abort(rid, "abort", str(error)))
 
     def released(self, rids: tuple[str, ...]) -> None:
         self.lock.leave(rids)
-        for rid in rids:
-            self.sessions.released(rid)
+        following = [self.sessions.released(rid) for rid in rids]
+        self.intake.to_front(gen for gen in following if gen is not None)
 
-    # ---- in --------------------------------------------------------------------------------
+    # ---- in (the line: intake.py) -------------------------------------------------------
 
-    def dispatch(self, gen: Generate) -> None:
-        if gen.session_id is None:
-            self.admit(gen)
-        else:
-            self.sessions.turn(gen)
+    def let_through(self) -> None:
+        """Let through the line, in order, whatever may go. One entry's failure fails that
+        entry only, as supervise.serve does for a message."""
+        while (entry := self.intake.front()) is not None:
+            try:
+                if not self.let_go(entry):
+                    return
+            except Exception as exc:
+                kind = type(entry.msg).__name__
+                log.error("the tokenizer failed while handling %s", kind, exc_info=exc)
+                self.undo(
+                    entry.msg,
+                    InternalError(f"internal error in the tokenizer while handling {kind}"),
+                )
+                if self.intake.front() is entry:
+                    self.intake.pop()
 
-    def admit(self, gen: Generate, session: SessionState | None = None) -> None:
-        """Check the prompt, then admit: Admit to the scheduler, a live stream here, a reader
-        of the update lock, the session's turn begun."""
-        if gen.rid in self.streams or self.lock.is_reader(gen.rid):
-            gen.stream.fail(RequestError(f"request id {gen.rid!r} is already in use", "rid"))
-            return
-        try:
-            ids = self.intake.prompt(gen) if session is None else self.sessions.prompt(session, gen)
-        except ValueError as exc:
-            gen.stream.fail(exc)
-            return
-        # Admitted first, then booked: a failure after this line finds the request a reader,
-        # so its recovery aborts it in the scheduler (which then releases the reader).
-        self.scheduler.put(self.intake.admission(gen, ids, session))
-        self.streams.open(gen, ids, self.lock.version, session)
-        self.lock.enter(gen.rid)
-        if session is not None:
-            self.sessions.started(session, gen, ids)
+    def let_go(self, entry: Waiting) -> bool:
+        """The front of the line: a message takes effect; a request waits aside if a writer
+        waits or works, is decided by its session if it is a turn (and measured then), and is
+        admitted once measured. False: the front must wait for its Encoded."""
+        msg = entry.msg
+        if not isinstance(msg, Generate):
+            self.intake.pop()
+            self.in_order(msg)
+            return True
+        if not entry.cleared:
+            entry.cleared = True
+            if self.lock.defer(msg):
+                self.intake.set_aside(entry)  # back at the front when the writers are done
+                return True
+        if entry.prompt is None:
+            if msg.session_id is None or entry.session is not None:
+                return False  # being measured
+            self.admission.begin_turn(entry)
+            return True
+        self.intake.pop()
+        self.admission.admit(entry)
+        return True
 
     # ---- weight updates (the writer side of the lock) -------------------------------------
 
@@ -205,24 +242,28 @@ class Tokenizer:
         if start is not None:
             self.writer.start(*start)
 
-    def write_done(self, error: str | None) -> None:
-        """The writer's work ended (error: why it failed): answer it, let a resume through
+    def write_done(self, failure: OperationRefused | InternalError | None) -> None:
+        """The writer's work ended (failure: what stopped it): answer it, let a resume through
         and admit the requests that waited for the writers."""
-        writer = self.lock.done(error is None)
+        writer = self.lock.done(failure is None)
         if writer is not None:
-            message = error or f"weights loaded from {writer.model_path}"
-            answer(writer.reply, UpdateOutcome(error is None, message, self.lock.version))
+            message = (
+                f"weights loaded from {writer.model_path}" if failure is None else str(failure)
+            )
+            answer(writer.reply, UpdateResult(failure is None, message, self.lock.version))
             self.streams.restamp(self.lock.version)  # parked across it: what comes is new
         if self.lock.may_resume():
             self.scheduler.put(SetPaused(False))
-        for gen in self.lock.release_queue():
-            self.dispatch(gen)
+        self.intake.to_front(self.lock.release_queue())
 
     def fail_all(self, error: BaseException) -> None:
-        """The engine stops: every live stream, queued request and writer fails."""
+        """The engine stops: every live stream, request in line or queued, ordered message
+        waiting in line, and writer fails."""
         self.streams.fail_all(error)
         queued, writers = self.lock.abandon()
         for gen in queued:
             gen.stream.fail(error)
+        for entry in self.intake.abandon():
+            fail_replies(entry.msg, error)
         for writer in writers:
-            answer(writer.reply, UpdateOutcome(False, str(error), self.lock.version))
+            answer(writer.reply, UpdateResult(False, str(error), self.lock.version))

@@ -1,26 +1,28 @@
 """A weight update's work, run by the tokenizer actor as a task of its own once the update
 lock (actors/tokenizer/update_lock.py) lets its writer start: park paused requests (if asked), load,
 flush. Whatever happens, it ends by posting WriteDone to the tokenizer's mailbox, where the
-lock learns that its writer is done.
+lock learns that its writer is done: with no failure, or the typed one that stopped it (a
+refused checkpoint, a flush that found the books broken, a step that failed).
 """
 
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
+from shoal.actors.executor_messages import ExecutorMsg, LoadWeights
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     CacheMsg,
-    ExecutorMsg,
     FlushCache,
-    LoadWeights,
     Park,
     SchedulerMsg,
     TokenizerMsg,
     UpdateWeights,
     WriteDone,
 )
-from shoal.results import InternalError
+from shoal.actors.replies import ask
+from shoal.results import InternalError, OperationRefused
 
 
 async def write_weights(
@@ -29,21 +31,13 @@ async def write_weights(
     scheduler: Mailbox[SchedulerMsg],
     executor: Mailbox[ExecutorMsg],
     cache: Mailbox[CacheMsg],
-) -> str | None:
-    """The writer's work: park paused requests (if asked), load, flush. None, or why not."""
-    loop = asyncio.get_running_loop()
+) -> None:
+    """The writer's work: park paused requests (if asked), load, flush. Raises what stopped
+    it: OperationRefused (the checkpoint, or the books after the flush) or InternalError."""
     if park:
-        parked: asyncio.Future[None] = loop.create_future()
-        scheduler.put(Park(parked))
-        await parked
-    loaded: asyncio.Future[str | None] = loop.create_future()
-    executor.put(LoadWeights(writer.model_path, loaded))
-    error = await loaded
-    if error is None:
-        flushed: asyncio.Future[str | None] = loop.create_future()
-        cache.put(FlushCache(flushed))
-        error = await flushed
-    return error
+        await ask(scheduler, Park)
+    await ask(executor, partial(LoadWeights, writer.model_path))
+    await ask(cache, FlushCache)
 
 
 class WeightWriter:
@@ -67,13 +61,16 @@ class WeightWriter:
 
     async def write(self, writer: UpdateWeights, park: bool) -> None:
         """Run the writer's work; report back through the mailbox whatever happens."""
-        error: str | None = "the weight update was interrupted"
+        failure: OperationRefused | InternalError | None = InternalError(
+            "the weight update was interrupted"
+        )
         try:
-            error = await write_weights(writer, park, self.scheduler, self.executor, self.cache)
-        except InternalError as exc:  # a step of it failed (see actors/supervise.py)
-            error = str(exc)
+            await write_weights(writer, park, self.scheduler, self.executor, self.cache)
+            failure = None
+        except (OperationRefused, InternalError) as exc:  # refused, or a step of it failed
+            failure = exc
         finally:
-            self.done.put(WriteDone(error))
+            self.done.put(WriteDone(failure))
 
     def cancel(self) -> None:
         if self.task is not None:

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import Bootstrap, SchedulerMsg, TransferEnded
+from shoal.actors.messages import SchedulerMsg, TransferEnded
 from shoal.actors.replies import TransferStats, rooms_in_states
 from shoal.actors.transfer_messages import (
     CancelEnded,
@@ -47,6 +47,7 @@ from shoal.disagg.bootstrap import Unreachable, ask_room, cancel_room
 from shoal.disagg.layout import KVLayout
 from shoal.disagg.peers import PrefillPeers
 from shoal.disagg.wire import RoomRequest, RoomResult
+from shoal.params import Bootstrap
 from shoal.results import ErrorCode
 
 CANCEL_RETRY_S = 1.0

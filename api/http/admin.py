@@ -26,7 +26,7 @@ from aiohttp import web
 
 from shoal import __name__ as package_name
 from shoal.api.http.body import decode_body, json_response
-from shoal.api.http.errors import ApiError, bad_request, from_engine
+from shoal.api.http.errors import ApiError, FieldNames, bad_request, from_engine
 from shoal.api.http.gateway import Gateway
 from shoal.api.http.limits import check_id
 from shoal.api.http.metrics import CONTENT_TYPE, Metrics
@@ -35,6 +35,7 @@ from shoal.models.registry import family_of
 from shoal.params import SamplingParams
 
 HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+INPUT_IDS = FieldNames("input_ids")  # the health generation's prompt
 
 
 class AdminRoutes:
@@ -55,22 +56,12 @@ class AdminRoutes:
         self.health_timeout_s = health_timeout_s
         self.recent_s = recent_s
 
-    def routes(self) -> list[web.RouteDef]:
-        return [
-            web.get("/health", self.health),
-            web.get("/health_generate", self.health_generate),
-            web.get("/get_model_info", self.model_info),
-            web.get("/get_server_info", self.server_info),
-            web.post("/abort_request", self.abort_request),
-            web.get("/metrics", self.prometheus),
-        ]
-
     @property
     def weight_version(self) -> int:
         try:
             return self.engine.weight_version
         except Exception as exc:
-            raise from_engine(exc, "") from None
+            raise from_engine(exc, FieldNames()) from None
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.dead_reason is not None:
@@ -92,7 +83,7 @@ class AdminRoutes:
         try:
             stream = self.engine.generate(input_ids=[0], sampling=HEALTH_SAMPLING, rid=rid)
         except Exception as exc:
-            raise from_engine(exc, "input_ids") from None
+            raise from_engine(exc, INPUT_IDS) from None
         async with stream:
             try:
                 done = await asyncio.wait_for(stream.result(), self.health_timeout_s)
@@ -101,7 +92,7 @@ class AdminRoutes:
                     503, f"no token from the scheduler within {self.health_timeout_s}s"
                 ) from None
             except Exception as exc:
-                raise from_engine(exc, "input_ids") from None
+                raise from_engine(exc, INPUT_IDS) from None
         if done.finish_reason not in ("stop", "length"):
             raise ApiError(503, f"health generation ended with {done.finish_reason}")
         return json_response({"status": "ok", "checked": "generation"})
@@ -132,10 +123,10 @@ class AdminRoutes:
         try:
             snapshot = await engine.snapshot()
             cache = await engine.cache_stats()
-            stages = engine.stages.counts()
+            stages = engine.stage_microbatches()
             transfer = await engine.transfer_stats()
         except Exception as exc:
-            raise from_engine(exc, "") from None
+            raise from_engine(exc, FieldNames()) from None
         options = engine.options
         return json_response(
             {
@@ -196,10 +187,10 @@ class AdminRoutes:
         try:
             snapshot = await self.engine.snapshot()
             cache = await self.engine.cache_stats()
-            stages = self.engine.stages.counts()
+            stages = self.engine.stage_microbatches()
             rooms = await self.engine.transfer_counts()
         except Exception as exc:
-            raise from_engine(exc, "") from None
+            raise from_engine(exc, FieldNames()) from None
         text = self.metrics.render(snapshot, cache, stages, rooms)
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 

@@ -5,24 +5,25 @@ router adds to the body it sends both the prefill and the decode server.
     (lists, one per generation, for a batch)
 
 `bootstraps` turns them into one `Bootstrap` per engine request; `RoomRefusals` is the
-middleware that ends the rooms of a request the server refuses before it reaches the engine
-(a 4xx), so the decode server hears why at once instead of waiting out its timeout.
+middleware that ends the rooms of a generation request (a route the table says `generates`,
+route_table.py) the server refuses before it reaches the engine (a 4xx), so the decode server
+hears why at once instead of waiting out its timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from shoal.actors.messages import Bootstrap
 from shoal.api.engine import Engine
 from shoal.api.http.errors import ApiError, bad_request
+from shoal.api.http.routing import Route
+from shoal.params import Bootstrap
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's, when the router was given none (null)
-GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -72,15 +73,16 @@ class RoomRefusals:
     """Inside the error middleware: a generation request refused with an error status ends
     the rooms its body named, with the refusal as the cause."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, routes: Iterable[Route]) -> None:
         self.engine = engine
+        self.generations = {(r.method, r.path) for r in routes if r.generates}
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as exc:
-            if request.method == "POST" and request.path in GENERATION_PATHS:
+            if (request.method, request.path) in self.generations:
                 cause = f"the server refused the request ({exc.status}): {exc.message}"
                 await self._drop(request, cause, refused=exc.status < 500)
             raise

@@ -7,9 +7,11 @@
 also turns aiohttp's own errors (404, 405, 413) and any bug into this shape. Bad input is a 4xx,
 never a 5xx: clients (the openai package among them) retry 5xx answers.
 
-What the engine refuses arrives as a RequestError (a LimitExceeded is one) carrying a `code` and a
-`field`: `refused` answers it with the status of its code (STATUS_OF, 400 for the rest), the
-code itself and the field in the door's name. No status or field is read from message text.
+What the engine refuses arrives as a RequestError (a LimitExceeded is one) carrying a `code`, a
+`field` and a `detail`: `refused` answers it with the status of its code (STATUS_OF, 400 for the
+rest), the code itself, and the field in the door's name (`FieldNames`: each door's names of the
+engine's fields), in the message too when the message names it (RequestError.spoken). No
+status or field is read from message text, and no message is rewritten.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
@@ -70,6 +73,29 @@ STATUS_OF: dict[str, int] = {
     "session_busy": 409,
     "too_many_sessions": 429,
 }
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """A door's names of the engine's fields (a RequestError's `field`): its prompt's (the
+    body's field that carried it: "messages", "prompt[1]", "input_ids"), its session's
+    ("session_params.id"), and its sampling fields' as the body sent them ("max_tokens",
+    "sampling_params.top_p": api/sampling_wire.py, wire_names). The request id and SGLang's
+    disaggregation fields every door names as the engine does; any other field of a request
+    is a part of its prompt."""
+
+    prompt: str = "prompt"
+    session: str = "session_id"
+    sampling: Mapping[str, str] = field(default_factory=dict)
+
+    def of(self, engine_field: str | None) -> str | None:
+        if engine_field is None:
+            return None
+        if engine_field == "rid" or engine_field in BOOTSTRAP_FIELDS:
+            return engine_field
+        if engine_field == "session_id":
+            return self.session
+        return self.sampling.get(engine_field, self.prompt)
 
 
 class ErrorBody(msgspec.Struct, frozen=True):
@@ -141,29 +167,23 @@ def from_validation(exc: msgspec.ValidationError) -> ApiError:
     return bad_request(f"invalid request body{where}: {message}", path or None)
 
 
-def refused(exc: RequestError, param: str | None, message: str | None = None) -> ApiError:
+def refused(exc: RequestError, param: str | None) -> ApiError:
     """The answer to what the engine refused: the status of its code, the code, `param` (the
-    field in the door's name) and its message (or `message`, the same spoken in that name)."""
-    text = str(exc) if message is None else message
-    return ApiError(STATUS_OF.get(exc.code, 400), text, param=param, code=exc.code)
+    field in the door's name) and its message, spoken in that name."""
+    return ApiError(STATUS_OF.get(exc.code, 400), exc.spoken(param), param=param, code=exc.code)
 
 
-def from_engine(
-    exc: BaseException, prompt_param: str, session_param: str = "session_id"
-) -> ApiError:
-    """Map what an engine request can raise onto 4xx / 503 / 500. A refused request's field
-    is spoken as the door names it: its request id as "rid", its session as `session_param`,
-    any part of its prompt (prompt, messages, max_new_tokens, ...) as `prompt_param`."""
+def from_engine(exc: BaseException, names: FieldNames) -> ApiError:
+    """Map what an engine request can raise onto 4xx / 503 / 500; a refused request's field
+    is spoken as the door names it (`names`)."""
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the engine is not serving: {exc}")
     if isinstance(exc, InternalError):  # its message names the part, never the exception
         return ApiError(500, f"{exc}; the server log has the detail")
     if isinstance(exc, RequestError):
-        names = {"rid": "rid", "session_id": session_param, **BOOTSTRAP_FIELDS}
-        field = exc.field
-        return refused(exc, None if field is None else names.get(field, prompt_param))
+        return refused(exc, names.of(exc.field))
     if isinstance(exc, ValueError):  # a refusal without a code: Engine.generate's own checks
-        return bad_request(str(exc), prompt_param)
+        return bad_request(str(exc), names.prompt)
     log.error("request failed", exc_info=exc)
     return ApiError(500, INTERNAL)
 
@@ -182,17 +202,16 @@ def from_http_exception(exc: web.HTTPException, path: str) -> ApiError:
     return ApiError(status, exc.text or exc.reason or f"HTTP {status}")
 
 
-def unfinished(completion: Completion, draining: bool) -> ApiError | None:
-    """Why a request that ended did not finish, as the answer's error: 500 for a failure of
-    the server's; 400 for the caller's mistake found late (a disaggregated request the other
+def check_finished(completion: Completion, draining: bool) -> None:
+    """Raise why a request that ended did not finish, as the answer's error: 500 for a failure
+    of the server's; 400 for the caller's mistake found late (a disaggregated request the other
     server refused, code "peer_refused"); 503 for an abort by the shutdown."""
     if completion.finish_reason == "error":
         if completion.code is not None:
-            return ApiError(400, completion.message, code=completion.code)
-        return ApiError(500, f"generation failed: {completion.message}")
+            raise ApiError(400, completion.message, code=completion.code)
+        raise ApiError(500, f"generation failed: {completion.message}")
     if completion.finish_reason == "abort" and draining:
-        return ApiError(503, "the server is shutting down")
-    return None
+        raise ApiError(503, "the server is shutting down")
 
 
 @web.middleware

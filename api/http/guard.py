@@ -16,9 +16,10 @@ this order (middlewares, after the draining check):
              default ports filled in) nor in --allowed-origins ("*": any)      -> 403
              Origin absent and `Sec-Fetch-Site: cross-site`, unless "*" is allowed -> 403
              Origin absent otherwise (curl, SDKs, same-origin navigation)      -> allowed
-    key      ADMIN_ROUTES with an admin key set: `Authorization: Bearer <admin key>`, else 401
-             (403 for the plain API key); other routes but OPEN_ROUTES with an API key set:
-             the API key or the admin key, else 401
+    key      a route whose access is "admin" (route_table.py; a POST not declared otherwise),
+             with an admin key set: `Authorization: Bearer <admin key>`, else 401 (403 for
+             the plain API key); other routes but "open" ones (and unknown paths) with an API
+             key set: the API key or the admin key, else 401
     type     a request other than GET / HEAD / OPTIONS that has a body must name
              Content-Type: application/json (parameters allowed)           -> else 415
              one without a body must not name a form or text type (what an HTML form
@@ -33,7 +34,7 @@ says nothing about its path.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -41,17 +42,8 @@ from yarl import URL
 
 from shoal.api.http.errors import ApiError
 from shoal.api.http.hosts import HostCheck
+from shoal.api.http.routing import Route, access_by_path
 
-OPEN_ROUTES = frozenset({"/health"})  # answered without the API key
-ADMIN_ROUTES = frozenset(  # need the admin key when one is set
-    {
-        "/update_weights_from_disk",
-        "/flush_cache",
-        "/pause_generation",
-        "/continue_generation",
-        "/abort_request",
-    }
-)
 ANY_ORIGIN = "*"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # never carry a body shoal reads
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/")
@@ -93,7 +85,9 @@ class Guard:
         admin_api_key: str | None,
         allowed_origins: Iterable[str],
         hosts: HostCheck,
+        routes: Sequence[Route],
     ) -> None:
+        self.access = access_by_path(routes)  # an unknown path: "key"
         self.api_key = api_key or None
         self.admin_api_key = admin_api_key or None
         self.allowed_origins = parse_origins(allowed_origins)
@@ -141,16 +135,16 @@ class Guard:
 
     @web.middleware
     async def authorize(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        route = _route(request)
+        access = self.access.get(_route(request), "key")
         given = request.headers.get("Authorization", "")
-        if self.admin_api_key and route in ADMIN_ROUTES:
+        if self.admin_api_key and access == "admin":
             if not _bearer(given, self.admin_api_key):
                 if self.api_key and _bearer(given, self.api_key):
                     raise ApiError(403, "this route needs the admin key, not the API key")
                 raise ApiError(
                     401, "missing or wrong admin key: send Authorization: Bearer <admin key>"
                 )
-        elif self.api_key and route not in OPEN_ROUTES:
+        elif self.api_key and access != "open":
             admin = self.admin_api_key
             if not (_bearer(given, self.api_key) or (admin and _bearer(given, admin))):
                 raise ApiError(

@@ -34,6 +34,9 @@ class UpdateWeightsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
 
 
 class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The four routes' body on the wire: an UpdateResult or FlushResult (results.py) as the
+    engine answered it, with the error's shape beside it when it failed."""
+
     success: bool
     message: str
     weight_version: int | None = None
@@ -44,14 +47,6 @@ class LifecycleRoutes:
     def __init__(self, engine: Engine, limits: HttpLimits | None = None) -> None:
         self.engine = engine
         self.limits = limits or HttpLimits()
-
-    def routes(self) -> list[web.RouteDef]:
-        return [
-            web.post("/update_weights_from_disk", self.update_weights),
-            web.post("/flush_cache", self.flush_cache),
-            web.post("/pause_generation", self.pause),
-            web.post("/continue_generation", self.resume),
-        ]
 
     async def update_weights(self, request: web.Request) -> web.Response:
         body = await decode_body(request, UpdateWeightsRequest)

@@ -39,10 +39,8 @@ class HttpLimits(msgspec.Struct, frozen=True, kw_only=True):
 
 def api_error(exc: LimitExceeded, field: str | None = None) -> ApiError:
     """The 400 for an engine limit, its field spoken in the API's name when given."""
-    message = str(exc)
-    if field is not None and field != exc.field:
-        message = field + message.removeprefix(exc.field)
-    return bad_request(message, field or exc.field, exc.code)
+    name = field or exc.field
+    return bad_request(exc.spoken(name), name, exc.code)
 
 
 def check_count(count: int, limit: int, field: str, option: str) -> None:

@@ -16,16 +16,17 @@ import uuid
 from aiohttp import web
 
 from shoal.api.http.body import decode_body, json_response
-from shoal.api.http.errors import ApiError, bad_request, unfinished
-from shoal.api.http.gateway import Choice, Gateway, Job, SessionTurn
+from shoal.api.http.errors import FieldNames, bad_request
+from shoal.api.http.gateway import Gateway
 from shoal.api.http.limits import check_count, check_id
 from shoal.api.http.native_answers import StreamChunks, Wanted, whole
 from shoal.api.http.native_protocol import (
     GenerateRequest,
     NativeSampling,
 )
+from shoal.api.http.relay import stream_sse
 from shoal.api.http.sessions import session_turn
-from shoal.api.http.sse import open_sse
+from shoal.api.http.submission import Choice, PromptInput, Submission
 from shoal.api.sampling_wire import (
     DEFAULT_SAMPLING,
     LOGPROBS,
@@ -34,19 +35,19 @@ from shoal.api.sampling_wire import (
     wire_names,
     wire_values,
 )
-from shoal.params import SamplingParams
-from shoal.results import Completion, Delta
+from shoal.params import RoomLeft
 
 LOGPROB_NAMES = wire_names("native", fields=LOGPROBS)  # beside sampling_params
+NAMES = FieldNames(
+    session="session_params.id",
+    sampling={**wire_names("native", "sampling_params.", NOT_LOGPROBS), **LOGPROB_NAMES},
+)
 
 
 class NativeRoutes:
     def __init__(self, gateway: Gateway, incremental_streaming_output: bool = False) -> None:
         self.gateway = gateway
         self.incremental = incremental_streaming_output  # stream events carry only what is new
-
-    def routes(self) -> list[web.RouteDef]:
-        return [web.post("/generate", self.generate)]
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrived_at = time.monotonic()
@@ -55,70 +56,32 @@ class NativeRoutes:
         if (body.text is None) == (body.input_ids is None):
             raise bad_request("give exactly one of text or input_ids", "text")
         batch = isinstance(body.text, list) or _nested(body.input_ids)
-        turn = self._turn(body, batch)
-        if turn is None:
-            prompts = await self._prompts(body)
-        else:  # its session encodes it, and checks it against the whole history
-            prompts = [("text" if turn.text is not None else "input_ids", None)]
+        session_id = self._turn(body, batch)  # its session checks it against the history
+        prompts = self._prompts(body)
         rids = self._rids(body, len(prompts), batch)
         settings = self._settings(body, len(prompts))
-        choices: list[Choice] = []
-        for (name, ids), rid, native in zip(prompts, rids, settings, strict=True):
-            num_prompt = None if ids is None else len(ids)
-            choices.append((ids or [], self._sampling(body, native, num_prompt, name), rid))
+        choices = [
+            self._choice(body, rid, prompt, native, session_id is not None)
+            for prompt, rid, native in zip(prompts, rids, settings, strict=True)
+        ]
         if body.stream and batch:
             raise bad_request("stream is supported for one prompt, not a batch", "stream")
         public_id = rids[0] if not batch else f"batch-{uuid.uuid4().hex}"
-        prompt_param = prompts[0][0].split("[")[0]
-        names = {**wire_names("native", "sampling_params.", NOT_LOGPROBS), **LOGPROB_NAMES}
-        submit = self.gateway.submit(
-            public_id, choices, arrived_at, prompt_param, turn, names, rooms=body
-        )
-        async with submit as job:
+        submission = Submission(public_id, choices, arrived_at, NAMES, session_id, rooms=body)
+        async with self.gateway.submit(submission) as job:
             if body.stream:
-                if turn is not None:
-                    await job.started()  # a refused turn answers 404 / 409, not a stream
-                return await self._stream(request, body, job, len(choices[0][0]), arrived_at)
-            completions = await job.results()
-        for completion in completions:
-            self._check_finished(completion)
+                [num_prompt] = await job.accepted()  # refused: a 4xx, not a stream
+                # weight_version: fixed while the request is held (docs/architecture.md, law 2)
+                version = self.gateway.engine.weight_version
+                wanted = _wanted(body)
+                chunks = StreamChunks(
+                    rids[0], num_prompt, version, arrived_at, wanted, self.incremental
+                )
+                return await stream_sse(request, job, chunks)
+            completions = await job.finished()
         wanted = _wanted(body)
         answers = [whole(c, arrived_at, wanted) for c in completions]
         return json_response(answers if batch else answers[0])
-
-    async def _stream(
-        self,
-        request: web.Request,
-        body: GenerateRequest,
-        job: Job,
-        num_prompt: int,
-        arrived_at: float,
-    ) -> web.StreamResponse:
-        """Each event carries the text, output ids and logprobs so far, or with
-        incremental_streaming_output only what is new (native_answers.py); the last event
-        the finish_reason."""
-        # weight_version: fixed while the request is held (docs/architecture.md, law 2)
-        chunks = StreamChunks(
-            job.streams[0].rid,
-            num_prompt,
-            self.gateway.engine.weight_version,
-            arrived_at,
-            _wanted(body),
-            self.incremental,
-        )
-        async with open_sse(request) as sse:  # a client gone or cut: ends here, quietly
-            try:
-                async for _, event in job.events():
-                    if isinstance(event, Delta):
-                        await sse.event(chunks.delta(event))
-                    else:
-                        self._check_finished(event)
-                        await sse.event(chunks.finish(event))
-            except ApiError as exc:
-                job.abort()
-                await sse.error(exc)
-            await sse.done()
-        return sse.response
 
     # ---- request ---------------------------------------------------------------------------
 
@@ -150,41 +113,39 @@ class NativeRoutes:
             name = "text" if isinstance(body.text, str) else f"text[{i}]"
             gateway.check_prompt_size(text, None, name)
 
-    async def _prompts(self, body: GenerateRequest) -> list[tuple[str, list[int] | None]]:
-        gateway = self.gateway
+    def _prompts(self, body: GenerateRequest) -> list[PromptInput]:
+        """The body's prompts as given: the engine encodes and measures them."""
         if isinstance(body.text, str):
-            return [("text", await gateway.encode_text(body.text, "text"))]
+            if not body.text:
+                raise bad_request("text must not be empty", "text")
+            return [PromptInput(name="text", text=body.text)]
         if body.text is not None:
             if not body.text:
                 raise bad_request("text must not be an empty list", "text")
-            return [
-                (f"text[{i}]", await gateway.encode_text(t, f"text[{i}]"))
-                for i, t in enumerate(body.text)
-            ]
+            for i, text in enumerate(body.text):
+                if not text:
+                    raise bad_request(f"text[{i}] must not be empty", f"text[{i}]")
+            return [PromptInput(name=f"text[{i}]", text=t) for i, t in enumerate(body.text)]
         ids = body.input_ids or []
         flat = [t for t in ids if isinstance(t, int)]
         if len(flat) == len(ids):
-            return [("input_ids", gateway.check_ids(flat, "input_ids"))]
+            return [PromptInput(name="input_ids", input_ids=flat)]
         nested = [t for t in ids if isinstance(t, list)]
         if len(nested) != len(ids):
             raise bad_request("input_ids must be a list of ids or a list of id lists", "input_ids")
-        return [
-            (f"input_ids[{i}]", gateway.check_ids(t, f"input_ids[{i}]"))
-            for i, t in enumerate(nested)
-        ]
+        return [PromptInput(name=f"input_ids[{i}]", input_ids=t) for i, t in enumerate(nested)]
 
-    def _turn(self, body: GenerateRequest, batch: bool) -> SessionTurn | None:
+    def _turn(self, body: GenerateRequest, batch: bool) -> str | None:
+        """The session the one prompt is the next turn of, if any."""
         if body.session_params is None:
             return None
         if batch:
             raise bad_request("a session turn is one prompt, not a batch", "session_params")
-        if isinstance(body.text, str):
-            if not body.text:
-                raise bad_request("text must not be empty", "text")
-            return session_turn(body.session_params, text=body.text)
-        flat = [t for t in body.input_ids or [] if isinstance(t, int)]
-        ids = self.gateway.check_ids(flat, "input_ids")
-        return session_turn(body.session_params, input_ids=ids)
+        if isinstance(body.text, str) and not body.text:
+            raise bad_request("text must not be empty", "text")
+        if body.input_ids is not None and not body.input_ids:
+            raise bad_request("input_ids must not be empty", "input_ids")
+        return session_turn(body.session_params)
 
     def _rids(self, body: GenerateRequest, count: int, batch: bool) -> list[str]:
         rid = body.rid
@@ -207,34 +168,25 @@ class NativeRoutes:
             raise bad_request(f"sampling_params must give {count} entries", "sampling_params")
         return list(given)
 
-    def _sampling(
+    def _choice(
         self,
         body: GenerateRequest,
+        rid: str,
+        prompt: PromptInput,
         native: NativeSampling,
-        num_prompt: int | None,
-        prompt_param: str,
-    ) -> SamplingParams:
+        turn: bool,
+    ) -> Choice:
         """The fields of sampling_params, and the logprob pair beside it (api/sampling_wire.py).
-        max_new_tokens not given: the declared default, capped at the room a prompt of
-        num_prompt tokens leaves (as SGLang); None (a session turn): the declared default."""
+        max_new_tokens not given: the declared default, capped at the room the prompt leaves
+        (as SGLang's), sized where the engine measures it (RoomLeft); a session turn's: the
+        declared default."""
         values = wire_values(native, "native", NOT_LOGPROBS) | wire_values(body, "native", LOGPROBS)
         if native.sampling_seed is not None:
             values.setdefault("seed", native.sampling_seed)
-        if num_prompt is not None:
-            max_tokens = values.get("max_new_tokens")
-            if max_tokens is None:
-                room = max(1, self.gateway.context_length - num_prompt)
-                max_tokens = min(DEFAULT_SAMPLING.max_new_tokens, room)
-            field = "sampling_params.max_new_tokens"
-            values["max_new_tokens"] = self.gateway.budget(
-                num_prompt, max_tokens, field, prompt_param
-            )
-        return sampling_from(values)
-
-    def _check_finished(self, completion: Completion) -> None:
-        error = unfinished(completion, self.gateway.draining)
-        if error is not None:
-            raise error
+        room = None
+        if not turn and values.get("max_new_tokens") is None:
+            room = RoomLeft(DEFAULT_SAMPLING.max_new_tokens)
+        return Choice(rid, prompt, sampling_from(values), room)
 
 
 def _wanted(body: GenerateRequest) -> Wanted:

@@ -2,7 +2,8 @@
 
     whole(completion, arrived_at, wanted)            # the non-streamed answer
     chunks = StreamChunks(rid, num_prompt, version, arrived_at, wanted, incremental)
-    chunks.delta(delta) ... chunks.finish(completion)   # one event each
+    chunks.delta(0, delta) ... chunks.finish(0, completion)   # one event each: a StreamFormat
+                                                              # (api/http/relay.py)
 
 A stream's events, as SGLang sends them:
 
@@ -82,7 +83,13 @@ class StreamChunks:
         self.token_rows: list[TokenRow] = []
         self.top_rows: list[list[TokenRow]] = []
 
-    def delta(self, d: Delta) -> GenerateResponse:
+    def first(self, index: int) -> None:
+        return None
+
+    def last(self, completions: list[Completion]) -> None:
+        return None
+
+    def delta(self, index: int, d: Delta) -> GenerateResponse:
         items = d.logprobs or ()
         new_ids = list(d.token_ids)
         token_rows = _token_rows(items) if self.wanted.logprobs else []
@@ -98,7 +105,7 @@ class StreamChunks:
         self.top_rows += top_rows
         return self._chunk(self.text, self.ids, self.token_rows, self.top_rows)
 
-    def finish(self, c: Completion) -> GenerateResponse:
+    def finish(self, index: int, c: Completion) -> GenerateResponse:
         """The last event: with its finish_reason and the Completion's own counts. The
         Completion's text, ids and logprobs are its deltas' (actors/tokenizer/output.py), so the
         incremental event carries what is left of them: nothing, unless a delta never came."""

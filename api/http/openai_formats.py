@@ -1,16 +1,19 @@
 """How one OpenAI request's engine events become response bodies and stream chunks.
 
-A format is made per request and is stateful (text offsets for completions' logprobs):
+A format is made per request and is stateful (text offsets for completions' logprobs); it is
+a StreamFormat (api/http/relay.py):
 
     first(i)        the chunk that opens choice i (chat: the assistant role), or None
     delta(i, d)     the chunk carrying a Delta's text / logprobs, or None if it has neither
     finish(i, c)    the chunk that closes choice i with its finish_reason
-    usage_chunk(u)  the `choices: []` chunk of stream_options.include_usage
-    whole(cs, u)    the non-streamed response
+    last(cs)        the `choices: []` chunk of stream_options.include_usage, or None
+    whole(cs)       the non-streamed response
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
@@ -25,27 +28,53 @@ from shoal.api.http.openai_protocol import (
     ChatDelta,
     ChatLogprobs,
     CompletionChoice,
+    PromptTokensDetails,
     TextCompletion,
     UsageInfo,
 )
 from shoal.results import Completion, Delta, TokenLogprob
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What every chunk and body of one OpenAI answer says the same: its id, creation time,
+    model name, the logprobs asked for (whether, how many alternatives), the choices per
+    prompt, and whether a stream ends with the usage chunk."""
+
+    rid: str
+    created: int
+    model: str
+    logprobs: tuple[bool, int]
+    tokens: TokenBytes
+    n: int
+    include_usage: bool
+
+
 class Format(Protocol):
     def first(self, index: int) -> msgspec.Struct | None: ...
     def delta(self, index: int, delta: Delta) -> msgspec.Struct | None: ...
     def finish(self, index: int, completion: Completion) -> msgspec.Struct: ...
-    def usage_chunk(self, usage: UsageInfo) -> msgspec.Struct: ...
-    def whole(self, completions: list[Completion], usage: UsageInfo) -> msgspec.Struct: ...
+    def last(self, completions: list[Completion]) -> msgspec.Struct | None: ...
+    def whole(self, completions: list[Completion]) -> msgspec.Struct: ...
+
+
+def usage(completions: Sequence[Completion], n: int) -> UsageInfo:
+    """Prompt tokens once per prompt (n choices share it), completion tokens for all."""
+    prompt = cached = generated = 0
+    for start in range(0, len(completions), n):
+        group = completions[start : start + n]
+        prompt += group[0].usage.prompt_tokens
+        cached += min(c.usage.cached_tokens for c in group)
+        generated += sum(c.usage.completion_tokens for c in group)
+    return UsageInfo(prompt, generated, prompt + generated, PromptTokensDetails(cached))
 
 
 class ChatFormat:
-    def __init__(
-        self, rid: str, created: int, model: str, logprobs: tuple[bool, int], tokens: TokenBytes
-    ) -> None:
-        self.rid, self.created, self.model = rid, created, model
-        self.want_logprobs, self.top = logprobs
-        self.tokens = tokens
+    def __init__(self, answer: Answer) -> None:
+        self.rid, self.created, self.model = answer.rid, answer.created, answer.model
+        self.want_logprobs, self.top = answer.logprobs
+        self.tokens = answer.tokens
+        self.n, self.include_usage = answer.n, answer.include_usage
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.rid, self.created, self.model, [choice])
@@ -62,10 +91,13 @@ class ChatFormat:
     def finish(self, index: int, completion: Completion) -> ChatCompletionChunk:
         return self._chunk(ChatChunkChoice(index, ChatDelta(), None, completion.finish_reason))
 
-    def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.rid, self.created, self.model, [], usage)
+    def last(self, completions: list[Completion]) -> ChatCompletionChunk | None:
+        if not self.include_usage:
+            return None
+        total = usage(completions, self.n)
+        return ChatCompletionChunk(self.rid, self.created, self.model, [], total)
 
-    def whole(self, completions: list[Completion], usage: UsageInfo) -> ChatCompletion:
+    def whole(self, completions: list[Completion]) -> ChatCompletion:
         choices = [
             ChatChoice(
                 i,
@@ -75,7 +107,8 @@ class ChatFormat:
             )
             for i, c in enumerate(completions)
         ]
-        return ChatCompletion(self.rid, self.created, self.model, choices, usage)
+        total = usage(completions, self.n)
+        return ChatCompletion(self.rid, self.created, self.model, choices, total)
 
     def _logprobs(self, items: tuple[TokenLogprob, ...] | None) -> ChatLogprobs | None:
         if not self.want_logprobs or not items:
@@ -84,12 +117,11 @@ class ChatFormat:
 
 
 class TextFormat:
-    def __init__(
-        self, rid: str, created: int, model: str, logprobs: tuple[bool, int], tokens: TokenBytes
-    ) -> None:
-        self.rid, self.created, self.model = rid, created, model
-        self.want_logprobs, self.top = logprobs
-        self.tokens = tokens
+    def __init__(self, answer: Answer) -> None:
+        self.rid, self.created, self.model = answer.rid, answer.created, answer.model
+        self.want_logprobs, self.top = answer.logprobs
+        self.tokens = answer.tokens
+        self.n, self.include_usage = answer.n, answer.include_usage
         self.offsets: dict[int, int] = {}
 
     def _chunk(self, choice: CompletionChoice) -> TextCompletion:
@@ -111,14 +143,18 @@ class TextFormat:
     def finish(self, index: int, completion: Completion) -> TextCompletion:
         return self._chunk(CompletionChoice(index, "", None, completion.finish_reason))
 
-    def usage_chunk(self, usage: UsageInfo) -> TextCompletion:
-        return TextCompletion(self.rid, self.created, self.model, [], usage)
+    def last(self, completions: list[Completion]) -> TextCompletion | None:
+        if not self.include_usage:
+            return None
+        total = usage(completions, self.n)
+        return TextCompletion(self.rid, self.created, self.model, [], total)
 
-    def whole(self, completions: list[Completion], usage: UsageInfo) -> TextCompletion:
+    def whole(self, completions: list[Completion]) -> TextCompletion:
         choices = []
         for i, c in enumerate(completions):
             logprobs = None
             if self.want_logprobs and c.logprobs:
                 logprobs = completion_logprobs(c.logprobs, self.tokens, self.top, 0)
             choices.append(CompletionChoice(i, c.text, logprobs, c.finish_reason))
-        return TextCompletion(self.rid, self.created, self.model, choices, usage)
+        total = usage(completions, self.n)
+        return TextCompletion(self.rid, self.created, self.model, choices, total)

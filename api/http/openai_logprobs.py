@@ -9,7 +9,6 @@ UTF-8, with U+FFFD where a token holds only part of a character (its `bytes` sta
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from shoal.api.http.openai_protocol import (
     ChatLogprobs,
@@ -17,6 +16,7 @@ from shoal.api.http.openai_protocol import (
     TokenLogprobOut,
     TopLogprob,
 )
+from shoal.loading.hf_tokenizer import HFTokenizer
 from shoal.results import TokenLogprob
 
 
@@ -35,7 +35,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 class TokenBytes:
     """Bytes and display text of token ids for one tokenizer, memoized."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: HFTokenizer) -> None:
         self.tokenizer = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self.byte_decoder = _gpt2_byte_decoder() if "ByteLevel" in repr(decoder) else {}

@@ -1,8 +1,9 @@
-"""From an OpenAI request body to engine inputs: messages, prompts, SamplingParams, usage.
+"""From an OpenAI request body to engine inputs: messages, prompts, choices.
 
 Everything here raises ApiError 400 naming the OpenAI field; nothing touches the engine. The
-sampling values are validated once, by Engine.generate; the gateway names a refused one as the
-body did (OpenAISampling.names).
+prompts go to the engine as given (its tokenizer actor encodes and measures them); the
+sampling values are validated once, by Engine.generate; a refused one is named as the body
+did (OpenAISampling.names).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import msgspec
 
 from shoal.api.http.door_rules import CHAT, COMPLETIONS, STREAM_OPTIONS
-from shoal.api.http.errors import ApiError, bad_request
+from shoal.api.http.errors import ApiError, FieldNames, bad_request
 from shoal.api.http.field_rules import TOOLS, refuse
 from shoal.api.http.gateway import Gateway
 from shoal.api.http.limits import check_count, check_id
@@ -22,12 +23,10 @@ from shoal.api.http.openai_protocol import (
     ChatMessage,
     CompletionRequest,
     OpenAIFields,
-    PromptTokensDetails,
-    UsageInfo,
 )
+from shoal.api.http.submission import Choice, PromptInput
 from shoal.api.sampling_wire import sampling_from, wire_names, wire_values
-from shoal.params import SamplingParams
-from shoal.results import Completion
+from shoal.params import RoomLeft, SamplingParams
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 SEED_LIMIT = 2**63
@@ -118,18 +117,19 @@ def chat_messages(gateway: Gateway, messages: list[ChatMessage]) -> list[dict[st
     return out
 
 
-async def encode_prompts(
-    gateway: Gateway, prompt: str | list[str | int | list[int]]
-) -> list[tuple[str, list[int]]]:
-    """(field name, token ids) per prompt: a string, a list of strings, a list of token ids or
-    a list of token-id lists. Every string is measured before any is encoded."""
+def prompts(gateway: Gateway, prompt: str | list[str | int | list[int]]) -> list[PromptInput]:
+    """One prompt per string, list of token ids, or token-id list of a list: counted and
+    measured in characters here (every string before any is read), encoded by the engine."""
     if isinstance(prompt, str):
-        return [("prompt", await gateway.encode_text(prompt, "prompt"))]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        gateway.check_prompt_size(prompt, None, "prompt")
+        return [PromptInput(name="prompt", text=prompt)]
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     ints = [p for p in prompt if isinstance(p, int)]
     if len(ints) == len(prompt):
-        return [("prompt", gateway.check_ids(ints, "prompt"))]
+        return [PromptInput(name="prompt", input_ids=ints)]
     check_count(len(prompt), gateway.limits.max_prompts, "prompt", "max_prompts")
     for i, p in enumerate(prompt):
         if isinstance(p, str) and p:
@@ -138,9 +138,11 @@ async def encode_prompts(
     for i, p in enumerate(prompt):
         name = f"prompt[{i}]"
         if isinstance(p, str) and isinstance(prompt[0], str):
-            out.append((name, await gateway.encode_text(p, name)))
+            if not p:
+                raise bad_request(f"{name} must not be empty", name)
+            out.append(PromptInput(name=name, text=p))
         elif isinstance(p, list) and isinstance(prompt[0], list):
-            out.append((name, gateway.check_ids(p, name)))
+            out.append(PromptInput(name=name, input_ids=p))
         else:
             raise bad_request(
                 "prompt must be a string, a list of strings, a list of token ids or a list of "
@@ -168,15 +170,24 @@ class OpenAISampling:
             self.values["logprobs"] = True
         self.logprobs = (bool(self.values.get("logprobs")), self.values.get("top_logprobs", 0))
 
-    def sampling(self, gateway: Gateway, num_prompt: int | None, prompt: str) -> SamplingParams:
-        """For a prompt of num_prompt tokens, max_tokens not given is all the room it leaves;
-        None (a session turn, encoded by its session): the declared default."""
-        values = dict(self.values)
-        if num_prompt is not None:
-            max_tokens = values.get("max_new_tokens")
-            field = self.names["max_new_tokens"]
-            values["max_new_tokens"] = gateway.budget(num_prompt, max_tokens, field, prompt)
-        return sampling_from(values)
+    @property
+    def field_names(self) -> FieldNames:
+        """The body's names of the engine's fields, for its refusals."""
+        return FieldNames(session="session_params.id", sampling=self.names)
+
+    def choices(
+        self, rid: str, prompts: list[PromptInput], n: int, turn: bool = False
+    ) -> list[Choice]:
+        """n choices per prompt (choice i seeded seed + i), ids `rid-0`, `rid-1`, ... max_tokens
+        not given: all the room the prompt leaves (RoomLeft), sized where the engine measures
+        the prompt; a session turn's (`turn`): the declared default."""
+        sampling = sampling_from(self.values)
+        room = None if turn or "max_new_tokens" in self.values else RoomLeft()
+        return [
+            Choice(f"{rid}-{p * n + i}", prompt, for_choice(sampling, i), room)
+            for p, prompt in enumerate(prompts)
+            for i in range(n)
+        ]
 
 
 def for_choice(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -184,14 +195,3 @@ def for_choice(sampling: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or sampling.seed is None:
         return sampling
     return msgspec.structs.replace(sampling, seed=(sampling.seed + index) % SEED_LIMIT)
-
-
-def usage(completions: Sequence[Completion], n: int) -> UsageInfo:
-    """Prompt tokens once per prompt (n choices share it), completion tokens for all."""
-    prompt = cached = generated = 0
-    for start in range(0, len(completions), n):
-        group = completions[start : start + n]
-        prompt += group[0].usage.prompt_tokens
-        cached += min(c.usage.cached_tokens for c in group)
-        generated += sum(c.usage.completion_tokens for c in group)
-    return UsageInfo(prompt, generated, prompt + generated, PromptTokensDetails(cached))

@@ -1,6 +1,6 @@
 """GET /openapi.json: an OpenAPI 3.1 document generated from the msgspec wire types.
 
-    document()   openapi_operations.OPERATIONS + msgspec.json.schema_components -> a dict
+    document(ROUTES)   the route table (route_table.py) + msgspec.json.schema_components -> a dict
     OpenAPIRoute serves it, encoded once
 
 No schema is written by hand: msgspec derives every one from the types the handlers decode
@@ -9,34 +9,33 @@ server to it with schemathesis. Every failure answers the one error shape
 (http_errors.ErrorEnvelope), each operation's "default" response. Streamed answers are
 documented per SSE event (OpenAPI 3.1: `schema` describes one event): `data` is `[DONE]` or
 a JSON chunk (contentSchema). The websocket route is a GET that upgrades (101); its messages
-(ws_protocol) are the components ClientMessage and ServerMessage. Security follows
-http_guard: the admin key on ADMIN_ROUTES when one is set, the API key on all but
-OPEN_ROUTES when one is set.
+(ws_protocol) are the components ClientMessage and ServerMessage. Security follows each
+route's access, as the guard checks it (routing.py, Route.needs): the admin key on "admin"
+routes when one is set, the API key on all but "open" ones when one is set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from shoal.api.http.errors import JSON, ErrorEnvelope
-from shoal.api.http.guard import ADMIN_ROUTES, OPEN_ROUTES
-from shoal.api.http.openapi_operations import OPERATIONS, SSE, WS_MESSAGES, Body, Operation
+from shoal.api.http.routing import SSE, Access, Body, Route
+from shoal.api.http.ws_protocol import ClientMessage, ServerMessage
 
 REF = "#/components/schemas/{name}"
+WS_MESSAGES: Mapping[str, Any] = {"ClientMessage": ClientMessage, "ServerMessage": ServerMessage}
 SCHEMES = {
     "apiKey": {"type": "http", "scheme": "bearer", "description": "the API key (or admin key)"},
     "adminKey": {"type": "http", "scheme": "bearer", "description": "the admin key"},
 }
 
 
-def document(
-    operations: tuple[Operation, ...] = OPERATIONS, api_key: bool = False, admin_key: bool = False
-) -> Any:
-    """The OpenAPI 3.1 document for `operations`, with the keys the server checks."""
+def document(operations: Sequence[Route], api_key: bool = False, admin_key: bool = False) -> Any:
+    """The OpenAPI 3.1 document for these routes, with the keys the server checks."""
     request_types = [op.request for op in operations if op.request is not None]
     response_types = [
         body.type
@@ -52,27 +51,27 @@ def document(
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
         out = _operation(op, schema_of)
-        scheme = _scheme(op.path, api_key, admin_key)
+        scheme = _scheme(op.needs, api_key, admin_key)
         if scheme is not None:
             out["security"] = [{scheme: []}]
-        paths.setdefault(op.path, {})[op.method] = out
+        paths.setdefault(op.path, {})[op.method.lower()] = out
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "shoal", "version": "0.1.0"},
         "paths": paths,
         "components": {"schemas": components},
     }
-    used = {s for op in operations if (s := _scheme(op.path, api_key, admin_key)) is not None}
+    used = {s for op in operations if (s := _scheme(op.needs, api_key, admin_key)) is not None}
     if used:
         doc["components"]["securitySchemes"] = {k: v for k, v in SCHEMES.items() if k in used}
     return doc
 
 
-def _scheme(path: str, api_key: bool, admin_key: bool) -> str | None:
-    """Which key a route needs (http_guard.authorize), if any."""
-    if admin_key and path in ADMIN_ROUTES:
+def _scheme(needs: Access, api_key: bool, admin_key: bool) -> str | None:
+    """Which key a route needs (guard.authorize), if any."""
+    if admin_key and needs == "admin":
         return "adminKey"
-    if api_key and path not in OPEN_ROUTES:
+    if api_key and needs != "open":
         return "apiKey"
     return None
 
@@ -81,9 +80,10 @@ def _key(kind: Any) -> str:
     return repr(kind)  # types like `A | B` are not all hashable; their repr is stable
 
 
-def _operation(op: Operation, schema_of: Mapping[str, Any]) -> dict[str, Any]:
+def _operation(op: Route, schema_of: Mapping[str, Any]) -> dict[str, Any]:
+    path = op.path.strip("/").replace("/", "_").replace(".", "_")
     out: dict[str, Any] = {
-        "operationId": f"{op.method}_{op.path.strip('/').replace('/', '_').replace('.', '_')}",
+        "operationId": f"{op.method.lower()}_{path}",
         "summary": op.summary,
         "tags": list(op.tags),
         "responses": {
@@ -155,14 +155,13 @@ def _sse_event(payload: Any, error: Any) -> dict[str, Any]:
 
 
 class OpenAPIRoute:
-    """Serves the document, encoded once."""
+    """Serves the document of the server's routes, encoded once."""
 
-    def __init__(self, api_key: str | None, admin_api_key: str | None) -> None:
-        doc = document(api_key=bool(api_key), admin_key=bool(admin_api_key))  # names no key
+    def __init__(
+        self, routes: Sequence[Route], api_key: str | None, admin_api_key: str | None
+    ) -> None:
+        doc = document(routes, bool(api_key), bool(admin_api_key))  # names no key
         self.body = msgspec.json.encode(doc)
-
-    def routes(self) -> list[web.RouteDef]:
-        return [web.get("/openapi.json", self.openapi)]
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self.body, content_type=JSON)

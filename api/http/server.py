@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -38,6 +39,8 @@ from shoal.api.http.metrics import Metrics
 from shoal.api.http.native import NativeRoutes
 from shoal.api.http.openai_routes import OpenAIRoutes
 from shoal.api.http.openapi import OpenAPIRoute
+from shoal.api.http.route_table import ROUTES
+from shoal.api.http.routing import Route, add_routes
 from shoal.api.http.sessions import SessionRoutes
 from shoal.api.http.stream_writer import (
     DEFAULT_KEEPALIVE_S,
@@ -117,7 +120,14 @@ class ServerOptions:
 
 
 class Server:
-    def __init__(self, engine: Engine, options: ServerOptions | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        options: ServerOptions | None = None,
+        routes: Sequence[Route] = ROUTES,
+    ) -> None:
+        """`routes`: the route table it serves (route_table.py)."""
+        self.routes = routes
         self.options = options or ServerOptions()
         self.options.validate()
         assert engine.loaded is not None, "start the engine before the server"
@@ -145,13 +155,14 @@ class Server:
             middlewares=[
                 self._count,
                 error_middleware,
-                RoomRefusals(self.engine).middleware,
+                RoomRefusals(self.engine, self.routes).middleware,
                 self._draining,
                 *Guard(
                     self.options.api_key,
                     self.options.admin_api_key,
                     self.options.allowed_origins,
                     HostCheck(self.options.allowed_hosts, self.options.host),
+                    self.routes,
                 ).middlewares(),
             ],
         )
@@ -162,21 +173,22 @@ class Server:
             keepalive_s=self.options.sse_keepalive_s,
             dropped=self.metrics.stream_cuts.inc,
         )
-        app.add_routes(OpenAIRoutes(self.gateway, self.model_names, self.options.max_n).routes())
-        native = NativeRoutes(self.gateway, self.options.incremental_streaming_output)
-        app.add_routes(native.routes())
-        admin = AdminRoutes(
-            self.gateway,
-            self.metrics,
-            self.model_names,
-            self.options.public(),
-            self.options.health_timeout_s,
+        owners = (  # the route classes whose handlers the table names
+            OpenAIRoutes(self.gateway, self.model_names, self.options.max_n),
+            NativeRoutes(self.gateway, self.options.incremental_streaming_output),
+            AdminRoutes(
+                self.gateway,
+                self.metrics,
+                self.model_names,
+                self.options.public(),
+                self.options.health_timeout_s,
+            ),
+            LifecycleRoutes(self.engine, self.gateway.limits),
+            SessionRoutes(self.gateway),
+            self.sockets,
+            OpenAPIRoute(self.routes, self.options.api_key, self.options.admin_api_key),
         )
-        app.add_routes(admin.routes())
-        app.add_routes(LifecycleRoutes(self.engine, self.gateway.limits).routes())
-        app.add_routes(SessionRoutes(self.gateway).routes())
-        app.add_routes(self.sockets.routes())
-        app.add_routes(OpenAPIRoute(self.options.api_key, self.options.admin_api_key).routes())
+        add_routes(app, self.routes, owners)
         return app
 
     # ---- life ------------------------------------------------------------------------------

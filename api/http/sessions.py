@@ -13,9 +13,9 @@ answers 404 code "session_not_found"; a turn while another streams answers 409 c
 Opening is bounded: timeout_s at most max_session_timeout_s (longer: 400 naming the bound), and
 at most max_sessions_per_client open sessions of one client, counted by its peer address (more:
 429 "too_many_sessions", as past max_sessions), so no one client can hold every session.
-A session turn is one prompt with one choice (a batch or n > 1: 400). The door neither encodes
-it nor sizes its max_tokens (not given: SamplingParams' default): the session does both,
-against the whole history, when the turn is admitted.
+A session turn is one prompt with one choice (a batch or n > 1: 400). Its max_tokens not
+given is SamplingParams' default (not the room left); the engine measures the turn against the
+whole history when it reaches the front of its line.
 Closing is idempotent: a session already gone answers the same. Sessions opened here are the
 client's: they are not closed when the server stops (they time out). The websocket
 (ws_sessions) keeps one session per connection instead and closes it with the connection.
@@ -23,14 +23,12 @@ client's: they are not closed when the server stops (they time out). The websock
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from aiohttp import web
 
 from shoal.api.http.body import decode_body, json_response
-from shoal.api.http.errors import ApiError, bad_request, from_engine, refused
-from shoal.api.http.gateway import Gateway, SessionTurn
+from shoal.api.http.errors import ApiError, FieldNames, bad_request, from_engine, refused
+from shoal.api.http.gateway import Gateway
 from shoal.api.http.limits import check_id
 from shoal.api.http.native_protocol import SessionParams
 from shoal.results import RequestError
@@ -58,12 +56,6 @@ class SessionRoutes:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    def routes(self) -> list[web.RouteDef]:
-        return [
-            web.post("/open_session", self.open_session),
-            web.post("/close_session", self.close_session),
-        ]
-
     async def open_session(self, request: web.Request) -> web.Response:
         body = await decode_body(request, OpenSessionRequest)
         session_id = await open_session(
@@ -77,7 +69,7 @@ class SessionRoutes:
         try:
             await self.gateway.engine.close_session(body.session_id)
         except Exception as exc:  # not open (never opened, closed or reaped): 404
-            raise from_engine(exc, "session_id") from None
+            raise from_engine(exc, FieldNames()) from None
         return json_response(CloseSessionResponse(body.session_id, True))
 
 
@@ -94,19 +86,13 @@ async def open_session(
     except RequestError as exc:  # a bad option (400), or too many sessions open (429)
         raise refused(exc, exc.field) from None
     except Exception as exc:
-        raise from_engine(exc, "session_id") from None
+        raise from_engine(exc, FieldNames()) from None
     return session.id
 
 
-def session_turn(
-    params: SessionParams,
-    n: int = 1,
-    *,
-    text: str | None = None,
-    input_ids: list[int] | None = None,
-    messages: list[dict[str, Any]] | None = None,
-) -> SessionTurn:
-    """The turn a request with session_params runs as; 400 for what a turn cannot be."""
+def session_turn(params: SessionParams, n: int = 1) -> str:
+    """The session a request with session_params runs as the next turn of; 400 for what a
+    turn cannot be."""
     for name in ("rid", "offset", "replace"):
         if getattr(params, name) not in (None, False):
             where = f"session_params.{name}"
@@ -115,4 +101,4 @@ def session_turn(
         raise bad_request("session_params.id must not be empty", "session_params.id")
     if n != 1:
         raise bad_request(f"a session turn has one choice: n must be 1, got {n}", "n")
-    return SessionTurn(session_id=params.id, text=text, input_ids=input_ids, messages=messages)
+    return params.id

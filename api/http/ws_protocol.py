@@ -19,6 +19,7 @@ value asks for nothing (api/http/door_rules.py, TURN).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -27,7 +28,7 @@ from shoal.api.http.door_rules import TURN
 from shoal.api.http.field_rules import refuse, with_rules
 from shoal.api.http.openai_protocol import ChatMessage
 from shoal.api.sampling_wire import wire_struct
-from shoal.results import FinishReason, TokenLogprob
+from shoal.results import Completion, Delta, FinishReason, TokenLogprob
 
 # ---- client -> server -------------------------------------------------------------------------
 
@@ -114,3 +115,27 @@ class Error(_ServerMessage, frozen=True, tag="error"):
 
 
 ServerMessage = Opened | TurnDelta | Done | Closed | Error
+
+
+class TurnFormat:
+    """A turn's events as the server's messages (a StreamFormat, api/http/relay.py);
+    `done_follows` is told just before its done goes out."""
+
+    def __init__(self, done_follows: Callable[[], None]) -> None:
+        self.done_follows = done_follows
+
+    def first(self, index: int) -> ServerMessage | None:
+        return None
+
+    def delta(self, index: int, delta: Delta) -> ServerMessage | None:
+        logprobs = None if delta.logprobs is None else list(delta.logprobs)
+        return TurnDelta(delta.text, list(delta.token_ids), logprobs)
+
+    def finish(self, index: int, completion: Completion) -> ServerMessage:
+        self.done_follows()
+        usage = completion.usage
+        counts = TurnUsage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        return Done(completion.finish_reason, counts, completion.message)
+
+    def last(self, completions: list[Completion]) -> ServerMessage | None:
+        return None

@@ -30,30 +30,30 @@ import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from shoal.api.http.body import too_deep
-from shoal.api.http.errors import INTERNAL, ApiError, bad_request, from_validation
-from shoal.api.http.gateway import Choice, Gateway, Job, SessionTurn
+from shoal.api.http.errors import INTERNAL, ApiError, FieldNames, bad_request, from_validation
+from shoal.api.http.gateway import Gateway
+from shoal.api.http.job import Job
 from shoal.api.http.json_depth import nests_deeper
 from shoal.api.http.openai_params import chat_messages
+from shoal.api.http.relay import relay
 from shoal.api.http.sessions import open_session
 from shoal.api.http.stream_writer import stream_policy, write_within
+from shoal.api.http.submission import Choice, PromptInput, Submission
 from shoal.api.http.ws_protocol import (
     Cancel,
     ClientMessage,
     Close,
     Closed,
-    Done,
     Error,
     Open,
     Opened,
     ServerMessage,
     Turn,
-    TurnDelta,
-    TurnUsage,
+    TurnFormat,
 )
 from shoal.api.sampling_wire import sampling_from, wire_names, wire_values
 from shoal.api.session import Session
-from shoal.params import SamplingParams
-from shoal.results import Delta, EngineDeadError, RequestError
+from shoal.results import EngineDeadError, RequestError
 
 log = logging.getLogger("shoal.http")
 
@@ -68,9 +68,6 @@ class SessionSockets:
         self.max_message_bytes = gateway.limits.max_ws_message_bytes  # larger: closed, 1009
         self.decoder = msgspec.json.Decoder(ClientMessage)
         self.open: set[SessionSocket] = set()
-
-    def routes(self) -> list[web.RouteDef]:
-        return [web.get("/v1/sessions/ws", self.connect)]
 
     async def connect(self, request: web.Request) -> web.WebSocketResponse:
         # aiohttp refuses a frame of exactly max_msg_size bytes: allow max_message_bytes
@@ -198,11 +195,12 @@ class SessionSocket:
         arrived_at = time.monotonic()
         values = wire_values(message, "websocket")
         self.gateway.check_stops(values.get("stop"), values.get("stop_token_ids"))
-        turn, prompt_param = self.turn_input(self.session.id, message)
-        sampling, names = self.sampling(message, values)
+        prompt = self.turn_input(message)
+        names = self.sampling_names(message, values)
         rid = f"turn-{uuid.uuid4().hex}"
-        choices: list[Choice] = [([], sampling, rid)]
-        job = self.gateway.submit(rid, choices, arrived_at, prompt_param, turn, names)
+        choice = Choice(rid, prompt, sampling_from(values))
+        turn = Submission(rid, [choice], arrived_at, names, self.session.id)
+        job = self.gateway.submit(turn)
         self.job = job
         task = asyncio.create_task(self.stream(job), name=f"shoal-ws-{rid}")
         self.turns.add(task)
@@ -212,17 +210,7 @@ class SessionSocket:
         """Send the turn's deltas, then its done (or the error that refused it)."""
         async with job:
             try:
-                async for _, event in job.events():
-                    if isinstance(event, Delta):
-                        logprobs = None if event.logprobs is None else list(event.logprobs)
-                        await self.send(TurnDelta(event.text, list(event.token_ids), logprobs))
-                        continue
-                    self.job = None  # before done goes out: the client may answer at once
-                    usage = event.usage
-                    counts = TurnUsage(
-                        usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
-                    )
-                    await self.send(Done(event.finish_reason, counts, event.message))
+                await relay(job, TurnFormat(self.done_follows), self.send, checked=False)
             except ApiError as exc:
                 self.job = None
                 if exc.status == 404:  # closed or reaped behind this connection's back
@@ -231,6 +219,9 @@ class SessionSocket:
                 await self.send(Error(exc.message, exc.code, param))
             except ConnectionError:
                 pass  # the client is gone; leaving `async with job` aborts the turn
+
+    def done_follows(self) -> None:
+        self.job = None  # before done goes out: the client may answer at once
 
     async def close(self) -> None:
         if self.session is None:
@@ -269,9 +260,9 @@ class SessionSocket:
 
     # ---- a turn message into the engine's terms -------------------------------------------
 
-    def turn_input(self, session_id: str, message: Turn) -> tuple[SessionTurn, str]:
-        """The turn, and its input field's name. Counted and measured here; the session
-        encodes it and checks it against the whole history."""
+    def turn_input(self, message: Turn) -> PromptInput:
+        """The turn's new input, counted here; the engine encodes it and measures it against
+        the session's whole history."""
         given = [n for n in ("text", "input_ids", "messages") if getattr(message, n) is not None]
         if len(given) != 1:
             raise bad_request("a turn needs exactly one of text, input_ids or messages", "text")
@@ -280,21 +271,20 @@ class SessionSocket:
             if not message.text:
                 raise bad_request("text must not be empty", "text")
             gateway.check_prompt_size(message.text, None, "text")
-            return SessionTurn(session_id=session_id, text=message.text), "text"
+            return PromptInput(name="text", text=message.text)
         if message.input_ids is not None:
-            ids = gateway.check_ids(message.input_ids, "input_ids")
-            return SessionTurn(session_id=session_id, input_ids=ids), "input_ids"
+            if not message.input_ids:
+                raise bad_request("input_ids must not be empty", "input_ids")
+            return PromptInput(name="input_ids", input_ids=message.input_ids)
         messages = chat_messages(gateway, message.messages or [])
-        return SessionTurn(session_id=session_id, messages=messages), "messages"
+        return PromptInput(name="messages", messages=messages)
 
-    def sampling(
-        self, message: Turn, values: dict[str, Any]
-    ) -> tuple[SamplingParams, dict[str, str]]:
-        """The turn's SamplingParams (api/sampling_wire.py), and the names its fields were sent
-        by; max_tokens is max_new_tokens's OpenAI name."""
+    def sampling_names(self, message: Turn, values: dict[str, Any]) -> FieldNames:
+        """The names the turn's fields were sent by (max_tokens is max_new_tokens's OpenAI
+        name, moved into `values`), for its refusals."""
         names = wire_names("websocket")
         if message.max_tokens is not None:
             if values.get("max_new_tokens", message.max_tokens) != message.max_tokens:
                 raise bad_request("give max_tokens or max_new_tokens, not both", "max_tokens")
             values["max_new_tokens"], names["max_new_tokens"] = message.max_tokens, "max_tokens"
-        return sampling_from(values), names
+        return FieldNames(session="session_params.id", sampling=names)

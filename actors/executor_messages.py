@@ -1,0 +1,62 @@
+"""The executor's mailbox (actors/executor/executor.py): what the scheduler launches, with the
+parts a launch carries (`RowWriteMsg`, a table write, the cache manager's Plan carries too),
+and the weight load the tokenizer's write task asks for. Beside actors/messages.py, whose
+`Shutdown` it shares."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from shoal.actors.messages import Shutdown
+from shoal.params import SamplingParams
+
+
+class RowWriteMsg(msgspec.Struct, frozen=True):
+    """Device request-slot table update: table[row, start:start + len(pages)] = pages."""
+
+    row: int
+    start: int
+    pages: tuple[int, ...]
+
+
+class RowInit(msgspec.Struct, frozen=True):
+    """A request's sampling state, sent with its first chunk (again after a retraction)."""
+
+    sampling: SamplingParams
+    seed: int
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+
+
+class SeqChunk(msgspec.Struct, frozen=True):
+    """One sequence of a batch: new tokens at positions start .. start + n - 1 of its row.
+
+    input_ids None means a decode step whose input is the row's last sampled token.
+    """
+
+    row: int
+    start: int
+    num_tokens: int
+    input_ids: tuple[int, ...] | None
+    sample: bool
+    init: RowInit | None = None
+
+
+class Launch(msgspec.Struct, frozen=True, tag=True):
+    batch_id: int
+    writes: tuple[RowWriteMsg, ...]
+    seqs: tuple[SeqChunk, ...]
+
+
+class LoadWeights(msgspec.Struct, frozen=True, tag=True):
+    """Swap in a checkpoint of the same architecture (only sent while nothing is in flight).
+    The reply raises OperationRefused (invalid_checkpoint) if it was refused (old weights
+    stay)."""
+
+    model_path: str
+    reply: asyncio.Future[None]
+
+
+ExecutorMsg = Launch | LoadWeights | Shutdown
