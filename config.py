@@ -145,6 +145,7 @@ class EngineOptions:
         "characters of a text prompt, or of all the chat messages together",
     )
     max_messages: int = option(DEFAULT_LIMITS.max_messages, "chat messages per request or turn")
+    max_logit_bias: int = option(DEFAULT_LIMITS.max_logit_bias, "logit_bias entries per request")
 
     def input_limits(self) -> InputLimits:
         return InputLimits(**{name: getattr(self, name) for name in InputLimits.__struct_fields__})

@@ -2,7 +2,7 @@
 
     limits = engine.options.input_limits()
     check_prompt_size(limits, prompt, messages)      # before any tokenization: cheap counts
-    sampling.validate(vocab_size, limits)            # stop strings and stop ids, counted first
+    sampling.validate(vocab_size, limits)            # stops and logit_bias, counted first
 
 Each check counts before it reads: a list's length before its entries, a string's length
 before its content, so an oversized input is refused in time proportional to the limit, not
@@ -32,6 +32,7 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_stop_token_ids: int = 256
     max_prompt_chars: int = 2_000_000  # a text prompt, or all the messages' content together
     max_messages: int = 2048
+    max_logit_bias: int = 300  # logit_bias entries per request
 
     def validate(self) -> None:
         for name in self.__struct_fields__:

@@ -12,7 +12,7 @@ import math
 
 import msgspec
 
-from shoal.limits import InputLimits, check_stops
+from shoal.limits import InputLimits, check_count, check_stops
 from shoal.results import RequestError
 
 MAX_TOP_LOGPROBS = 20
@@ -24,8 +24,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
     Penalties follow the OpenAI meaning for frequency/presence (over generated tokens) and the
     Hugging Face meaning for repetition_penalty (over prompt and generated tokens).
-    logprobs / top_logprobs report the model's raw log-probabilities (before penalties and
-    temperature) of each chosen token and of its top alternatives.
+    logprobs / top_logprobs report the model's raw log-probabilities (before penalties, biases
+    and temperature) of each chosen token and of its top alternatives.
+    logit_bias adds its value to its token's logit at every step (OpenAI's meaning: -100 bans a
+    token, +100 all but forces it), as the row constraint of kernels/logit_bias.py.
+
+    This struct is the per-request spec: it travels whole from the door to the request's row
+    (Generate, the scheduler's Request, RowInit, RowState), and every door takes every field
+    (api/sampling_wire.py). An option that acts on the row's logits becomes a row constraint
+    (kernels/constraints.py): docs/architecture.md, "A per-request option".
     """
 
     max_new_tokens: int = 128
@@ -44,6 +51,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: dict[int, float] = {}
 
     @property
     def wants_logprobs(self) -> bool:
@@ -53,7 +61,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """Raise RequestError (LimitExceeded for a count or a length) naming the first bad
         field in `field`; its message starts with the name. Counts and lengths are checked
         first, against `limits` (default: InputLimits())."""
-        check_stops(limits or InputLimits(), self.stop, self.stop_token_ids)
+        limits = limits or InputLimits()
+        check_stops(limits, self.stop, self.stop_token_ids)
+        check_count(len(self.logit_bias), limits.max_logit_bias, "logit_bias", "max_logit_bias")
         _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
         _check(
             0 <= self.min_new_tokens <= self.max_new_tokens,
@@ -103,6 +113,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         for token_id in self.stop_token_ids:
             ok = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
             _check(ok, "stop_token_ids", "entries must be valid token ids", token_id)
+        for token_id, bias in self.logit_bias.items():
+            ok = isinstance(token_id, int) and token_id >= 0
+            ok = ok and (vocab_size is None or token_id < vocab_size)
+            _check(ok, "logit_bias", "keys must be valid token ids", token_id)
+            ok = _finite(bias) and -100.0 <= bias <= 100.0
+            _check(ok, "logit_bias", "values must be in [-100, 100]", bias)
 
 
 def _finite(value: float) -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, get_args, get_origin
 
 import msgspec
@@ -116,8 +116,9 @@ def sampling_from(values: Mapping[str, Any]) -> SamplingParams:
 
 def add_sampling_flags(parser: argparse.ArgumentParser, **door_defaults: Any) -> None:
     """A flag per SamplingParams field, named after it: `--top-k 5`, `--stop S` (again for
-    more), `--ignore-eos` / `--no-ignore-eos`. A flag not given keeps the declared default, or
-    the command's own where it has a rule of its own (`door_defaults`)."""
+    more), `--ignore-eos` / `--no-ignore-eos`, `--logit-bias 5=-100` (again for more). A flag
+    not given keeps the declared default, or the command's own where it has a rule of its own
+    (`door_defaults`)."""
     group = parser.add_argument_group("sampling (SamplingParams; a flag not given: its default)")
     for info in msgspec.structs.fields(SamplingParams):
         flag = "--" + info.name.replace("_", "-")
@@ -130,6 +131,10 @@ def add_sampling_flags(parser: argparse.ArgumentParser, **door_defaults: Any) ->
         elif get_origin(kind) is tuple:
             item = get_args(kind)[0]
             group.add_argument(flag, action="append", type=item, help=says + "; repeat for more")
+        elif get_origin(kind) is dict:
+            key, value = get_args(kind)
+            pair = _pair_parser(key, value)
+            group.add_argument(flag, action="append", type=pair, help=says + "; KEY=VALUE, again")
         else:
             group.add_argument(flag, type=kind, help=says)
     parser.set_defaults(**door_defaults)
@@ -138,4 +143,26 @@ def add_sampling_flags(parser: argparse.ArgumentParser, **door_defaults: Any) ->
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     """The SamplingParams the flags of add_sampling_flags ask for."""
     given = {field: getattr(args, field) for field in SAMPLING_FIELDS}
-    return sampling_from({field: value for field, value in given.items() if value is not None})
+    kinds = {info.name: info.type for info in msgspec.structs.fields(SamplingParams)}
+    values = {field: value for field, value in given.items() if value is not None}
+    for field, value in values.items():
+        if get_origin(kinds[field]) is dict:  # the KEY=VALUE pairs, in order: the last wins
+            values[field] = dict(value)
+    return sampling_from(values)
+
+
+def _pair_parser(key: type, value: type) -> Callable[[str], tuple[Any, Any]]:
+    """argparse's type for one KEY=VALUE flag of a dict field."""
+
+    def pair(text: str) -> tuple[Any, Any]:
+        left, equals, right = text.partition("=")
+        if not equals:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        try:
+            return key(left), value(right)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {key.__name__}={value.__name__}, got {text!r}"
+            ) from None
+
+    return pair

@@ -32,7 +32,8 @@ from typing import Any
 
 import aiohttp
 from launch import LaunchConfig, free_port, launch
-from serving import run_load, workload
+from serving_load import run_load
+from serving_requests import workload
 
 ROUTER_READY_S = 60.0
 

@@ -2,9 +2,12 @@
 
 Pipeline (a row pays only for the stages its SamplingParams turn on):
 
-    logits ─ penalties ─ min_new_tokens mask ─┬─ greedy rows:  argmax
-                                              └─ sampled rows: / T ─ softmax ─ top-k ─ top-p
-                                                               ─ min-p ─ exponential race
+    logits ─ penalties ─ row constraints ─ min_new_tokens mask ─┬─ greedy rows:  argmax
+                                                                └─ sampled rows: / T ─ softmax
+                                           ─ top-k ─ top-p ─ min-p ─ exponential race
+
+Row constraints (kernels/constraints.py: logit_bias, and what a request asks of its row's
+logits beyond these filters) are the one hook: each edits its own row's logits.
 
 Invariants:
 - The caller's logits are never written to.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.kernels.constraints import RowConstraint
 from shoal.kernels.device_copy import to_device
 from shoal.params import SamplingParams
 
@@ -41,6 +45,7 @@ class SamplingRow:
     stream and what min_new_tokens compares with. output_ids are those tokens; only penalties
     read them (the executor may still be fetching the last ones of a row without penalties).
     The engine sets seed for every request (a random one when SamplingParams.seed is None).
+    constraints: the row's (kernels/constraints.py), built when its row started.
     """
 
     params: SamplingParams
@@ -48,6 +53,7 @@ class SamplingRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     step: int
+    constraints: tuple[RowConstraint, ...] = ()
 
 
 def mix_seed(seed: int, step: int) -> int:
@@ -76,9 +82,13 @@ def sample(
 
     penalized = [i for i, row in enumerate(rows) if has_penalty(row.params)]
     masked = [i for i, row in enumerate(rows) if _masks_stop_tokens(row, eos_token_ids)]
-    if penalized or masked:
+    constrained = [i for i, row in enumerate(rows) if row.constraints]
+    if penalized or masked or constrained:
         logits = logits.to(torch.float32, copy=True)  # ours to edit in place from here
         _apply_penalties_(logits, [rows[i] for i in penalized], penalized)
+        for i in constrained:
+            for constraint in rows[i].constraints:
+                constraint.mask_(logits[i])
         _mask_stop_tokens_(logits, [rows[i] for i in masked], masked, eos_token_ids)
     else:
         logits = logits.float()
@@ -129,6 +139,7 @@ def _masks_stop_tokens(row: SamplingRow, eos_token_ids: Sequence[int]) -> bool:
 def _plain_greedy(row: SamplingRow, eos_token_ids: Sequence[int]) -> bool:
     return (
         row.params.temperature < MIN_TEMPERATURE
+        and not row.constraints
         and not has_penalty(row.params)
         and not _masks_stop_tokens(row, eos_token_ids)
     )

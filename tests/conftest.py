@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +82,19 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
         self.model.eval()
         self.eos = list(eos_token_ids)
-        self.memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        self.memo: dict[tuple[Any, ...], list[int]] = {}
 
     def greedy(
-        self, prompt: Sequence[int], max_new_tokens: int, ignore_eos: bool = False
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        ignore_eos: bool = False,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> list[int]:
-        key = (tuple(prompt), max_new_tokens, ignore_eos)
+        """logit_bias: added to each token's logit at every step (OpenAI's meaning), by HF's
+        sequence_bias over single tokens."""
+        bias = tuple(sorted((logit_bias or {}).items()))
+        key = (tuple(prompt), max_new_tokens, ignore_eos, bias)
         if key not in self.memo:
             ids = torch.tensor([list(prompt)])
             with torch.no_grad():
@@ -98,6 +105,7 @@ class Reference:
                     do_sample=False,
                     eos_token_id=None if ignore_eos else self.eos,
                     pad_token_id=self.eos[0] if self.eos else 0,
+                    sequence_bias={(token,): value for token, value in bias} or None,
                 )
             new = out[0, ids.shape[1] :].tolist()
             if not ignore_eos:

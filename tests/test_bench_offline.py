@@ -278,7 +278,7 @@ def test_offline_measures_vllm_through_its_worker(
     assert seen["env_bind"] == f"0-{torch.get_num_threads() - 1}"
     assert str(BENCH) not in seen["sys_path"] and seen["cwd"] == tempfile.gettempdir()
     warm_up, timed = seen["calls"]
-    assert [p for p, _ in warm_up] == [bench.WARM_UP_PROMPT]
+    assert [p for p, _ in warm_up] == [load_bench("bench_format", monkeypatch).WARM_UP_PROMPT]
     vocab = json.loads((tiny_folder / "config.json").read_text())["vocab_size"]
     work = bench.workload(4, vocab, 0, (4, 8), (2, 4))  # --smoke's, as shoal got them
     for (prompt, params), (ids, n) in zip(timed, work, strict=True):

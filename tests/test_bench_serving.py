@@ -97,7 +97,7 @@ def test_launch_commands_and_labels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_request_bodies(monkeypatch: pytest.MonkeyPatch) -> None:
-    serving = load_bench("serving", monkeypatch)
+    serving = load_bench("serving_requests", monkeypatch)
     req = serving.Request("a b c", 5)
     vllm = serving.request_body("vllm", "m", req, [])
     assert vllm["ignore_eos"] and vllm["min_tokens"] == 5 and vllm["max_tokens"] == 5

@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import EngineFactory
 from test_http_support import ServeFactory, serve  # noqa: F401  (the fixture)
 
 from shoal.actors.executor_messages import ExecutorMsg
 from shoal.actors.messages import CacheMsg, SchedulerMsg, Shutdown, TokenizerMsg
 from shoal.api.engine import Engine
+from shoal.kernels import constraints
+from shoal.params import SamplingParams
 from shoal.results import EngineDeadError, InternalError, RequestError
 
 STEP_TIMEOUT_S = 20.0  # a workload step that takes longer has hung
@@ -66,9 +69,13 @@ async def _step(name: str, work: Callable[[], Awaitable[Any]], outcomes: dict[st
     outcomes[name] = f"finish {finish}" if finish else f"success {success}"
 
 
-def _greedy(engine: Engine, max_new_tokens: int = 6) -> Awaitable[Any]:
+def _greedy(engine: Engine, max_new_tokens: int = 6, **sampling: Any) -> Awaitable[Any]:
     return engine.generate(
-        input_ids=PROMPT, max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.0
+        input_ids=PROMPT,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=True,
+        temperature=0.0,
+        **sampling,
     ).result()
 
 
@@ -122,6 +129,7 @@ async def _workload(engine: Engine, folder: Path) -> dict[str, str]:
 
     steps: dict[str, Callable[[], Awaitable[Any]]] = {
         "generate": lambda: _greedy(engine),
+        "biased generate": lambda: _greedy(engine, logit_bias={7: 5.0, 99: -100.0}),
         "abort": lambda: _first_token_then(engine, lambda: asyncio.sleep(0)),
         "session": lambda: _session(engine),
         "pause and continue": lambda: _pause_and_continue(engine),
@@ -236,4 +244,40 @@ async def test_a_resume_that_waited_for_a_failed_write_done_still_goes_through(
     done = await asyncio.wait_for(stream.result(), STEP_TIMEOUT_S)
     assert done.finish_reason == "length" and len(done.token_ids) == 24
     assert engine.testing.faults.fired == [("tokenizer", "WriteDone")]
+    await engine.check_integrity()
+
+
+class _Failing:
+    """A row constraint whose mask fails (a grammar engine's error, say)."""
+
+    waits_for_tokens = False
+
+    def mask_(self, logits: torch.Tensor) -> None:
+        raise RuntimeError("the constraint broke")
+
+    def advance(self, token_id: int) -> None:
+        pass
+
+
+async def test_a_row_constraint_that_fails_fails_its_step_and_the_engine_serves_on(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A per-row feature's failure inside the step (kernels/constraints.py) is the executor's
+    Launch failing: that step's requests end with an error, nothing leaks (make_engine checks
+    every row and page is free), and the next requests are served."""
+
+    def failing(params: SamplingParams, device: torch.device) -> _Failing | None:
+        return _Failing() if params.seed == 13 else None
+
+    monkeypatch.setattr(constraints, "ROW_CONSTRAINTS", (*constraints.ROW_CONSTRAINTS, failing))
+    engine = await make_engine()
+    before = await _greedy(engine)
+    outcomes: dict[str, str] = {}
+    await _step("failing", lambda: _greedy(engine, seed=13), outcomes)
+    assert outcomes["failing"].startswith("finish error"), outcomes
+    assert "the constraint broke" not in outcomes["failing"]  # the log has it, not the caller
+    assert engine.dead_reason is None
+    assert (await _greedy(engine)).token_ids == before.token_ids
+    biased = await _greedy(engine, logit_bias={7: 100.0})
+    assert set(biased.token_ids) == {7}
     await engine.check_integrity()

@@ -82,7 +82,8 @@ CASES: list[Case] = [
     case("stop-empty", CHAT, chat("hi", stop=[""]), "stop"),
     case("stop-token-out-of-vocab", CHAT, chat("hi", stop_token_ids=[10**6]), "stop_token_ids"),
     case("stop-token-wrong-type", CHAT, chat("hi", stop_token_ids=["a"]), "stop_token_ids[0]"),
-    case("logit-bias", CHAT, chat("hi", logit_bias={"5": 1.0}), "logit_bias"),
+    case("logit-bias-value", CHAT, chat("hi", logit_bias={"5": 101}), "logit_bias"),
+    case("logit-bias-key", COMPLETIONS, {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
     case(
         "unknown-model",
         CHAT,

@@ -271,7 +271,7 @@ KINDS: dict[str, Kind] = {
     "tool_choice": R("required", None, "none", "auto"),
     "functions": R([{"name": "f"}], None, []),
     "function_call": R({"name": "f"}, None, "none", "auto"),
-    **{"logit_bias": R({"5": 1.0}, None, {}), "logits_processors": R(["m.P"], None, [])},
+    **{"logit_bias": H({"5": 1.0}), "logits_processors": R(["m.P"], None, [])},
     **{"custom_logit_processor": R("p", None), "custom_params": R({"a": 1}, None, {})},
     **{"bad_words": R(["x"], None, []), "allowed_token_ids": R([5], None)},
     # the prompt: shoal renders it from the messages alone

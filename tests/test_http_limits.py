@@ -51,6 +51,10 @@ def user(content: Any, role: str = "user") -> dict[str, Any]:
     return {"role": role, "content": content}
 
 
+def bias(count: int) -> dict[str, float]:
+    return {str(i): 1.0 for i in range(count)}
+
+
 def parts(count: int) -> list[dict[str, str]]:
     return [{"type": "text", "text": "a"}] * count
 
@@ -127,20 +131,21 @@ CASES: list[Case] = [
         {"text": "hi", "sampling_params": {"stop_token_ids": [3] * 9}},
         "sampling_params.stop_token_ids",
     ),
-    # logit_bias: counted before it is refused as unsupported
-    Case(
-        "chat-logit-bias-at",
-        "chat",
-        {"messages": [user("hi")], "logit_bias": {str(i): 1 for i in range(4)}},
-        "logit_bias",
-        "invalid_value",
-    ),
+    # logit_bias: entries counted (every door: the engine counts them)
+    ok("chat-logit-bias-at", "chat", {"messages": [user("hi")], "logit_bias": bias(4), **ONE}),
     past(
         "chat-logit-bias-many",
         "chat",
-        {"messages": [user("hi")], "logit_bias": {str(i): 1 for i in range(5)}},
+        {"messages": [user("hi")], "logit_bias": bias(5)},
         "logit_bias",
     ),
+    past(
+        "gen-logit-bias-many",
+        "generate",
+        {"text": "hi", "sampling_params": {"logit_bias": bias(5)}},
+        "sampling_params.logit_bias",
+    ),
+    past("ws-logit-bias-many", "ws", {"text": "hi", "logit_bias": bias(5)}, "logit_bias"),
     # messages: count, content parts, characters
     ok("chat-messages-at", "chat", {"messages": [user("hi")] * 6, **ONE}),
     past("chat-messages-many", "chat", {"messages": [user("hi")] * 7}, "messages"),
@@ -241,6 +246,12 @@ CASES: list[Case] = [
     past("python-prompt-past", "python", {"prompt": TEXT + "x"}, "prompt", TOO_LONG),
     past("python-messages-many", "python", {"messages": [user("hi")] * 7}, "messages"),
     past("python-stops-many", "python", {"prompt": "a", "stop": ["s"] * 5}, "stop"),
+    past(
+        "python-logit-bias-many",
+        "python",
+        {"prompt": "a", "logit_bias": {i: 1.0 for i in range(5)}},
+        "logit_bias",
+    ),
     past(
         "python-stop-300kb", "python", {"prompt": "a", "stop": ["ab" * 150_000]}, "stop", TOO_LONG
     ),

@@ -36,6 +36,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
+BIASES: list[dict[int, float]] = [{}, {17: 6.0, 300: -100.0, 41: 3.5}]
+
+
 def greedy(**extra: Any) -> dict[str, Any]:
     return {"temperature": 0.0, "ignore_eos": True, **extra}
 
@@ -61,8 +64,11 @@ async def test_update_right_after_each_response_100_times(
     assert tiny_reference.greedy(ids, 6, True) != other_reference.greedy(ids, 6, True)
     current = tiny_folder
     for i in range(100):
-        done = await engine.generate(input_ids=ids, max_new_tokens=6, **greedy()).result()
-        assert list(done.token_ids) == refs[current].greedy(ids, 6, True), f"round {i}"
+        bias = BIASES[i % 2]  # every other request with a row constraint (kernels/constraints.py)
+        done = await engine.generate(
+            input_ids=ids, max_new_tokens=6, **greedy(logit_bias=bias)
+        ).result()
+        assert list(done.token_ids) == refs[current].greedy(ids, 6, True, bias), f"round {i}"
         assert done.weight_version == i
         current = other_folder if current == tiny_folder else tiny_folder
         result = await engine.update_weights_from_disk(current)
@@ -90,11 +96,15 @@ async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
     prompts = [prompt(5 + 3 * i, 100 + i) for i in range(16)]
     engine.testing.stages.hold(0)  # no step runs until released: none of the 16 can finish
     try:
-        streams = [engine.generate(input_ids=p, max_new_tokens=40, **greedy()) for p in prompts]
+        streams = [
+            engine.generate(input_ids=p, max_new_tokens=40, **greedy(logit_bias=BIASES[i % 2]))
+            for i, p in enumerate(prompts)
+        ]
         await until_admitted(engine, {s.rid for s in streams})
         update = asyncio.create_task(engine.update_weights_from_disk(other_folder))
         await asyncio.sleep(0)  # the update is posted first
-        late = engine.generate(input_ids=prompts[0], max_new_tokens=8, **greedy())  # waits
+        late_bias = greedy(logit_bias=BIASES[1])
+        late = engine.generate(input_ids=prompts[0], max_new_tokens=8, **late_bias)  # waits
         await asyncio.sleep(0.05)
         assert not any(s.ended for s in streams)
         assert not update.done() and not late.ended  # both wait for the 16 in flight
@@ -103,12 +113,12 @@ async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
     done = await asyncio.gather(*(s.result() for s in streams))
     result = await update
     assert result.success, result.message
-    for d, p in zip(done, prompts, strict=True):
+    for i, (d, p) in enumerate(zip(done, prompts, strict=True)):
         assert d.finish_reason == "length"
-        assert list(d.token_ids) == tiny_reference.greedy(p, 40, True)
+        assert list(d.token_ids) == tiny_reference.greedy(p, 40, True, BIASES[i % 2])
         assert d.weight_version == 0
     after = await late.result()
-    assert list(after.token_ids) == other_reference.greedy(prompts[0], 8, True)
+    assert list(after.token_ids) == other_reference.greedy(prompts[0], 8, True, BIASES[1])
     assert after.weight_version == 1 and after.usage.cached_tokens == 0  # the cache was flushed
 
 

@@ -36,6 +36,7 @@ EXAMPLES: dict[str, Any] = {
     "skip_special_tokens": False,
     "logprobs": True,
     "top_logprobs": 2,
+    "logit_bias": {5: 1.5, 9: -2.0},
 }
 
 

@@ -58,6 +58,9 @@ def argv() -> list[str]:
         elif isinstance(value, tuple):
             for item in value:
                 out += [flag, str(item)]
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                out += [flag, f"{key}={item}"]
         else:
             out += [flag, str(value)]
     return out

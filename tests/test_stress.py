@@ -39,16 +39,21 @@ class Stress:
         self.http = http
         self.rng = random.Random(seed)
         self.control = asyncio.Lock()  # an update never lands inside a pause
-        self.completed: list[tuple[list[int], int, list[int], int]] = []
+        # prompt, max_new_tokens, logit_bias, output, weight version
+        self.completed: list[tuple[list[int], int, dict[int, float], list[int], int]] = []
         self.counts: dict[str, int] = {}
         self.folder_of_version: dict[int, Path] = {}
         self.next_rid = 0
 
     def body(self, stream: bool, max_new: int, rid: str | None = None) -> dict[str, Any]:
+        sampling: dict[str, Any] = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+        if self.rng.random() < 0.3:  # a row constraint (kernels/constraints.py) beside plain rows
+            tokens = self.rng.sample(range(3, 500), 3)
+            sampling["logit_bias"] = {str(t): self.rng.choice([-100.0, 4.0, 9.0]) for t in tokens}
         body: dict[str, Any] = {
             "input_ids": self.rng.choice(PROMPTS),
             "stream": stream,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
+            "sampling_params": sampling,
         }
         if rid is not None:
             body["rid"] = rid
@@ -57,9 +62,11 @@ class Stress:
     def record(self, body: dict[str, Any], result: dict[str, Any]) -> None:
         meta = result["meta_info"]
         if meta["finish_reason"]["type"] == "length":
-            max_new = body["sampling_params"]["max_new_tokens"]
+            sampling = body["sampling_params"]
+            bias = {int(t): b for t, b in sampling.get("logit_bias", {}).items()}
+            output, version = result["output_ids"], meta["weight_version"]
             self.completed.append(
-                (body["input_ids"], max_new, result["output_ids"], meta["weight_version"])
+                (body["input_ids"], sampling["max_new_tokens"], bias, output, version)
             )
 
     async def generate(self) -> None:
@@ -177,9 +184,10 @@ async def test_random_operations_against_a_running_server(
     assert all(stress.counts.get(k, 0) > 10 for k in ("generate", "update", "pause", "flush"))
     references = {tiny_folder: tiny_reference, other_folder: Reference(other_folder, (2,))}
     assert len(stress.completed) > 100
-    for prompt, max_new, output, version in stress.completed:
+    assert sum(1 for c in stress.completed if c[2]) > 20  # biased rows among them
+    for prompt, max_new, bias, output, version in stress.completed:
         reference = references[stress.folder_of_version[version]]
-        assert output == reference.greedy(prompt, max_new, True), f"version {version}"
+        assert output == reference.greedy(prompt, max_new, True, bias), f"version {version}"
 
     await served.engine.wait_idle()
     await served.engine.check_integrity()

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shoal.actors.executor.pending_step import PendingStep, RowState
+from shoal.actors.executor.pending_step import PendingStep, RowState, sampling_rows
 from shoal.actors.executor.stages import Microbatch, Stage, StageMonitor, StagePipeline
 from shoal.actors.executor.streams import HostResult, StepStreams
 from shoal.actors.executor_messages import Launch
 from shoal.heap import trim_host_heap
 from shoal.kernels.batch import AttentionBackend, BatchShape
+from shoal.kernels.constraints import advance_all, row_constraints
 from shoal.kernels.device_copy import to_device, to_device_many
-from shoal.kernels.sampling import SamplingRow, compute_logprobs, has_penalty, sample
+from shoal.kernels.sampling import compute_logprobs, sample
 from shoal.loading.checkpoint import CheckpointError
 from shoal.loading.identity import weights_digest
 from shoal.loading.loader import checkpoint_folder
@@ -222,7 +223,7 @@ class DeviceState:
             logits = self.model.forward(ids, pos, attention, self.kv, sample_index)
 
         states = [self.rows[r] for r in sample_rows]
-        next_tokens = sample(logits, self._sampling_rows(states), self.eos_token_ids)
+        next_tokens = sample(logits, sampling_rows(states, self.arrived), self.eos_token_ids)
         if sample_rows:
             self.last_token[rows_t] = next_tokens
         want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
@@ -256,7 +257,7 @@ class DeviceState:
         finally:
             monitor.leave(0)
         states = [self.rows[r] for r in sample_rows]
-        rows = self._sampling_rows(states)  # before num_sampled moves on: the seed's step
+        rows = sampling_rows(states, self.arrived)  # before num_sampled moves on: the seed's step
         want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
         micro = Microbatch(shape, pos, sample_index, (states, rows, rows_t, want))
         assert self.pipeline is not None
@@ -289,7 +290,11 @@ class DeviceState:
             if seq.init is not None:
                 init = seq.init
                 outputs = list(init.output_ids)
-                state = RowState(init.sampling, init.seed, init.prompt_ids, outputs, len(outputs))
+                constraints = row_constraints(init.sampling, self.models[-1].device)
+                advance_all(constraints, outputs)  # a retracted row's tokens so far
+                state = RowState(
+                    init.sampling, init.seed, init.prompt_ids, outputs, len(outputs), constraints
+                )
                 self.rows[seq.row] = state
             if seq.input_ids is None:  # decode: the input is the row's last sampled token
                 host.decode_at.append(len(host.input_ids))
@@ -318,17 +323,3 @@ class DeviceState:
                 n = len(w.pages)
                 table[w.row, w.start : w.start + n] = on_device[offset : offset + n]
                 offset += n
-
-    def _sampling_rows(self, states: list[RowState]) -> list[SamplingRow]:
-        """Each row's sampling view; rows with penalties wait for their earlier tokens."""
-        rows = []
-        for s in states:
-            outputs: tuple[int, ...] | list[int] = s.output_ids
-            if has_penalty(s.sampling):
-                with self.arrived:
-                    self.arrived.wait_for(s.caught_up)
-                    if s.lost:
-                        raise RuntimeError("an earlier step of this request failed")
-                    outputs = tuple(s.output_ids)
-            rows.append(SamplingRow(s.sampling, s.seed, s.prompt_ids, outputs, s.num_sampled))
-        return rows

@@ -6,7 +6,9 @@ complete.
 - `RowState.output_ids` are the sampled tokens that reached the host; only the completion
   thread appends (`PendingStep.result`). Penalties need them all, so a launch that samples a
   row with penalties first waits until that row's earlier tokens have arrived (such rows give
-  up overlap).
+  up overlap), and so does a row with a row constraint that waits for its tokens
+  (kernels/constraints.py). The completion thread advances a row's constraints on each token
+  it appends, under `arrived`, before it wakes a launch waiting for them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from shoal.actors.executor.streams import HostResult
+from shoal.kernels.constraints import RowConstraint
+from shoal.kernels.sampling import SamplingRow, has_penalty
 from shoal.params import SamplingParams
 from shoal.results import TokenLogprob
 
@@ -35,10 +39,16 @@ class RowState:
     prompt_ids: tuple[int, ...]
     output_ids: list[int]
     num_sampled: int
+    constraints: tuple[RowConstraint, ...] = ()  # advanced through output_ids
     lost: bool = False  # a step that sampled this row failed: its tokens never arrive
 
     def caught_up(self) -> bool:
         return self.lost or len(self.output_ids) == self.num_sampled
+
+    @property
+    def waits_for_tokens(self) -> bool:
+        """A launch that samples this row first waits until it has caught up."""
+        return has_penalty(self.sampling) or any(c.waits_for_tokens for c in self.constraints)
 
 
 class PendingStep:
@@ -71,6 +81,8 @@ class PendingStep:
         with self.arrived:
             for state, token in zip(self.states, tokens, strict=True):
                 state.output_ids.append(token)
+                for constraint in state.constraints:
+                    constraint.advance(token)
             self.arrived.notify_all()
         if not self.logprob_rows:
             return StepResult(tokens, ())
@@ -81,3 +93,20 @@ class PendingStep:
             top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
             out[i] = TokenLogprob(tokens[i], float(chosen[j]), top)
         return StepResult(tokens, tuple(out))
+
+
+def sampling_rows(states: list[RowState], arrived: threading.Condition) -> list[SamplingRow]:
+    """Each row's sampling view, on the launch thread; a row that waits for its tokens (with
+    penalties, or a constraint that waits) first waits for its earlier tokens to arrive."""
+    rows = []
+    for s in states:
+        outputs: tuple[int, ...] | list[int] = s.output_ids
+        if s.waits_for_tokens:
+            with arrived:
+                arrived.wait_for(s.caught_up)
+                if s.lost:
+                    raise RuntimeError("an earlier step of this request failed")
+                outputs = tuple(s.output_ids)
+        row = SamplingRow(s.sampling, s.seed, s.prompt_ids, outputs, s.num_sampled, s.constraints)
+        rows.append(row)
+    return rows

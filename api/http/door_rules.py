@@ -81,7 +81,6 @@ _OPENAI: dict[str, Refused | Accepted] = {
     ),
     "response_format": Refused(STRUCTURED.why, ({"type": "text"},)),
     "stop_regex": STOP_REGEX,
-    "logit_bias": Refused(LOGITS, ({},)),
     "logits_processors": Refused(LOGITS, ([],)),
     "custom_logit_processor": Refused(LOGITS),
     "custom_params": Refused(LOGITS, ({},)),
@@ -187,7 +186,6 @@ SAMPLING: Rules = {  # SGLang's sampling_params beyond SamplingParams' fields
     "n": Refused(": send the prompt n times, as a batch", (1,)),
     "no_stop_trim": TRIM,
     "custom_params": Refused(LOGITS, ({},)),
-    "logit_bias": Refused(LOGITS, ({},)),
     "spaces_between_special_tokens": Accepted("fast tokenizers ignore it, as shoal's do"),
     "stream_interval": Accepted("it batches streamed chunks; each is sent when it is ready"),
 }

@@ -150,16 +150,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_PATH = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 _FIELD = re.compile(r"(missing required|unknown) field `(?P<field>[^`]+)`")
 
 
 def from_validation(exc: msgspec.ValidationError) -> ApiError:
-    """msgspec says "Expected `int`, got `str` - at `$.n`": answer 400 with param "n"."""
+    """msgspec says "Expected `int`, got `str` - at `$.n`": answer 400 with param "n" (and
+    "... - at `key` in `$.logit_bias`": param "logit_bias", of one of its keys)."""
     text = str(exc)
     match = _PATH.search(text)
     path = match["path"].lstrip(".") if match else ""
     message = text[: match.start()] if match else text
+    if match and match["key"]:
+        message += " for a key"
     field = _FIELD.search(message)
     if field is not None:
         path = f"{path}.{field['field']}" if path else field["field"]

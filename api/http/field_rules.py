@@ -93,7 +93,7 @@ STRUCTURED = Refused(
     "the answer would be unconstrained text"
 )
 TOOLS = " yet: shoal does not call tools, so the answer would be plain text"
-LOGITS = " yet: shoal does not bias, mask or process logits per request"
+LOGITS = " yet: shoal biases logits per request (logit_bias) but does not mask or process them"
 PROMPT = ": shoal renders the prompt from the messages alone, with the model's chat template"
 PROMPT_LOGPROBS = " yet: only the generated tokens' logprobs are reported"
 ANSWER = ": the answer does not carry it"

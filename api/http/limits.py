@@ -25,7 +25,6 @@ class HttpLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_content_parts: int = 256  # parts of one chat message's content
     max_id_chars: int = 256  # request ids, session ids, model names, `user`
     max_path_chars: int = 4096  # update_weights_from_disk's model_path
-    max_logit_bias: int = 300  # logit_bias entries (then refused: not supported)
     max_ws_message_bytes: int = 4 * 2**20  # one websocket frame
 
     def validate(self) -> None:

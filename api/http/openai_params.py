@@ -56,7 +56,6 @@ def check_sizes(gateway: Gateway, body: OpenAIFields) -> None:
     the field past its limit (docs/limits.md)."""
     limits = gateway.limits
     stops = wire_values(body, "chat", ("stop", "stop_token_ids"))  # named alike on both routes
-    check_count(len(body.logit_bias or ()), limits.max_logit_bias, "logit_bias", "max_logit_bias")
     check_id(body.model, limits, "model")
     check_id(body.user, limits, "user")
     if body.session_params is not None:

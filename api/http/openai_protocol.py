@@ -55,7 +55,6 @@ class OpenAIFields(RoomFields, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # counted, then refused unless empty
     response_format: ResponseFormat | None = None  # refused unless {"type": "text"}
     session_params: SessionParams | None = None  # chat: the messages are the turn's new ones
 

@@ -83,7 +83,6 @@ class ServerOptions:
     max_content_parts: int = HTTP_LIMITS.max_content_parts
     max_id_chars: int = HTTP_LIMITS.max_id_chars
     max_path_chars: int = HTTP_LIMITS.max_path_chars
-    max_logit_bias: int = HTTP_LIMITS.max_logit_bias
     max_ws_message_bytes: int = HTTP_LIMITS.max_ws_message_bytes
 
     def http_limits(self) -> HttpLimits:

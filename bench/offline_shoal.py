@@ -1,0 +1,88 @@
+"""shoal as bench/offline.py measures it: an Engine on the loaded model, warmed up, then the
+timed work, the decode steps at each batch size (bench/roofline.py) and the page-accounting
+line (bench/window_pages.py); and its setup string,
+<device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>[-stages<n>]."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_format import WARM_UP_PROMPT, Setup, dtype_name, emit, report
+from roofline import DecodePlan, decode_line, measure_decode
+from tqdm import tqdm
+from window_pages import window_pages
+
+
+def engine_setup(engine: Any) -> str:
+    r, o = engine.resolved, engine.options
+    stages = o.pipeline_stages
+    inflight = stages + o.pipeline_depth if stages > 1 else o.max_inflight  # actors/wiring.py
+    return (
+        f"{r.device.type}-{dtype_name(r.dtype)}-{engine.attention}"
+        f"-graphs{r.cuda_graph_max_batch}-inflight{inflight}-{r.linear_kind}"
+        + (f"-stages{stages}" if stages > 1 else "")
+    )
+
+
+async def run_shoal(engine: Any, work: list[tuple[list[int], int]]) -> tuple[int, float]:
+    began = time.perf_counter()
+    streams = [
+        engine.generate(input_ids=p, max_new_tokens=m, temperature=0.0, ignore_eos=True)
+        for p, m in work
+    ]
+    tokens = 0
+    for next_done in tqdm(
+        asyncio.as_completed([s.result() for s in streams]),
+        total=len(streams),
+        desc="shoal",
+        disable=len(work) < 8,
+    ):
+        tokens += len((await next_done).token_ids)
+    return tokens, time.perf_counter() - began
+
+
+async def run_decode(engine: Any, plan: DecodePlan, desc: str, out: Path | None) -> None:
+    rng = random.Random(plan.seed)
+    for batch in plan.batch_sizes:
+        window = await measure_decode(engine, plan, batch, rng)
+        dtype_bytes = engine.resolved.dtype.itemsize
+        line = decode_line(engine.loaded.config, plan, batch, window, dtype_bytes)
+        emit("decode", {**line, "setup": engine_setup(engine), "machine": desc}, out)
+
+
+async def run_engine(
+    loaded: Any,
+    load_s: float,
+    options: dict[str, Any],
+    work: list[tuple[list[int], int]],
+    plan: DecodePlan,
+    desc: str,
+    out: Path | None,
+    window_tokens: int = 0,
+) -> float | None:
+    """shoal's throughput line (when there is work), decode lines and the page-accounting line
+    (bench/window_pages.py, when `window_tokens`); its tok/s or None.
+    `load_s`: the seconds `loaded` took to load, counted in its setup time."""
+    from shoal import Engine
+
+    async with Engine(loaded, **options) as engine:
+        setup = Setup(engine_setup(engine), load_s + engine.startup_s)
+        await engine.generate(input_ids=WARM_UP_PROMPT, max_new_tokens=2).result()
+        tok_per_s = None
+        if work and engine.resolved.device.type == "cuda":
+            # Untimed: Triton compiles a kernel variant the first time it meets each shape
+            # class. On an H100 the first 256-request run of a model shape on a fresh
+            # machine (empty Triton cache) ran at 54-58% of the speed of later processes.
+            # Reversed prompts share no cached prefix with the timed ones.
+            await run_shoal(engine, [(p[::-1], 4) for p, _ in work[:32]])
+        if work:
+            tokens, seconds = await run_shoal(engine, work)
+            tok_per_s = report("shoal", len(work), tokens, seconds, setup, desc, out)
+        await run_decode(engine, plan, desc, out)
+        if window_tokens:
+            await window_pages(engine, window_tokens, desc, out)
+    return tok_per_s

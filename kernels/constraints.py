@@ -1,0 +1,68 @@
+"""Row constraints: what a request asks of its row's logits beyond SamplingParams' filters.
+
+A constraint is built once per row, when the row starts (the executor's RowInit, again after a
+retraction), from the request's SamplingParams; `sample` (kernels/sampling.py) lets each of a
+row's constraints edit that row's logits before the stop-token mask and the filters, and the
+executor tells it every token the row sampled, in order (`advance`).
+
+    constraints = row_constraints(params, device)   # () for a request that asks for none
+    SamplingRow(..., constraints=constraints)        # sample() calls mask_ on the row's logits
+    constraint.advance(token_id)                     # each token the row sampled, in order
+
+Invariants:
+- A row without constraints pays nothing: `sample` takes its all-greedy fast path, and the
+  hook is one loop over the rows that have any.
+- `mask_` edits one row's float32 logits [V] in place and never reads another row's.
+- A constraint that `waits_for_tokens` reads state that `advance` moved; a launch that samples
+  such a row first waits until all its earlier tokens have arrived (its row gives up overlap,
+  as rows with penalties do), so `mask_` always sees every earlier token advanced.
+- `advance` runs on the executor's completion thread, `mask_` on its launch thread (or the
+  last pipeline stage's); the executor's `arrived` condition orders the two.
+
+A new kind is one builder in ROW_CONSTRAINTS (docs/architecture.md, "A per-request option").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from shoal.kernels.logit_bias import LogitBias
+from shoal.params import SamplingParams
+
+
+class RowConstraint(Protocol):
+    @property
+    def waits_for_tokens(self) -> bool:
+        """True when mask_ depends on the row's earlier tokens (a grammar's state)."""
+        ...
+
+    def mask_(self, logits: torch.Tensor) -> None:
+        """Edit one row's float32 logits [V] in place (a ban is -inf)."""
+        ...
+
+    def advance(self, token_id: int) -> None:
+        """The row sampled token_id: the next one after every token advanced before."""
+        ...
+
+
+ConstraintBuilder = Callable[[SamplingParams, torch.device], RowConstraint | None]
+
+# Each kind's builder: the constraint a request's params ask for, or None.
+ROW_CONSTRAINTS: tuple[ConstraintBuilder, ...] = (LogitBias.build,)
+
+
+def row_constraints(params: SamplingParams, device: torch.device) -> tuple[RowConstraint, ...]:
+    """The constraints `params` ask of a row whose logits are on `device`, in ROW_CONSTRAINTS'
+    order (the order their mask_ runs in)."""
+    built = (build(params, device) for build in ROW_CONSTRAINTS)
+    return tuple(c for c in built if c is not None)
+
+
+def advance_all(constraints: tuple[RowConstraint, ...], token_ids: list[int]) -> None:
+    """Tell each constraint the tokens a row sampled, in order (a retracted row's replay)."""
+    for token_id in token_ids:
+        for constraint in constraints:
+            constraint.advance(token_id)
