@@ -36,7 +36,7 @@ def option(default: T, says: str) -> T:
 class EngineOptions:
     """What a user may set. None means "pick for me". Each field says in one line what it sets:
     the CLI's flags are made from the fields (api/engine_flags.py) and README's table lists
-    each with that line (tests/test_engine_flags.py checks both)."""
+    each with that line (tests/api/test_engine_flags.py checks both)."""
 
     page_size: int = option(16, "tokens a page of the KV cache holds")
     kv_cache_tokens: int | None = option(

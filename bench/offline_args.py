@@ -139,13 +139,14 @@ def parse_args(argv: list[str] | None, description: str | None) -> argparse.Name
 
 
 def model_argument(model: str | None) -> str | None:
-    """`tiny:<family>` builds a tiny random model of that family (tests/tiny_families.py) in a
-    temporary folder, for a smoke run of a family without its checkpoint; else `model` as is."""
+    """`tiny:<family>` builds a tiny random model of that family
+    (tests/support/tiny_families.py) in a temporary folder, for a smoke run of a family without
+    its checkpoint; else `model` as is."""
     if model is None or not model.startswith("tiny:"):
         return model
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
     from tiny_families import FAMILIES, make_family_folder
 
     family = model.removeprefix("tiny:")

@@ -8,8 +8,8 @@ compiled CPU kernels (cpu_kernels.py), one op each where torch takes five or six
     silu_mul(gate_up)           silu(gate) * up of the fused [T, 2I] projection, [T, I]
 
 The compiled forms are bit-equal to the reference for RoPE, SiLU-and-multiply and the residual
-add, and within
-the last bit for RMSNorm (another summation order of the squares; tests/test_cpu_kernels.py).
+add, and within the last bit for RMSNorm (another summation order of the squares;
+tests/kernels/test_cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ class CompiledElementwise:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as Hugging Face Llama does. For float32 inputs torch's own
-    kernel gives the same bits (checked in tests/test_model_ops.py) in one op instead of six."""
+    kernel gives the same bits (checked in tests/models/test_model_ops.py) in one op instead of
+    six."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()

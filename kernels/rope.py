@@ -13,7 +13,7 @@ its fields, with original_max_position_embeddings and longrope's factor already 
 config's top-level fields as transformers resolves them; None is plain RoPE. Each type repeats,
 op for op, the function transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS names for it, so the
 tables equal transformers' cos and sin bit for bit when computed on the same device
-(tests/test_rope.py checks every type against the models' RotaryEmbedding modules):
+(tests/kernels/test_rope.py checks every type against the models' RotaryEmbedding modules):
 
     default   1 / theta ** (2i / rotary_dim)
     linear    default / factor

@@ -7,7 +7,7 @@ time (~1 s), and mypy, run from the repository root, would follow its optional
 moved past the brief", point 11). The attributes a caller only probes for, with `getattr`
 (`backend_tokenizer`, `clean_up_tokenization_spaces`: actors/tokenizer/detokenize.py,
 api/http/openai_logprobs.py), are not part of it. Checkable at run time (isinstance), for
-tests/test_refusals.py.
+tests/actors/test_refusals.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Shared fixtures: a tiny random Llama (folder, loaded weights, HF reference), engines, the
-CPU kernels built before a test starts servers that need them.
+"""Shared fixtures: a tiny random Llama (folder, loaded weights, HF reference, a second one with
+other weights), engines and servers on it, the CPU kernels (built before a test starts servers
+that need them). The helpers the tests import live in support/ (on sys.path: pyproject.toml's
+`pythonpath`); a folder's own fixtures in its conftest.py.
 
 The tests use a cache of their own unless SHOAL_CACHE_DIR is set: `<venv>/shoal-test-cache`
 (beside the environment whose torch the kernels are built for; ~/.cache/shoal-tests outside a
@@ -12,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import openai
 import pytest
 import torch
 
@@ -36,10 +40,14 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(2)
 
+from engines import EngineFactory  # noqa: E402
+from reference import Reference  # noqa: E402
+from served import MODEL, SERVER_FIELDS, Served, ServeFactory  # noqa: E402
 from tiny_model import make_tiny_model_folder  # noqa: E402
 
 from shoal.api.engine import Engine  # noqa: E402
-from shoal.kernels.cpu_kernels import KernelUnavailable, load_cpu_kernels  # noqa: E402
+from shoal.api.http.server import Server, ServerOptions  # noqa: E402
+from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_kernels  # noqa: E402
 from shoal.loading.loader import default_cache_dir  # noqa: E402
 from shoal.models.load import LoadedModel, load_model  # noqa: E402
 
@@ -73,56 +81,21 @@ def tiny_model(tiny_folder: Path) -> LoadedModel:
     return load_model(tiny_folder, progress=False)
 
 
-class Reference:
-    """Greedy continuations from transformers `generate(do_sample=False)`, memoized."""
+@pytest.fixture(scope="session")
+def other_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint of the tiny model's architecture with other weights (another seed)."""
+    return make_tiny_model_folder(tmp_path_factory.mktemp("tiny-llama-other"), seed=1)
 
-    def __init__(self, folder: Path, eos_token_ids: Sequence[int]) -> None:
-        from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
-        self.model.eval()
-        self.eos = list(eos_token_ids)
-        self.memo: dict[tuple[Any, ...], list[int]] = {}
-
-    def greedy(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        ignore_eos: bool = False,
-        logit_bias: Mapping[int, float] | None = None,
-    ) -> list[int]:
-        """logit_bias: added to each token's logit at every step (OpenAI's meaning), by HF's
-        sequence_bias over single tokens."""
-        bias = tuple(sorted((logit_bias or {}).items()))
-        key = (tuple(prompt), max_new_tokens, ignore_eos, bias)
-        if key not in self.memo:
-            ids = torch.tensor([list(prompt)])
-            with torch.no_grad():
-                out = self.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    eos_token_id=None if ignore_eos else self.eos,
-                    pad_token_id=self.eos[0] if self.eos else 0,
-                    sequence_bias={(token,): value for token, value in bias} or None,
-                )
-            new = out[0, ids.shape[1] :].tolist()
-            if not ignore_eos:
-                for i, t in enumerate(new):
-                    if t in self.eos:
-                        new = new[: i + 1]
-                        break
-            self.memo[key] = new
-        return self.memo[key]
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    """The compiled CPU kernels (built once per environment; an error without a compiler)."""
+    return load_cpu_kernels(default_cache_dir())
 
 
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_folder: Path, tiny_model: LoadedModel) -> Reference:
     return Reference(tiny_folder, tiny_model.config.eos_token_ids)
-
-
-EngineFactory = Callable[..., Any]
 
 
 @pytest.fixture
@@ -147,3 +120,30 @@ async def make_engine(tiny_model: LoadedModel) -> AsyncIterator[EngineFactory]:
                 assert stats.request_pages == 0 and stats.locked_pages == 0
         finally:
             await engine.close()
+
+
+@pytest.fixture
+async def serve(make_engine: EngineFactory) -> AsyncIterator[ServeFactory]:
+    """Start servers (support/served.py) on engines from make_engine; stopped after the test,
+    before make_engine's checks, and no HTTP job may outlive its request."""
+    started: list[Served] = []
+
+    async def start(**options: Any) -> Served:
+        server_options = {k: options.pop(k) for k in list(options) if k in SERVER_FIELDS}
+        server_options.setdefault("port", 0)
+        server_options.setdefault("served_model_name", MODEL)
+        engine = await make_engine(**options)
+        server = Server(engine, ServerOptions(**server_options))
+        await server.start()
+        key = server_options.get("api_key") or "unused"
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+        served = Served(engine, server, client, aiohttp.ClientSession())
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        await served.client.close()
+        await served.http.close()
+        await served.server.stop()
+        assert not served.server.gateway.jobs, "a job outlived its HTTP request"

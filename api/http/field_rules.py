@@ -5,7 +5,7 @@ Every field of SGLang's, vLLM's and OpenAI's request types is, at every door, ho
 wire structs map it), accepted (an `Accepted` rule) or refused (a `Refused` rule, or a field
 the door does not know at all: the wire structs forbid unknown fields, as OpenAI's API does).
 Each door's rules are in api/http/door_rules.py, the reasons they give here;
-tests/test_http_fields.py holds the upstream lists and checks every door.
+tests/api/http/test_http_fields.py holds the upstream lists and checks every door.
 
     Refused(why, neutral)  400 "<field> is not supported<why>", param the field, code
                            "invalid_value"; unless the value is null or one of `neutral`, the

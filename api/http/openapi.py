@@ -4,7 +4,7 @@
     OpenAPIRoute serves it, encoded once
 
 No schema is written by hand: msgspec derives every one from the types the handlers decode
-and encode, so the document cannot drift from the wire; tests/test_http_fuzz.py holds the
+and encode, so the document cannot drift from the wire; tests/api/http/test_http_fuzz.py holds the
 server to it with schemathesis. Every failure answers the one error shape
 (http_errors.ErrorEnvelope), each operation's "default" response. Streamed answers are
 documented per SSE event (OpenAPI 3.1: `schema` describes one event): `data` is `[DONE]` or

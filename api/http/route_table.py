@@ -2,7 +2,7 @@
 response types, who may ask (access) and whether it generates. The app serves this table
 (routing.add_routes), /openapi.json documents it (openapi.py), the guard checks its access
 (guard.py) and the disaggregation fields' middleware knows its generations from it
-(bootstrap_fields.RoomRefusals). tests/test_http_openapi.py fails if a served route is
+(bootstrap_fields.RoomRefusals). tests/api/http/test_http_openapi.py fails if a served route is
 missing from /openapi.json, or listed but not served.
 
 A new route: its handler, a method of a route class (a new class: one line in

@@ -1,0 +1,189 @@
+"""A seeded random stress against a running server: generate, stream, disconnect, abort,
+flush, update and pause/continue interleaved. It must end with no crash, nothing leaked, and
+every completed greedy request equal to its reference for the weights it ran on.
+
+Each seed runs with one executor stage and with two pipeline stages (actors/executor/stages.py).
+STRESS_SEED=N runs one more seed instead of the default two."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from reference import Reference
+from served import ServeFactory
+
+OPERATIONS = 500
+PROMPTS = [[random.Random(i).randrange(3, 500) for _ in range(4 + 5 * i)] for i in range(8)]
+# Three more share a 40-token prefix, so requests wait for each other's published pages.
+PROMPTS += [[*PROMPTS[7][:40], 100 + i, 200 + i, 300 + i] for i in range(3)]
+
+
+class Stress:
+    def __init__(self, url: str, http: aiohttp.ClientSession, seed: int) -> None:
+        self.url = url
+        self.http = http
+        self.rng = random.Random(seed)
+        self.control = asyncio.Lock()  # an update never lands inside a pause
+        # prompt, max_new_tokens, logit_bias, output, weight version
+        self.completed: list[tuple[list[int], int, dict[int, float], list[int], int]] = []
+        self.counts: dict[str, int] = {}
+        self.folder_of_version: dict[int, Path] = {}
+        self.next_rid = 0
+
+    def body(self, stream: bool, max_new: int, rid: str | None = None) -> dict[str, Any]:
+        sampling: dict[str, Any] = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+        if self.rng.random() < 0.3:  # a row constraint (kernels/constraints.py) beside plain rows
+            tokens = self.rng.sample(range(3, 500), 3)
+            sampling["logit_bias"] = {str(t): self.rng.choice([-100.0, 4.0, 9.0]) for t in tokens}
+        body: dict[str, Any] = {
+            "input_ids": self.rng.choice(PROMPTS),
+            "stream": stream,
+            "sampling_params": sampling,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        return body
+
+    def record(self, body: dict[str, Any], result: dict[str, Any]) -> None:
+        meta = result["meta_info"]
+        if meta["finish_reason"]["type"] == "length":
+            sampling = body["sampling_params"]
+            bias = {int(t): b for t, b in sampling.get("logit_bias", {}).items()}
+            output, version = result["output_ids"], meta["weight_version"]
+            self.completed.append(
+                (body["input_ids"], sampling["max_new_tokens"], bias, output, version)
+            )
+
+    async def generate(self) -> None:
+        body = self.body(False, self.rng.randint(1, 12))
+        async with self.http.post(self.url + "/generate", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            self.record(body, await resp.json())
+
+    async def stream(self, drop_after: int | None = None) -> None:
+        body = self.body(True, self.rng.randint(2, 12) if drop_after is None else 200)
+        last: dict[str, Any] | None = None
+        async with self.http.post(self.url + "/generate", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            events = 0
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                last = json.loads(line[6:])
+                events += 1
+                if drop_after is not None and events >= drop_after:
+                    resp.close()  # the client goes away mid-stream
+                    return
+        assert last is not None
+        self.record(body, last)
+
+    async def abort(self) -> None:
+        rid = f"stress-{self.next_rid}"
+        self.next_rid += 1
+        body = self.body(False, 300, rid)
+        request = asyncio.create_task(self.http.post(self.url + "/generate", json=body))
+        await asyncio.sleep(self.rng.random() * 0.02)
+        async with self.http.post(self.url + "/abort_request", json={"rid": rid}) as resp:
+            assert resp.status == 200, await resp.text()
+        async with await request as resp:
+            assert resp.status == 200, await resp.text()
+            result = await resp.json()
+        assert result["meta_info"]["finish_reason"]["type"] in ("abort", "length")
+
+    async def flush(self) -> None:
+        async with self.http.post(self.url + "/flush_cache?timeout=0.5") as resp:
+            assert resp.status in (200, 409), await resp.text()
+            assert (await resp.json())["success"] == (resp.status == 200)
+
+    async def update(self, folders: list[Path]) -> None:
+        async with self.control:
+            folder = self.rng.choice(folders)
+            body = {"model_path": str(folder), "abort_all_requests": self.rng.random() < 0.3}
+            async with self.http.post(self.url + "/update_weights_from_disk", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                result = await resp.json()
+            self.folder_of_version[result["weight_version"]] = folder
+
+    async def pause(self) -> None:
+        async with self.control:
+            async with self.http.post(self.url + "/pause_generation") as resp:
+                assert resp.status == 200
+            await asyncio.sleep(self.rng.random() * 0.03)
+            async with self.http.post(self.url + "/continue_generation") as resp:
+                assert resp.status == 200
+
+    async def one(self, folders: list[Path]) -> None:
+        kind = self.rng.choices(
+            ["generate", "stream", "disconnect", "abort", "flush", "update", "pause"],
+            weights=[30, 20, 10, 10, 10, 8, 7],
+        )[0]
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        match kind:
+            case "generate":
+                await self.generate()
+            case "stream":
+                await self.stream()
+            case "disconnect":
+                await self.stream(drop_after=self.rng.randint(1, 3))
+            case "abort":
+                await self.abort()
+            case "flush":
+                await self.flush()
+            case "update":
+                await self.update(folders)
+            case "pause":
+                await self.pause()
+
+
+SEEDS = [int(os.environ["STRESS_SEED"])] if "STRESS_SEED" in os.environ else [2026, 7]
+
+
+# Two stages: the tiny model's two layers one a stage (actors/executor/stages.py).
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_random_operations_against_a_running_server(
+    seed: int,
+    stages: int,
+    serve: ServeFactory,
+    tiny_folder: Path,
+    other_folder: Path,
+    tiny_reference: Reference,
+) -> None:
+    served = await serve(page_size=4, chunk_size=16, kv_cache_tokens=1024, pipeline_stages=stages)
+    start = await served.engine.cache_stats()
+    stress = Stress(served.url, served.http, seed=seed)
+    stress.folder_of_version[0] = tiny_folder
+    folders = [tiny_folder, other_folder]
+    running: set[asyncio.Task[None]] = set()
+    for _ in range(OPERATIONS):
+        while len(running) >= 16:
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        running.add(asyncio.create_task(stress.one(folders)))
+        await asyncio.sleep(stress.rng.random() * 0.005)
+    for task in asyncio.as_completed(running):
+        await task
+
+    assert sum(stress.counts.values()) == OPERATIONS
+    assert all(stress.counts.get(k, 0) > 10 for k in ("generate", "update", "pause", "flush"))
+    references = {tiny_folder: tiny_reference, other_folder: Reference(other_folder, (2,))}
+    assert len(stress.completed) > 100
+    assert sum(1 for c in stress.completed if c[2]) > 20  # biased rows among them
+    for prompt, max_new, bias, output, version in stress.completed:
+        reference = references[stress.folder_of_version[version]]
+        assert output == reference.greedy(prompt, max_new, True, bias), f"version {version}"
+
+    await served.engine.wait_idle()
+    await served.engine.check_integrity()
+    end = await served.engine.cache_stats()
+    assert end.free_rows == start.free_rows
+    assert end.request_pages == end.locked_pages == 0
+    assert end.free_pages + end.evictable_pages == start.free_pages
