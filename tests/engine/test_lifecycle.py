@@ -78,12 +78,17 @@ async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
 ) -> None:
     engine = await make_engine(page_size=4, chunk_size=16)
     prompts = [prompt(5 + 3 * i, 100 + i) for i in range(16)]
-    engine.testing.stages.hold(0)  # no step runs until released: none of the 16 can finish
+    streams = [
+        engine.generate(input_ids=p, max_new_tokens=40, **greedy(logit_bias=BIASES[i % 2]))
+        for i, p in enumerate(prompts)
+    ]
+    for stream in streams:  # every one admitted and decoding: its first token is out
+        async for _ in stream:
+            break
+    # No step launches until released (stage 0 is the launch thread's, one stage or several):
+    # only the steps already launched end, a token or two each, so none of the 16 can finish.
+    engine.testing.stages.hold(0)
     try:
-        streams = [
-            engine.generate(input_ids=p, max_new_tokens=40, **greedy(logit_bias=BIASES[i % 2]))
-            for i, p in enumerate(prompts)
-        ]
         await until_admitted(engine, {s.rid for s in streams})
         update = asyncio.create_task(engine.update_weights_from_disk(other_folder))
         await asyncio.sleep(0)  # the update is posted first
