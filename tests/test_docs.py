@@ -4,7 +4,10 @@
 (b) every relative link in README.md and docs/*.md reaches a file, and an `#anchor` into a
     markdown file reaches one of its headings (GitHub's slugs);
 (c) every file outside tests/ over 300 lines is named in docs/architecture.md's
-    "Files over 300 lines", with its reason.
+    "Files over 300 lines", with its reason;
+(d) docs/architecture.md's "Folder map" is the tree: every top-level folder and every folder
+    that holds Python outside tests/ has its row, and every path a row names exists (a bare
+    name in the row's own folder, or from the root).
 
 Each check is a function over a folder; the last tests run it on a small broken tree, so an
 empty list above means something."""
@@ -18,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = Path("docs") / "architecture.md"
 LONG_SECTION = "Files over 300 lines"
+MAP_SECTION = "Folder map"
 MAX_LINES = 300
 
 # Never part of the repository: environments, caches and build outputs.
@@ -28,6 +32,10 @@ SKIPPED_DIRS = frozenset(
 SCANNED_SUFFIXES = (".py", ".md", ".toml")
 # Where the design used to live, beside the repository rather than in it.
 OUTSIDE_PATHS = ("../shared", "DESIGN.md")
+
+# A backticked name in the folder map that names a file or folder: `actors/`, `kv.py`, `csrc/*.cpp`.
+PATH_LIKE = re.compile(r"[\w.*-]+(/[\w.*-]*)*")
+PATH_SUFFIXES = (".py", ".md", ".toml", ".cpp", ".h", ".json", ".jsonl")
 
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -165,6 +173,79 @@ def test_every_long_file_says_why() -> None:
     assert unexplained_long_files(ROOT) == []
 
 
+# ---- (d) the folder map is the tree ----------------------------------------------------------
+
+
+def map_folders(root: Path) -> list[str]:
+    """The folders the map must name, as "name/": every top-level folder, and every folder that
+    holds Python outside tests/, at any depth; never a hidden one, SKIPPED_DIRS or *.egg-info."""
+    found = set()
+    for path in sorted(root.rglob("*")):
+        parts = path.relative_to(root).parts
+        if any(p in SKIPPED_DIRS or p.startswith(".") or p.endswith(".egg-info") for p in parts):
+            continue
+        if len(parts) == 1 and path.is_dir():
+            found.add(f"{parts[0]}/")
+        elif len(parts) > 1 and parts[0] != "tests" and path.suffix == ".py":
+            found.add("/".join(parts[:-1]) + "/")
+    return sorted(found)
+
+
+def map_rows(root: Path) -> list[tuple[str, list[str]]]:
+    """Each row of the map's table: its path (the first cell) and every path it names, in
+    backticks outside a link's text (links are check (b)'s)."""
+    rows = []
+    for line in section(root / ARCHITECTURE, MAP_SECTION).splitlines():
+        if not line.startswith("|"):
+            continue
+        first = re.findall(r"`([^`]+)`", line.split("|")[1])
+        if not first:
+            continue  # the header, the rule
+        named = re.findall(r"`([^`]+)`", re.sub(r"\[[^\]]*\]\([^)]*\)", "", line))
+        rows.append((first[0], [name for name in named if names_a_path(name)]))
+    return rows
+
+
+def names_a_path(name: str) -> bool:
+    return PATH_LIKE.fullmatch(name) is not None and ("/" in name or name.endswith(PATH_SUFFIXES))
+
+
+def resolves(root: Path, row: str, name: str) -> bool:
+    """A name is in its row's folder (a folder row), or else from the root."""
+    here = root / row if row.endswith("/") else root
+    return any(
+        any(base.glob(name)) if "*" in name else (base / name).exists() for base in (here, root)
+    )
+
+
+def map_paths_missing(root: Path) -> list[str]:
+    return [
+        f"{row}: {name}"
+        for row, names in map_rows(root)
+        for name in names
+        if not resolves(root, row, name)
+    ]
+
+
+def map_folders_unnamed(root: Path) -> list[str]:
+    named = set()
+    for row, names in map_rows(root):
+        here = row if row.endswith("/") else ""
+        for name in names:
+            if name.endswith("/"):
+                named.add(name)
+                named.add(here + name)
+    return [folder for folder in map_folders(root) if folder not in named]
+
+
+def test_every_folder_has_its_row_in_the_map() -> None:
+    assert map_folders_unnamed(ROOT) == []
+
+
+def test_every_path_the_map_names_exists() -> None:
+    assert map_paths_missing(ROOT) == []
+
+
 # ---- each check can fail ---------------------------------------------------------------------
 
 
@@ -209,3 +290,36 @@ def test_github_slugs() -> None:
     assert github_slug("Matmuls: `kernels/linear.py`") == "matmuls-kernelslinearpy"
     assert github_slug("Who may ask (api/http_guard.py)") == "who-may-ask-apihttp_guardpy"
     assert github_slug("See [the brief](design-brief.md)") == "see-the-brief"
+
+
+def broken_map(root: Path) -> None:
+    (root / "docs").mkdir()
+    (root / ARCHITECTURE).write_text(
+        "# Design\n\n## Folder map\n\n| path | what |\n| --- | --- |\n"
+        "| `pkg/` | `mod.py`, `gone.py`, `sub/`, `data/*.csv`, [`up.md`](up.md), `Engine.run` |\n"
+        "| `old/` | moved out |\n"
+        "| `top.py` | over `pkg/mod.py` and `pkg/sub/deep.py` |\n\n"
+        "## Next\n\n| `other/` | after the map: not a row of it |\n"
+    )
+    for name in ("top.py", "pkg/mod.py", "pkg/sub/deep.py", "pkg/data/a.csv", "other/x.py"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x = 1\n")
+    for name in ("other/inner/y.py", "tests/unit/test_z.py", ".venv/lib/v.py", "p.egg-info/e.py"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x = 1\n")
+    (root / "assets").mkdir()  # a top-level folder without Python is named too
+
+
+def test_the_map_check_sees_what_is_wrong(tmp_path: Path) -> None:
+    broken_map(tmp_path)
+    assert map_folders(tmp_path) == [
+        "assets/",
+        "docs/",
+        "other/",
+        "other/inner/",
+        "pkg/",
+        "pkg/sub/",
+        "tests/",
+    ]
+    assert map_paths_missing(tmp_path) == ["pkg/: gone.py", "old/: old/"]
+    assert map_folders_unnamed(tmp_path) == ["assets/", "docs/", "other/", "other/inner/", "tests/"]
