@@ -79,11 +79,17 @@ class PendingStep:
                 self.arrived.notify_all()
             raise
         with self.arrived:
-            for state, token in zip(self.states, tokens, strict=True):
-                state.output_ids.append(token)
-                for constraint in state.constraints:
-                    constraint.advance(token)
-            self.arrived.notify_all()
+            try:
+                for state, token in zip(self.states, tokens, strict=True):
+                    state.output_ids.append(token)
+                    for constraint in state.constraints:
+                        constraint.advance(token)
+            except BaseException:  # a constraint failed: the step fails, as its launch would
+                for state in self.states:
+                    state.lost = True
+                raise
+            finally:
+                self.arrived.notify_all()
         if not self.logprob_rows:
             return StepResult(tokens, ())
         chosen, values, ids = (t.tolist() for t in tensors[1:])

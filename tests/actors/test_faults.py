@@ -243,19 +243,26 @@ async def test_a_resume_that_waited_for_a_failed_write_done_still_goes_through(
 
 
 class _Failing:
-    """A row constraint whose mask fails (a grammar engine's error, say)."""
+    """A row constraint that fails (a grammar engine's error, say): in its mask, on the launch
+    thread, or as it is told a token, on the completion thread."""
 
     waits_for_tokens = False
 
+    def __init__(self, where: str) -> None:
+        self.where = where
+
     def mask_(self, logits: torch.Tensor) -> None:
-        raise RuntimeError("the constraint broke")
+        if self.where == "mask":
+            raise RuntimeError("the constraint broke")
 
     def advance(self, token_id: int) -> None:
-        pass
+        if self.where == "advance":
+            raise RuntimeError("the constraint broke")
 
 
+@pytest.mark.parametrize("where", ["mask", "advance"])
 async def test_a_row_constraint_that_fails_fails_its_step_and_the_engine_serves_on(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     """A per-row feature's failure inside the step (kernels/constraints.py) is the executor's
     Launch failing, as any failed step: every request then in flight ends with an error (their
@@ -263,7 +270,7 @@ async def test_a_row_constraint_that_fails_fails_its_step_and_the_engine_serves_
     the steps launched ahead of the failure are through, the next requests are served."""
 
     def failing(params: SamplingParams, device: torch.device) -> _Failing | None:
-        return _Failing() if params.seed == 13 else None
+        return _Failing(where) if params.seed == 13 else None
 
     monkeypatch.setattr(constraints, "ROW_CONSTRAINTS", (*constraints.ROW_CONSTRAINTS, failing))
     engine = await make_engine()
