@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
+import json
 import logging
 import os
 import secrets
@@ -32,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 log = logging.getLogger("shoal.startup")
 
@@ -247,6 +249,16 @@ def publish(private: Path, folder: Path) -> None:
     private.chmod(0o755)
     os.rename(private, folder)
     fsync_dir(folder.parent)
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A folder's marker (what a build or a conversion was made from) as written, or None when
+    the file is missing, unreadable or not a JSON object."""
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
 
 
 def remove_folder(folder: Path) -> None:

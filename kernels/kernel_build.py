@@ -52,6 +52,7 @@ from shoal.kernels.cache_files import (
     StartCancelled,
     make_private,
     publish,
+    read_json_object,
     remove_folder,
     sweep_dead,
     sweep_temporaries,
@@ -119,11 +120,7 @@ def is_built(folder: Path) -> bool:
 
 def read_marker(folder: Path) -> dict[str, Any] | None:
     """What a build was made from (see _write_marker), or None without a readable marker."""
-    try:
-        marker = json.loads((folder / MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
+    return read_json_object(folder / MARKER_NAME)
 
 
 def load_extension(

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, NoReturn
 
-from shoal.kernels.cache_files import FolderLock, fsync_dir, remove_folder
+from shoal.kernels.cache_files import FolderLock, fsync_dir, read_json_object, remove_folder
 
 log = logging.getLogger("shoal.startup")
 
@@ -40,11 +40,7 @@ def is_converted(folder: Path) -> bool:
 
 def read_marker(folder: Path) -> dict[str, Any] | None:
     """The folder's marker, or None when it has none or it is unreadable."""
-    try:
-        marker = json.loads((folder / MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
+    return read_json_object(folder / MARKER_NAME)
 
 
 def file_sha256(path: Path) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from shoal.actors.executor.streams import HostResult
@@ -41,14 +41,15 @@ class RowState:
     num_sampled: int
     constraints: tuple[RowConstraint, ...] = ()  # advanced through output_ids
     lost: bool = False  # a step that sampled this row failed: its tokens never arrive
+    # A launch that samples this row first waits until it has caught up (fixed for its life).
+    waits_for_tokens: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        waits = any(c.waits_for_tokens for c in self.constraints)
+        self.waits_for_tokens = has_penalty(self.sampling) or waits
 
     def caught_up(self) -> bool:
         return self.lost or len(self.output_ids) == self.num_sampled
-
-    @property
-    def waits_for_tokens(self) -> bool:
-        """A launch that samples this row first waits until it has caught up."""
-        return has_penalty(self.sampling) or any(c.waits_for_tokens for c in self.constraints)
 
 
 class PendingStep:

@@ -62,7 +62,7 @@ def write_gguf(
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name("tiny")
     _METADATA[arch](writer, config)
-    _add_tokenizer(writer, folder, config)
+    add_tokenizer(writer, folder, config)
     for name, array in _tensors(folder, config, arch) + list((extra_tensors or {}).items()):
         if quantize and array.ndim >= 2 and array.shape[-1] % 32 == 0:
             qtype = gguf.GGMLQuantizationType.Q8_0
@@ -180,7 +180,8 @@ _METADATA: dict[str, Callable[[gguf.GGUFWriter, dict[str, Any]], None]] = {
 }
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, config: dict[str, Any]) -> None:
+def add_tokenizer(writer: gguf.GGUFWriter, folder: Path, config: dict[str, Any]) -> None:
+    """The folder's byte-level BPE tokenizer as llama.cpp's metadata: vocabulary, merges, ids."""
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     vocab: dict[str, int] = tokenizer["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.__getitem__)

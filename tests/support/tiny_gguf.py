@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gguf_writer import llamacpp_permute
+from gguf_writer import add_tokenizer, llamacpp_permute
 from safetensors.torch import load_file
 
 
@@ -21,12 +21,6 @@ def write_tiny_gguf(folder: Path, out: Path, *, quantize: bool) -> Path:
 
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    vocab: dict[str, int] = tokenizer["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.__getitem__)
-    special = {t["content"] for t in tokenizer["added_tokens"] if t["special"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
-    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
 
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name("tiny")
@@ -40,16 +34,7 @@ def write_tiny_gguf(folder: Path, out: Path, *, quantize: bool) -> Path:
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_pad_token_id(config["pad_token_id"])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(tokenizer_config["chat_template"])
+    add_tokenizer(writer, folder, config)
 
     to_gguf = {
         "model.embed_tokens": "token_embd",

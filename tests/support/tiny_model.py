@@ -70,8 +70,11 @@ _CORPUS = [
 ]
 
 
-def make_tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with exactly `vocab_size` tokens and a ChatML template."""
+def make_tiny_tokenizer(
+    vocab_size: int = 512, corpus: list[str] | None = None
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with exactly `vocab_size` tokens and a ChatML template,
+    trained on `corpus` (default: the fixed sentences above)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -84,7 +87,7 @@ def make_tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(_CORPUS * 4, trainer)
+    backend.train_from_iterator(_CORPUS * 4 if corpus is None else corpus, trainer)
     assert backend.get_vocab_size() == vocab_size, (backend.get_vocab_size(), vocab_size)
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -111,8 +114,10 @@ def make_tiny_model_folder(
     rope_theta: float = 10000.0,
     init_std: float = 0.2,
     seed: int = 0,
+    corpus: list[str] | None = None,
 ) -> Path:
-    """Write a tiny random Llama (Qwen2 with q/k/v biases if `qwen_bias`) into `path`."""
+    """Write a tiny random Llama (Qwen2 with q/k/v biases if `qwen_bias`) into `path`; its
+    tokenizer trained on `corpus` (make_tiny_tokenizer's)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
@@ -136,7 +141,7 @@ def make_tiny_model_folder(
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
 
-    return save_seeded(model, path, vocab_size, seed=seed, init_std=init_std)
+    return save_seeded(model, path, vocab_size, seed=seed, init_std=init_std, corpus=corpus)
 
 
 def save_seeded(
@@ -147,6 +152,7 @@ def save_seeded(
     seed: int,
     init_std: float = 0.2,
     norm_mean: float = 1.0,
+    corpus: list[str] | None = None,
 ) -> Path:
     """Draw every parameter of a transformers model from a generator seeded with `seed` (norms
     `norm_mean` +- 0.1, the rest std `init_std`), then save it and the tiny tokenizer."""
@@ -161,5 +167,5 @@ def save_seeded(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    make_tiny_tokenizer(vocab_size).save_pretrained(path, save_jinja_files=False)
+    make_tiny_tokenizer(vocab_size, corpus).save_pretrained(path, save_jinja_files=False)
     return path
