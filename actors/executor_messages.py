@@ -45,9 +45,21 @@ class SeqChunk(msgspec.Struct, frozen=True):
 
 
 class Launch(msgspec.Struct, frozen=True, tag=True):
+    """One batch: its decodes first, as two flat columns (a decode is one token at
+    `decode_starts[i]` of row `decode_rows[i]`, its input the row's last sampled token, and it
+    samples), then its prompt chunks (`seqs`), in that order on the device."""
+
     batch_id: int
     writes: tuple[RowWriteMsg, ...]
     seqs: tuple[SeqChunk, ...]
+    decode_rows: tuple[int, ...] = ()
+    decode_starts: tuple[int, ...] = ()
+
+    def all_seqs(self) -> tuple[SeqChunk, ...]:
+        """Every sequence in batch order, a decode as a SeqChunk (for readers that want one
+        shape: tests, the slow paths)."""
+        decodes = zip(self.decode_rows, self.decode_starts, strict=True)
+        return tuple(SeqChunk(row, start, 1, None, True) for row, start in decodes) + self.seqs
 
 
 class LoadWeights(msgspec.Struct, frozen=True, tag=True):

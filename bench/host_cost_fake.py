@@ -176,7 +176,7 @@ class StepCounter:
     def count(self, launch: Launch) -> None:
         with self.lock:
             self.launched += 1
-            seqs = launch.seqs
+            seqs = launch.all_seqs()
             if len(seqs) != self.batch or any(s.input_ids is not None for s in seqs):
                 self.off += 1
             if self.launched == self.target:

@@ -208,10 +208,11 @@ class DeviceState:
         )
         if host.decode_at:
             ids[decode_at] = self.last_token[decode_rows]
+        seqs = launch.all_seqs()
         shape = BatchShape(
-            tuple(s.row for s in launch.seqs),
-            tuple(s.start for s in launch.seqs),
-            tuple(s.num_tokens for s in launch.seqs),
+            tuple(s.row for s in seqs),
+            tuple(s.start for s in seqs),
+            tuple(s.num_tokens for s in seqs),
         )
         sample_rows = host.sample_rows
         if self.pipeline is not None:
@@ -287,7 +288,7 @@ class DeviceState:
     def _inputs(self, launch: Launch) -> StepInputs:
         """The step's host-side inputs; a sequence's first chunk (re)initializes its row."""
         host = StepInputs([], [], [], [], [], [])
-        for seq in launch.seqs:
+        for seq in launch.all_seqs():
             if seq.init is not None:
                 init = seq.init
                 outputs = list(init.output_ids)

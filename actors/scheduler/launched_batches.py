@@ -18,7 +18,7 @@ made since the last launch. `result` appends each sampling member's token, decid
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -27,6 +27,7 @@ from shoal.actors.messages import Output, StepDone
 from shoal.actors.scheduler import planner_transfers as transfers
 from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, finish_reason
 from shoal.actors.scheduler.request_table import Outbox
+from shoal.results import TokenLogprob
 
 
 class Member(NamedTuple):
@@ -36,6 +37,21 @@ class Member(NamedTuple):
     samples: bool
     end: int  # its KV is written up to this position once the batch completes
     start: int  # its first query's position: it reads keys from start - kv_window + 1 on
+
+
+@dataclass(slots=True)
+class LaunchedBatch:
+    """A launched batch's sequences, as its Launch has them: the decodes first (one token at
+    each start, each sampling), then the prompt chunks."""
+
+    decodes: list[Req]
+    decode_starts: list[int]
+    chunks: list[Member]
+
+    def members(self) -> list[Member]:
+        """Every sequence, in batch order."""
+        decodes = zip(self.decodes, self.decode_starts, strict=True)
+        return [Member(r.rid, True, start + 1, start) for r, start in decodes] + self.chunks
 
 
 def wants_decode(req: Req, config: PlannerConfig) -> bool:
@@ -51,31 +67,39 @@ def wants_decode(req: Req, config: PlannerConfig) -> bool:
 class LaunchedBatches:
     config: PlannerConfig
     outbox: Outbox
-    by_id: dict[int, list[Member]] = field(default_factory=dict)  # launched, result pending
+    by_id: dict[int, LaunchedBatch] = field(default_factory=dict)  # launched, result pending
     next_batch_id: int = 0
     pending_writes: list[RowWriteMsg] = field(default_factory=list)  # for the next launch
+    prompt_progress: bool = False  # a result computed prompt positions (take_prompt_progress)
 
-    def form(self, holding: Iterable[Req], extended: set[str]) -> Launch | None:
-        """The batch a plan allows: decodes of the `extended` requests, then prompt chunks
-        (None if empty). Those left out keep their extension for the next batch."""
+    def form(self, holding: list[Req], proposed: list[Req]) -> Launch | None:
+        """The batch a plan allows: decodes of the `proposed` requests that still want one
+        and whose row covers it (the plan extended it, or it had room), then prompt chunks
+        (None if empty). `holding` is in arrival order (`Req.order`: the request table's
+        insertion order)."""
         config = self.config
         seqs: list[SeqChunk] = []
         members: list[Member] = []
-        by_order = sorted(holding, key=lambda r: r.order)
-        decodes = [r for r in by_order if r.rid in extended and wants_decode(r, config)]
+        # Proposed, they wanted a decode; since then results only moved tokens from pending
+        # to outputs, so only a finish (or retraction) can have taken that back.
+        running = Phase.RUNNING
+        decodes = [r for r in proposed if r.phase is running and r.num_launched < r.capacity]
         if config.disjoint:  # a share of the running requests, so every stage has one
-            running = sum(r.phase is Phase.RUNNING for r in by_order)
-            decodes = decodes[: -(-running // config.stages)]
+            num_running = sum(r.phase is running for r in holding)
+            decodes = decodes[: -(-num_running // config.stages)]
+        decode_rows: list[int] = []
+        decode_starts: list[int] = []
         for req in decodes:
             assert req.row is not None
             assert req.num_launched == len(req.tokens) + req.pending - 1
-            seqs.append(SeqChunk(req.row, req.num_launched, 1, None, True))
-            req.num_launched += 1
-            members.append(Member(req.rid, True, req.num_launched, req.num_launched - 1))
+            decode_rows.append(req.row)
+            start = req.num_launched
+            decode_starts.append(start)
+            req.num_launched = start + 1
             req.pending += 1
             req.inflight += 1
-        budget = config.prefill_budget(len(seqs))
-        for req in by_order:
+        budget = config.prefill_budget(len(decode_rows))
+        for req in holding:
             if req.phase is not Phase.PREFILL or budget <= 0:
                 continue
             if config.disjoint and req.inflight:
@@ -99,52 +123,80 @@ class LaunchedBatches:
             if sample:
                 req.pending += 1
                 req.phase = Phase.RUNNING
-        if not seqs:
+        if not members and not decodes:
             return None
         batch_id = self.next_batch_id
         self.next_batch_id += 1
-        self.by_id[batch_id] = members
+        self.by_id[batch_id] = LaunchedBatch(decodes, decode_starts, members)
         writes, self.pending_writes = tuple(self.pending_writes), []
-        return Launch(batch_id, writes, tuple(seqs))
+        return Launch(batch_id, writes, tuple(seqs), tuple(decode_rows), tuple(decode_starts))
 
     def result(self, done: StepDone, reqs: Mapping[str, Req]) -> list[Output]:
         """A batch's tokens came back: one output per sampling member still going; a
         finished one moves to finishing (released in a later plan)."""
-        outputs = []
-        tokens = iter(done.next_tokens)
-        logprobs = iter(done.logprobs or (None,) * len(done.next_tokens))
-        for rid, samples, end, _ in self.by_id.pop(done.batch_id):
+        outputs: list[Output] = []
+        batch = self.by_id.pop(done.batch_id)
+        tokens = done.next_tokens
+        logprobs = done.logprobs or (None,) * len(tokens)
+        decoded = zip(batch.decodes, batch.decode_starts, tokens, logprobs, strict=False)
+        for req, start, token, logprob in decoded:
+            req.inflight -= 1
+            req.pending -= 1
+            if start >= req.num_computed:
+                req.num_computed = start + 1
+            self._sampled(req, token, logprob, outputs)
+        i = len(batch.decodes)
+        for rid, samples, end, start in batch.chunks:
             req = reqs[rid]
             req.inflight -= 1
-            req.num_computed = max(req.num_computed, end)
-            if not samples:
-                continue
-            token, logprob = next(tokens), next(logprobs)
-            req.pending -= 1
-            if req.phase is Phase.FINISHING:
-                continue  # launched before its finish was known: discard
-            if req.role == "send":  # held back until its KV has landed
-                held = transfers.first_token(req, token, logprob, self.config.page_size)
-                self.outbox.to_transfer(held)
-                continue
-            req.tokens.append(token)
-            finish = finish_reason(req, token, self.config.eos_token_ids)
-            cached = req.num_cached_tokens if req.num_outputs == 1 else None
-            outputs.append(
-                Output(
-                    rid,
-                    (token,),
-                    finish,
-                    num_cached_tokens=cached,
-                    matched_token=token if finish == "stop" else None,
-                    logprobs=None if logprob is None else (logprob,),
-                )
-            )
-            if finish is not None:
-                req.phase, req.finish = Phase.FINISHING, finish
+            if end > req.num_computed:
+                req.num_computed = end
+                if start < req.num_prompt:
+                    self.prompt_progress = True
+            if samples:
+                req.pending -= 1
+                self._sampled(req, tokens[i], logprobs[i], outputs)
+                i += 1
         return outputs
+
+    def _sampled(
+        self, req: Req, token: int, logprob: TokenLogprob | None, outputs: list[Output]
+    ) -> None:
+        """A token sampled for `req` came back: its output, unless it is to be discarded."""
+        if req.phase is Phase.FINISHING:
+            return  # launched before its finish was known: discard
+        if req.role == "send":  # held back until its KV has landed
+            held = transfers.first_token(req, token, logprob, self.config.page_size)
+            self.outbox.to_transfer(held)
+            return
+        req.tokens.append(token)
+        finish = finish_reason(req, token, self.config.eos_token_ids)
+        first = len(req.tokens) - req.num_prompt == 1
+        if finish is None and logprob is None and not first:
+            outputs.append(Output(req.rid, (token,)))  # the steady step's output
+            return
+        outputs.append(
+            Output(
+                req.rid,
+                (token,),
+                finish,
+                num_cached_tokens=req.num_cached_tokens if first else None,
+                matched_token=token if finish == "stop" else None,
+                logprobs=None if logprob is None else (logprob,),
+            )
+        )
+        if finish is not None:
+            req.phase, req.finish = Phase.FINISHING, finish
+
+    def take_prompt_progress(self) -> bool:
+        """Whether a result computed prompt positions since the last call."""
+        progress, self.prompt_progress = self.prompt_progress, False
+        return progress
 
     def forget(self, batch_id: int, reqs: Mapping[str, Req]) -> None:
         """A batch failed: it reads nothing any more, and its tokens never come."""
-        for member in self.by_id.pop(batch_id):
+        batch = self.by_id.pop(batch_id)
+        for req in batch.decodes:
+            req.inflight -= 1
+        for member in batch.chunks:
             reqs[member.rid].inflight -= 1

@@ -31,6 +31,7 @@ from shoal.actors.messages import (
     Output,
     Plan,
     PlanRequest,
+    PublishReq,
     ReleaseReq,
     StepDone,
     TransferEnded,
@@ -38,9 +39,9 @@ from shoal.actors.messages import (
 )
 from shoal.actors.replies import SchedulerSnapshot
 from shoal.actors.scheduler import planner_transfers as transfers
-from shoal.actors.scheduler.launched_batches import LaunchedBatches, Member, wants_decode
+from shoal.actors.scheduler.launched_batches import LaunchedBatch, LaunchedBatches, wants_decode
 from shoal.actors.scheduler.prefix_sharing import prefixes_in_progress, publishes_due
-from shoal.actors.scheduler.request import Phase, PlannerConfig, Req
+from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, pages_for
 from shoal.actors.scheduler.request_table import Outbox, RequestTable
 from shoal.actors.scheduler.window_trims import window_trims
 from shoal.actors.transfer_messages import TransferMsg
@@ -59,6 +60,10 @@ class Planner:
         self.stalled = False  # the last plan changed nothing: wait for a result or a request
         self.paused = False  # schedule nothing new; only releases go on
         self.trimmed_to: dict[str, int] = {}  # trims asked, per holding rid
+        self.proposed_decodes: list[Req] = []  # the outstanding plan's decodes, in order
+        # A request's computed prompt may have grown (a result, an admission, a transfer)
+        # since publishes_due last ran (prefix_sharing.py).
+        self.publishes_may_be_due = False
 
     # ---- questions ------------------------------------------------------------------------
 
@@ -67,7 +72,7 @@ class Planner:
         return self.requests.reqs
 
     @property
-    def batches(self) -> dict[int, list[Member]]:
+    def batches(self) -> dict[int, LaunchedBatch]:
         """Launched batches whose results are not yet processed, by batch id."""
         return self.launched.by_id
 
@@ -100,7 +105,9 @@ class Planner:
             retracting=phase(Phase.RETRACTING),
             finishing=phase(Phase.FINISHING),
             transfer=phase(Phase.TRANSFER),
-            launched_batches={b: tuple(m.rid for m in ms) for b, ms in self.batches.items()},
+            launched_batches={
+                b: tuple(m.rid for m in batch.members()) for b, batch in self.batches.items()
+            },
             rows={r.rid: r.row for r in self.reqs.values() if r.row is not None},
             progress={r.rid: r.num_launched for r in self.reqs.values()},
             plan_pending=self.plan_pending,
@@ -152,6 +159,7 @@ class Planner:
         if req is None or not transfers.concerns(req, done):
             return []
         self.stalled = False
+        self.publishes_may_be_due = True
         return self.requests.transfer_ended(req, done)
 
     def take_released(self) -> list[str]:
@@ -166,12 +174,20 @@ class Planner:
     # ---- the loop -------------------------------------------------------------------------
 
     def propose(self, step: int) -> PlanRequest | None:
+        holding = self.holding()
+        config = self.config
         releases = []
-        for req in self.holding():
-            done = req.phase in (Phase.FINISHING, Phase.RETRACTING)
-            if done and req.inflight == 0 and not req.release_sent and not req.transfer_open:
-                req.release_sent = True
-                computed, session = req.kept_tokens(self.config.prefix_cache)
+        decodes: list[Req] = []  # running requests with a token to decode
+        has_prefill = False
+        for req in holding:
+            phase = req.phase
+            if phase is Phase.RUNNING:
+                if wants_decode(req, config):
+                    decodes.append(req)
+            elif phase is Phase.PREFILL:
+                has_prefill = True
+            elif (phase is Phase.FINISHING or phase is Phase.RETRACTING) and released_now(req):
+                computed, session = req.kept_tokens(config.prefix_cache)
                 releases.append(ReleaseReq(req.rid, computed, session))
         # A stall waits for a result or a request, but never holds back a release: a request
         # failed while its plan was out (a failed step) has nothing left to wait for.
@@ -181,48 +197,67 @@ class Planner:
             if not releases:
                 return None
             self.plan_pending = True
+            self.proposed_decodes = []
             return PlanRequest(step, tuple(releases), (), ())
+        # A steady decode asks nothing of the cache manager: only a request about to cross
+        # its row's last page is extended.
         extends = [
-            ExtendReq(r.rid, r.num_launched + 1)
-            for r in self.holding()
-            if wants_decode(r, self.config)
+            ExtendReq(r.rid, r.num_launched + 1) for r in decodes if r.num_launched >= r.capacity
         ]
-        publishes = publishes_due(self.holding(), self.config)
+        publishes: tuple[PublishReq, ...] = ()
+        if self.publishes_may_be_due:  # only a prompt's progress makes one due
+            self.publishes_may_be_due = False
+            publishes = publishes_due(holding, config)
         trims = self._trims()
-        budget = self.config.prefill_budget(len(extends))
-        has_prefill = any(r.phase is Phase.PREFILL for r in self.reqs.values())
-        admits: list[AdmitReq] = []
-        if not self.pressure:
-            computing = prefixes_in_progress(self.holding(), self.config)
-            num_holding = len(self.holding()) - len(releases)
-            for rid in self.requests.waiting:
-                if num_holding + len(admits) >= self.config.max_running:
-                    break
-                req = self.reqs[rid]
-                if budget <= 0 and (admits or has_prefill or extends):
-                    break
-                if computing is not None and req.session_id is None and req.role != "receive":
-                    if computing.should_wait(req.tokens):
-                        continue  # admitted once the shared prefix is in the tree
-                    computing.add(req.tokens, 0)
-                reserve = transfers.reserve_tokens(req)
-                exports = req.role is not None
-                admits.append(AdmitReq(rid, tuple(req.tokens), reserve, req.session_id, exports))
-                budget -= min(len(req.tokens), self.config.chunk_size)
-        if not (releases or extends or admits or has_prefill or publishes):
+        budget = config.prefill_budget(len(decodes))
+        admits = self._admits(holding, len(releases), budget, has_prefill or bool(decodes))
+        if not (releases or decodes or admits or has_prefill or publishes):
             return None  # nothing launches: the trims are asked for again next time
         self.plan_pending = True
+        self.proposed_decodes = decodes
         self.requests.admitting = {a.rid for a in admits}
         for trim in trims:
             self.trimmed_to[trim.rid] = trim.keep_from_token
         return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits), publishes, trims)
+
+    def _admits(
+        self, holding: list[Req], num_released: int, budget: int, busy: bool
+    ) -> list[AdmitReq]:
+        """Admissions in queue order within max_running and the step's prefill budget (a step
+        that launches nothing else admits one however long); none under pressure. Prefix
+        sharing's bookkeeping runs only when something waits."""
+        config = self.config
+        admits: list[AdmitReq] = []
+        if self.pressure or not self.requests.waiting:
+            return admits
+        computing = prefixes_in_progress(holding, config)
+        num_holding = len(holding) - num_released
+        for rid in self.requests.waiting:
+            if num_holding + len(admits) >= config.max_running:
+                break
+            req = self.reqs[rid]
+            if budget <= 0 and (admits or busy):
+                break
+            if computing is not None and req.session_id is None and req.role != "receive":
+                if computing.should_wait(req.tokens):
+                    continue  # admitted once the shared prefix is in the tree
+                computing.add(req.tokens, 0)
+            reserve = transfers.reserve_tokens(req)
+            exports = req.role is not None
+            admits.append(AdmitReq(rid, tuple(req.tokens), reserve, req.session_id, exports))
+            budget -= min(len(req.tokens), config.chunk_size)
+        return admits
 
     def _trims(self) -> tuple[TrimReq, ...]:
         if self.kv_window is None:
             return ()
         local = [r for r in self.holding() if r.role is None]  # a transfer reads every page
         return window_trims(
-            local, self.batches, self.kv_window, self.config.page_size, self.trimmed_to
+            local,
+            [batch.members() for batch in self.batches.values()],
+            self.kv_window,
+            self.config.page_size,
+            self.trimmed_to,
         )
 
     def apply_plan(self, plan: Plan) -> Launch | None:
@@ -237,7 +272,15 @@ class Planner:
         if plan.extend_failed:
             self.requests.retract_youngest()
         self.requests.admissions_answered(plan.admitted, plan.admit_failed)
-        launch = None if self.paused else self.launched.form(self.holding(), set(plan.extended))
+        if plan.admitted:
+            self.publishes_may_be_due = True
+        ps = self.config.page_size
+        reqs = self.reqs
+        for rid in plan.extended:
+            req = reqs[rid]  # extended to cover num_launched + 1, on whole pages
+            req.capacity = max(req.capacity, pages_for(req.num_launched + 1, ps) * ps)
+        decodes, self.proposed_decodes = self.proposed_decodes, []
+        launch = None if self.paused else self.launched.form(self.holding(), decodes)
         changed = plan.released or plan.admitted or self.outbox.errors
         self.stalled = launch is None and not changed and retractions == self.num_retractions
         return launch
@@ -248,4 +291,15 @@ class Planner:
         if done.error is not None:
             self.launched.forget(done.batch_id, self.reqs)
             return self.fail_all(f"forward failed: {done.error}")
-        return self.launched.result(done, self.reqs)
+        outputs = self.launched.result(done, self.reqs)
+        self.publishes_may_be_due |= self.launched.take_prompt_progress()
+        return outputs
+
+
+def released_now(req: Req) -> bool:
+    """Whether an ending request's release is asked now: nothing reads its row any more
+    (docs/architecture.md, law 3), no transfer touches its pages, and it was not asked yet."""
+    if req.inflight or req.release_sent or req.transfer_open:
+        return False
+    req.release_sent = True
+    return True

@@ -71,6 +71,9 @@ class Req:
     num_launched: int = 0
     num_computed: int = 0  # positions whose KV a finished batch wrote into the row
     num_published: int = 0  # of those, the prefix offered to the tree (KVCache.publish)
+    # Positions the row's pages are known to cover (a lower bound: the cache manager may have
+    # given more): a decode below it needs no extension (docs/architecture.md, "A steady step").
+    capacity: int = 0
     pending: int = 0
     inflight: int = 0
     needs_init: bool = False
@@ -104,6 +107,11 @@ class Req:
         if self.keep_outputs is not None:
             computed = computed[: self.num_prompt + self.keep_outputs]
         return tuple(computed), self.session_id
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Whole pages that hold num_tokens positions."""
+    return -(-num_tokens // page_size)
 
 
 def finish_reason(req: Req, token: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:

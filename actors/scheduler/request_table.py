@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from shoal.actors.messages import Admit, Admitted, Output, TransferEnded
 from shoal.actors.scheduler import planner_transfers as transfers
-from shoal.actors.scheduler.request import Phase, PlannerConfig, Req
+from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, pages_for
 from shoal.actors.transfer_messages import TransferMsg
 from shoal.results import ErrorCode, FinishReason
 
@@ -185,6 +185,9 @@ class RequestTable:
             self.waiting.remove(adm.rid)
             ended = req.phase is Phase.FINISHING  # aborted while its admission was in flight
             req.row, req.num_launched = adm.row, adm.num_cached_tokens
+            # KVCache.admit covers max(reserve, cached) positions with whole pages
+            covered = max(transfers.reserve_tokens(req), adm.num_cached_tokens)
+            req.capacity = pages_for(covered, self.config.page_size) * self.config.page_size
             req.num_computed = req.num_published = adm.num_cached_tokens
             if not ended:
                 req.phase, req.needs_init = Phase.PREFILL, True
@@ -223,7 +226,7 @@ class RequestTable:
 
     def _requeue(self, req: Req) -> None:
         req.phase, req.row, req.release_sent = Phase.WAITING, None, False
-        req.num_launched, req.drop_kv, req.finish = 0, False, None
+        req.num_launched, req.drop_kv, req.finish, req.capacity = 0, False, None, 0
         req.num_computed = req.num_published = 0
         position = sum(1 for rid in self.waiting if self.reqs[rid].order < req.order)
         self.waiting.insert(position, req.rid)

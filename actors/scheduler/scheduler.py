@@ -82,6 +82,7 @@ class Scheduler:
         self.parks: list[asyncio.Future[None]] = []
         self.faults = faults
         self.transfer = transfer  # disaggregation's transfer actor (actors/transfer/kv_transfer.py)
+        self.for_tokenizer: list[TokenizerMsg] = []  # outputs and releases, sent at turn end
 
     async def run(self) -> None:
         await serve("scheduler", self.mailbox, self.faults, self.handle, self.recover)
@@ -91,9 +92,10 @@ class Scheduler:
             return
         self.apply(msg)
         self._process_due()
-        self._maybe_plan()
+        self._maybe_plan()  # the next step goes out before this one's outputs
         self._when_quiet()
         self._send_transfers()
+        self._deliver()
 
     def recover(self, msg: SchedulerMsg, error: InternalError) -> None:
         """One message failed (actors/supervise.py): end the request or operation it stood
@@ -103,8 +105,8 @@ class Scheduler:
         planner = self.planner
         match msg:
             case Admit(rid=rid) if rid not in planner.reqs:
-                self.tokenizer.put(Outputs((Output(rid, (), "error", str(error)),)))
-                self.tokenizer.put(Released((rid,)))
+                self.for_tokenizer.append(Outputs((Output(rid, (), "error", str(error)),)))
+                self.for_tokenizer.append(Released((rid,)))
             case Admit(rid=rid) | Abort(rid=rid):
                 self._send(planner.fail(rid, str(error)))
             case StepDone(batch_id=batch_id) if batch_id in planner.batches:
@@ -120,6 +122,7 @@ class Scheduler:
                 self._send(planner.fail(rid, str(error)))
         self._maybe_plan()
         self._send_transfers()
+        self._deliver()
 
     def apply(self, msg: SchedulerMsg) -> None:
         planner = self.planner
@@ -161,11 +164,20 @@ class Scheduler:
                 self.pacer = self.pacer.told(order)
 
     def _send(self, outputs: list[Output]) -> None:
+        """For the tokenizer, in order, once this message's turn is over (`_deliver`)."""
         if outputs:
-            self.tokenizer.put(Outputs(tuple(outputs)))
+            self.for_tokenizer.append(Outputs(tuple(outputs)))
         released = self.planner.take_released()
         if released:
-            self.tokenizer.put(Released(tuple(released)))
+            self.for_tokenizer.append(Released(tuple(released)))
+
+    def _deliver(self) -> None:
+        """What `_send` kept, to the tokenizer: after the turn's plan request went out, so
+        the next step is planned (and on its way to the device) while the tokenizer actor
+        detokenizes and streams this one's outputs."""
+        for msg in self.for_tokenizer:
+            self.tokenizer.put(msg)
+        self.for_tokenizer.clear()
 
     def _send_transfers(self) -> None:
         for msg in self.planner.take_transfers():

@@ -30,7 +30,7 @@ class Launched(Protocol):
 
 def window_trims(
     holding: Iterable[Req],
-    batches: Mapping[int, Sequence[Launched]],
+    batches: Iterable[Sequence[Launched]],
     window: int,
     page_size: int,
     trimmed_to: Mapping[str, int],
@@ -39,7 +39,7 @@ def window_trims(
     read by none of its launched batches nor any later chunk; only where that moved past
     `trimmed_to` (the trims already asked for)."""
     first = {r.rid: r.num_launched for r in holding if r.phase in (Phase.PREFILL, Phase.RUNNING)}
-    for members in batches.values():
+    for members in batches:
         for m in members:
             if m.rid in first:
                 first[m.rid] = min(first[m.rid], m.start)

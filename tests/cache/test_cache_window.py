@@ -316,7 +316,7 @@ class WindowDevice:
             for i, page in enumerate(w.pages):
                 self.table.setdefault(w.row, {})[w.start + i] = page
         out = []
-        for seq in launch.seqs:
+        for seq in launch.all_seqs():
             if seq.init is not None:
                 self.tokens[seq.row] = [*seq.init.prompt_ids, *seq.init.output_ids]
             toks = self.tokens[seq.row]
@@ -374,7 +374,7 @@ class WindowSim:
     def reads(self, launch: Launch) -> set[int]:
         """The pages each query of the launch reads: keys from start - W + 1 on."""
         pages = set()
-        for seq in launch.seqs:
+        for seq in launch.all_seqs():
             row = self.kv.rows.pages(seq.row)
             for key in range(max(seq.start - self.window + 1, 0), seq.start + seq.num_tokens):
                 assert row[key // self.ps] != HOLE, f"launch reads a hole at {key}"

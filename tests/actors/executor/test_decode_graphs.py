@@ -61,11 +61,10 @@ def steps(state: DeviceState, num_decode_steps: int) -> list[tuple[int, ...]]:
     tokens = [state.launch(Launch(0, writes, prefill)).result()[0]]
     for step in range(num_decode_steps):
         live = len(ROWS) if step < FOURTH_STOPS_AFTER else len(ROWS) - 1
-        seqs = tuple(
-            SeqChunk(row, len(p) + step, 1, None, True)
-            for row, p in zip(ROWS[:live], PROMPTS[:live], strict=True)
-        )
-        tokens.append(state.launch(Launch(step + 1, (), seqs)).result()[0])
+        rows = tuple(ROWS[:live])
+        starts = tuple(len(p) + step for p in PROMPTS[:live])
+        launch = Launch(step + 1, (), (), decode_rows=rows, decode_starts=starts)
+        tokens.append(state.launch(launch).result()[0])
     return tokens
 
 

@@ -4,128 +4,10 @@ step by step."""
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
+from planner_sim import Sim, solo
 
-from shoal.actors.cache_manager.cache_manager import CacheManager
-from shoal.actors.executor_messages import Launch
-from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import Admit, Output, StepDone
-from shoal.actors.scheduler.planner import Planner
-from shoal.actors.scheduler.request import Phase, PlannerConfig
-from shoal.cache.kv import KVCache
-from shoal.params import SamplingParams
-
-EOS = 2
-
-
-class FakeDevice:
-    """Next token = a hash of (position, input token); the 'model' never looks further back,
-    so a request's tokens do not depend on batching, chunking or retraction."""
-
-    def __init__(self, eos_after: dict[int, int] | None = None) -> None:
-        self.last_token: dict[int, int] = {}
-        self.rows_read: list[set[int]] = []
-
-    def run(self, launch: Launch) -> StepDone:
-        out = []
-        self.rows_read.append({s.row for s in launch.seqs})
-        for seq in launch.seqs:
-            if seq.input_ids is None:
-                last, pos = self.last_token[seq.row], seq.start
-            else:
-                last, pos = seq.input_ids[-1], seq.start + seq.num_tokens - 1
-            if seq.sample:
-                token = (last * 31 + pos * 7) % 89 + 3
-                self.last_token[seq.row] = token
-                out.append(token)
-        return StepDone(launch.batch_id, tuple(out))
-
-
-class Sim:
-    def __init__(
-        self,
-        *,
-        num_pages: int = 64,
-        page_size: int = 4,
-        num_rows: int = 8,
-        chunk_size: int = 64,
-        max_inflight: int = 2,
-        eos: tuple[int, ...] = (EOS,),
-        max_mixed_prefill_tokens: int = 0,
-    ) -> None:
-        self.kv = KVCache(
-            num_pages=num_pages, page_size=page_size, num_rows=num_rows, max_pages_per_row=64
-        )
-        self.cache = CacheManager(self.kv, Mailbox("c"), Mailbox("s"), strict=True)
-        self.planner = Planner(
-            PlannerConfig(
-                num_rows,
-                chunk_size,
-                256,
-                eos,
-                max_mixed_prefill_tokens=max_mixed_prefill_tokens,
-                page_size=page_size,
-            )
-        )
-        self.device = FakeDevice()
-        self.max_inflight = max_inflight
-        self.launched: deque[Launch] = deque()
-        self.outputs: dict[str, list[Output]] = {}
-        self.released: list[str] = []
-        self.step_no = 0
-        self.last_launch: Launch | None = None
-
-    def add(self, rid: str, prompt: list[int], **sampling: object) -> None:
-        params = SamplingParams(temperature=0.0, **sampling)  # type: ignore[arg-type]
-        self.planner.add(Admit(rid, tuple(prompt), params, 0))
-
-    def record(self, outputs: list[Output]) -> None:
-        for out in outputs + self.planner.take_errors():
-            self.outputs.setdefault(out.rid, []).append(out)
-        self.released += self.planner.take_released()
-
-    def plan_and_launch(self) -> bool:
-        """One scheduler round trip up to the launch. False if nothing was planned."""
-        request = self.planner.propose(self.step_no)
-        if request is None:
-            return False
-        self.step_no += 1
-        launch = self.planner.apply_plan(self.cache.plan(request))
-        self.record([])
-        self.last_launch = launch
-        if launch is not None:
-            self.launched.append(launch)
-        return True
-
-    def complete_one(self) -> None:
-        self.record(self.planner.process(self.device.run(self.launched.popleft())))
-
-    def run(self, max_steps: int = 10_000) -> None:
-        for _ in range(max_steps):
-            if self.planner.idle:
-                break
-            if len(self.launched) < self.max_inflight and self.plan_and_launch():
-                continue
-            assert self.launched, f"stuck: {self.planner.snapshot()}"
-            self.complete_one()
-        assert self.planner.idle
-        assert self.cache.check(loud=True) is None
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for out in self.outputs[rid] for t in out.token_ids]
-
-    def finish(self, rid: str) -> str | None:
-        return self.outputs[rid][-1].finish
-
-
-def solo(prompt: list[int], **sampling: object) -> list[int]:
-    sim = Sim(max_inflight=1)
-    sim.add("solo", prompt, **sampling)
-    sim.run()
-    return sim.tokens("solo")
-
+from shoal.actors.scheduler.request import Phase
 
 PROMPTS = {f"r{i}": [(i * 13 + j * 5) % 50 + 3 for j in range(5 + 7 * i)] for i in range(6)}
 
@@ -152,7 +34,7 @@ def test_chunked_prefill_keeps_one_row_and_samples_once() -> None:
         if sim.last_launch is not None:
             launches.append(sim.last_launch)
             sim.complete_one()
-    seqs = [launch.seqs[0] for launch in launches]
+    seqs = [launch.all_seqs()[0] for launch in launches]
     assert [s.start for s in seqs] == [0, 4, 8, 12]
     assert len({s.row for s in seqs}) == 1
     assert [s.sample for s in seqs] == [False, False, False, True]
@@ -172,8 +54,10 @@ def test_a_step_that_decodes_takes_at_most_the_mixed_prefill_cap(cap: int) -> No
         if not sim.launched and sim.plan_and_launch():
             continue
         launch = sim.launched[0]
-        decodes = sum(1 for seq in launch.seqs if seq.input_ids is None)
-        prompt_tokens = sum(seq.num_tokens for seq in launch.seqs if seq.input_ids is not None)
+        decodes = sum(1 for seq in launch.all_seqs() if seq.input_ids is None)
+        prompt_tokens = sum(
+            seq.num_tokens for seq in launch.all_seqs() if seq.input_ids is not None
+        )
         if decodes:
             prefill_with_decodes.append(prompt_tokens)
         sim.complete_one()
@@ -212,7 +96,7 @@ def test_decodes_never_run_past_max_new_tokens() -> None:
     while not sim.planner.idle:
         if len(sim.launched) < 3 and sim.plan_and_launch():
             if sim.last_launch is not None:
-                sampled += sum(s.sample for s in sim.last_launch.seqs)
+                sampled += sum(s.sample for s in sim.last_launch.all_seqs())
             continue
         sim.complete_one()
     assert sampled == 4
@@ -295,9 +179,9 @@ def test_rows_are_reused_only_after_every_reader_completed() -> None:
         if len(sim.launched) < 3 and sim.plan_and_launch():
             owners_per_launch = []
             for launch in sim.launched:
-                rids = [m.rid for m in sim.planner.batches[launch.batch_id]]
+                rids = [m.rid for m in sim.planner.batches[launch.batch_id].members()]
                 owners_per_launch.append(
-                    {s.row: rid for s, rid in zip(launch.seqs, rids, strict=False)}
+                    {s.row: rid for s, rid in zip(launch.all_seqs(), rids, strict=False)}
                 )
             for row in {row for owners in owners_per_launch for row in owners}:
                 assert len({o[row] for o in owners_per_launch if row in o}) == 1
@@ -338,7 +222,7 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(max_inflight: i
         if len(sim.launched) < sim.max_inflight and sim.plan_and_launch():
             launch = sim.last_launch
             if launch is not None:
-                prefill_tokens += sum(s.num_tokens for s in launch.seqs if s.input_ids)
+                prefill_tokens += sum(s.num_tokens for s in launch.all_seqs() if s.input_ids)
             r1 = sim.planner.reqs.get("r1")
             overlapped |= r1 is not None and r1.row is not None and "r0" not in sim.released
             continue
