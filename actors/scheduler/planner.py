@@ -39,9 +39,10 @@ from shoal.actors.messages import (
 )
 from shoal.actors.replies import SchedulerSnapshot
 from shoal.actors.scheduler import planner_transfers as transfers
+from shoal.actors.scheduler.admissions import admissions
 from shoal.actors.scheduler.launched_batches import LaunchedBatch, LaunchedBatches, wants_decode
-from shoal.actors.scheduler.prefix_sharing import prefixes_in_progress, publishes_due
-from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, pages_for
+from shoal.actors.scheduler.prefix_sharing import publishes_due
+from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, pages_for, released_now
 from shoal.actors.scheduler.request_table import Outbox, RequestTable
 from shoal.actors.scheduler.window_trims import window_trims
 from shoal.actors.transfer_messages import TransferMsg
@@ -210,7 +211,10 @@ class Planner:
             publishes = publishes_due(holding, config)
         trims = self._trims()
         budget = config.prefill_budget(len(decodes))
-        admits = self._admits(holding, len(releases), budget, has_prefill or bool(decodes))
+        admits: list[AdmitReq] = []
+        if not self.pressure:  # prefix sharing's bookkeeping runs only when something waits
+            busy = has_prefill or bool(decodes)
+            admits = admissions(self.requests, holding, len(releases), budget, busy)
         if not (releases or decodes or admits or has_prefill or publishes):
             return None  # nothing launches: the trims are asked for again next time
         self.plan_pending = True
@@ -219,34 +223,6 @@ class Planner:
         for trim in trims:
             self.trimmed_to[trim.rid] = trim.keep_from_token
         return PlanRequest(step, tuple(releases), tuple(extends), tuple(admits), publishes, trims)
-
-    def _admits(
-        self, holding: list[Req], num_released: int, budget: int, busy: bool
-    ) -> list[AdmitReq]:
-        """Admissions in queue order within max_running and the step's prefill budget (a step
-        that launches nothing else admits one however long); none under pressure. Prefix
-        sharing's bookkeeping runs only when something waits."""
-        config = self.config
-        admits: list[AdmitReq] = []
-        if self.pressure or not self.requests.waiting:
-            return admits
-        computing = prefixes_in_progress(holding, config)
-        num_holding = len(holding) - num_released
-        for rid in self.requests.waiting:
-            if num_holding + len(admits) >= config.max_running:
-                break
-            req = self.reqs[rid]
-            if budget <= 0 and (admits or busy):
-                break
-            if computing is not None and req.session_id is None and req.role != "receive":
-                if computing.should_wait(req.tokens):
-                    continue  # admitted once the shared prefix is in the tree
-                computing.add(req.tokens, 0)
-            reserve = transfers.reserve_tokens(req)
-            exports = req.role is not None
-            admits.append(AdmitReq(rid, tuple(req.tokens), reserve, req.session_id, exports))
-            budget -= min(len(req.tokens), config.chunk_size)
-        return admits
 
     def _trims(self) -> tuple[TrimReq, ...]:
         if self.kv_window is None:
@@ -294,12 +270,3 @@ class Planner:
         outputs = self.launched.result(done, self.reqs)
         self.publishes_may_be_due |= self.launched.take_prompt_progress()
         return outputs
-
-
-def released_now(req: Req) -> bool:
-    """Whether an ending request's release is asked now: nothing reads its row any more
-    (docs/architecture.md, law 3), no transfer touches its pages, and it was not asked yet."""
-    if req.inflight or req.release_sent or req.transfer_open:
-        return False
-    req.release_sent = True
-    return True

@@ -109,6 +109,15 @@ class Req:
         return tuple(computed), self.session_id
 
 
+def released_now(req: Req) -> bool:
+    """Whether an ending request's release is asked now: nothing reads its row any more
+    (docs/architecture.md, law 3), no transfer touches its pages, and it was not asked yet."""
+    if req.inflight or req.release_sent or req.transfer_open:
+        return False
+    req.release_sent = True
+    return True
+
+
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Whole pages that hold num_tokens positions."""
     return -(-num_tokens // page_size)
