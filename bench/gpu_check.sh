@@ -7,6 +7,7 @@
 #
 # Parts, in this order (each under `timeout`, all inside one deadline, GPU_CHECK_BUDGET_S,
 # default 480 s: a part that hangs or fails costs only its own share):
+#   T  tests/kernels/test_sampling*.py and tests/actors/executor, on CUDA where they can
 #   A  bench/host_cost.py --paths graph: the host's cost of a decode step, the trivial forward
 #      captured into real CUDA graphs; batches 1 64 256, greedy and sampled (A5: --device-ms 5)
 #   B  bench/random_model.py + bench/offline.py (shoal, decode steps, generate at batch 256) on
@@ -118,6 +119,13 @@ print("triton", triton.__version__, "transformers", transformers.__version__)
 print("shoal from", shoal.__file__)
 print("msgspec", md.version("msgspec"), "gguf", md.version("gguf"), "py-spy", shutil.which("py-spy"))
 '
+
+# ---- T: the tests whose CUDA paths run nowhere else (sampling on the device, the executor's
+# per-row tensors, graphs fed on the device); the GGUF of tests/engine/test_cuda.py does not
+# travel (98 MB), so the end-to-end runs below stand in for it -------------------------------
+T_FILES=(tests/kernels/test_sampling.py tests/kernels/test_sampling_columns.py tests/actors/executor)
+PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 part T-tests 150 "$PY" -m pytest -q -x -p asyncio \
+  -p no:cacheprovider "${T_FILES[@]}"
 
 # ---- A: the host's cost of a decode step on CUDA graphs -------------------------------------
 HC=(bench/host_cost.py --paths graph --batches "${HC_BATCHES[@]}" --steps "$HC_STEPS"

@@ -176,8 +176,7 @@ class StepCounter:
     def count(self, launch: Launch) -> None:
         with self.lock:
             self.launched += 1
-            seqs = launch.all_seqs()
-            if len(seqs) != self.batch or any(s.input_ids is not None for s in seqs):
+            if len(launch.decode_rows) != self.batch or launch.seqs:  # not a steady step
                 self.off += 1
             if self.launched == self.target:
                 self.tell()

@@ -4,17 +4,24 @@ Pipeline (a row pays only for the stages its SamplingParams turn on):
 
     logits ─ penalties ─ row constraints ─ min_new_tokens mask ─┬─ greedy rows:  argmax
                                                                 └─ sampled rows: / T ─ softmax
-                                           ─ top-k ─ top-p ─ min-p ─ exponential race
+                                           ─ top-k ─ top-p ─ min-p ─ inverse CDF at one uniform
+
+`sample(logits, rows)` takes each row's view (`SamplingRow`); the edits that need a row's
+history (penalties, row constraints, the min_new_tokens mask) are `edit_logits`, per row, and
+what follows runs on the batch's parameters as columns (kernels/sampling_columns.py), which the
+executor also keeps per row on the device (actors/executor/sampling_slots.py) so that a batch
+of plain rows costs no per-row Python.
 
 Row constraints (kernels/constraints.py: logit_bias, and what a request asks of its row's
 logits beyond these filters) are the one hook: each edits its own row's logits.
 
 Invariants:
 - The caller's logits are never written to.
-- Only the per-row noise loops over rows in Python; the filters run on the whole sub-batch.
-- A row's noise comes from its own generator seeded with mix_seed(seed, step), so a
-  request draws the same tokens whatever its neighbours and its place in the batch (on a given
-  device kind: CPU and CUDA generators give different streams).
+- Only the edits loop over rows in Python, over the rows that have any.
+- A row's draw is one uniform from mix_seed(seed, step) (sampling_columns.row_uniforms), so a
+  request draws the same tokens whatever its neighbours and its place in the batch, and
+  whichever path (these views or the executor's columns) sampled it. The bits are the same on
+  every device; the token may still differ where CPU and CUDA round the softmax differently.
 - Temperatures below MIN_TEMPERATURE count as greedy: dividing by them overflows float32.
 - top-k keeps every token tied with the k-th (Hugging Face's rule) on both of its code paths,
   so which path a neighbour's parameters select never changes a row's result.
@@ -30,9 +37,14 @@ import torch
 
 from shoal.kernels.constraints import RowConstraint
 from shoal.kernels.device_copy import to_device
+from shoal.kernels.sampling_columns import (
+    MIN_TEMPERATURE,
+    columns_of,
+    sample_columns,
+    splitmix64,
+    stream_counter,
+)
 from shoal.params import SamplingParams
-
-MIN_TEMPERATURE = 1e-5
 
 _MASK64 = (1 << 64) - 1
 
@@ -57,15 +69,9 @@ class SamplingRow:
 
 
 def mix_seed(seed: int, step: int) -> int:
-    """A splitmix64 hash of (seed, step), cut to 63 bits so torch's manual_seed accepts it."""
-    return _splitmix64((_splitmix64(seed) + step) & _MASK64) >> 1
-
-
-def _splitmix64(x: int) -> int:
-    z = (x + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+    """A splitmix64 hash of (seed, step), cut to 63 bits (the reference of
+    sampling_columns.row_uniforms, which takes its top 24)."""
+    return splitmix64((splitmix64(seed) + step) & _MASK64) >> 1
 
 
 def sample(
@@ -79,35 +85,33 @@ def sample(
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     if all(_plain_greedy(row, eos_token_ids) for row in rows):
         return logits.argmax(dim=-1)
+    edited = edit_logits(logits, rows, range(len(rows)), eos_token_ids)
+    counters = [stream_counter(row.seed, row.step) for row in rows]
+    params = [row.params for row in rows]
+    return sample_columns(edited, columns_of(params, counters, logits.shape[1], logits.device))
 
+
+def edit_logits(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    at: Sequence[int],
+    eos_token_ids: Sequence[int] = (),
+) -> torch.Tensor:
+    """The edits that need a row's history: penalties, row constraints and the min_new_tokens
+    mask, for rows[i] at row at[i] of logits. Returns logits itself when no row edits, else an
+    edited float32 copy (the caller's logits are never written to)."""
     penalized = [i for i, row in enumerate(rows) if has_penalty(row.params)]
     masked = [i for i, row in enumerate(rows) if _masks_stop_tokens(row, eos_token_ids)]
     constrained = [i for i, row in enumerate(rows) if row.constraints]
-    if penalized or masked or constrained:
-        logits = logits.to(torch.float32, copy=True)  # ours to edit in place from here
-        _apply_penalties_(logits, [rows[i] for i in penalized], penalized)
-        for i in constrained:
-            for constraint in rows[i].constraints:
-                constraint.mask_(logits[i])
-        _mask_stop_tokens_(logits, [rows[i] for i in masked], masked, eos_token_ids)
-    else:
-        logits = logits.float()
-
-    sampled = [i for i, row in enumerate(rows) if row.params.temperature >= MIN_TEMPERATURE]
-    if len(sampled) < len(rows):
-        next_tokens = logits.argmax(dim=-1)
-        if not sampled:
-            return next_tokens
-        sampled_index = to_device(sampled, torch.int64, logits.device)
-        logits = logits.index_select(0, sampled_index)
-    sampled_rows = [rows[i] for i in sampled]
-    probs = _filtered_probs(logits, sampled_rows)
-    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p / sum(p), so the
-    # filtered probabilities need no renormalizing.
-    race = probs / _exponential_noise(sampled_rows, logits.shape[1], logits.device)
-    if len(sampled) == len(rows):
-        return race.argmax(dim=-1)
-    return next_tokens.index_put((sampled_index,), race.argmax(dim=-1))
+    if not (penalized or masked or constrained):
+        return logits
+    logits = logits.to(torch.float32, copy=True)  # ours to edit in place from here
+    _apply_penalties_(logits, [rows[i] for i in penalized], [at[i] for i in penalized])
+    for i in constrained:
+        for constraint in rows[i].constraints:
+            constraint.mask_(logits[at[i]])
+    _mask_stop_tokens_(logits, [rows[i] for i in masked], [at[i] for i in masked], eos_token_ids)
+    return logits
 
 
 def compute_logprobs(
@@ -132,8 +136,13 @@ def has_penalty(params: SamplingParams) -> bool:
     )
 
 
+def masks_stop_tokens(params: SamplingParams, step: int, eos_token_ids: Sequence[int]) -> bool:
+    """Whether a row at `step` still has its eos and stop tokens masked (min_new_tokens)."""
+    return step < params.min_new_tokens and bool(eos_token_ids or params.stop_token_ids)
+
+
 def _masks_stop_tokens(row: SamplingRow, eos_token_ids: Sequence[int]) -> bool:
-    return row.step < row.params.min_new_tokens and bool(eos_token_ids or row.params.stop_token_ids)
+    return masks_stop_tokens(row.params, row.step, eos_token_ids)
 
 
 def _plain_greedy(row: SamplingRow, eos_token_ids: Sequence[int]) -> bool:
@@ -208,74 +217,3 @@ def _mask_stop_tokens_(
             to_device(mask_token, torch.int64, device),
         )
         logits[index] = float("-inf")
-
-
-def _filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, softmax, then top-k, top-p and min-p as zeros; not renormalized."""
-    device = logits.device
-    vocab_size = logits.shape[1]
-    temperature = to_device([row.params.temperature for row in rows], torch.float32, device)
-    probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
-
-    top_k = [row.params.top_k if 0 < row.params.top_k < vocab_size else vocab_size for row in rows]
-    top_p = [row.params.top_p for row in rows]
-    if any(p < 1.0 for p in top_p):
-        probs = _top_k_top_p(probs, top_k, top_p)
-    elif any(k < vocab_size for k in top_k):
-        probs = _top_k(probs, top_k)
-
-    min_p = [row.params.min_p for row in rows]
-    if any(p > 0.0 for p in min_p):
-        threshold = (
-            probs.amax(dim=-1, keepdim=True) * to_device(min_p, torch.float32, device)[:, None]
-        )
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
-
-
-def _top_k(probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Zero all but each row's k most likely tokens (ties with the k-th all stay, as in HF).
-
-    torch.topk up to the largest k used instead of a full sort of V.
-    """
-    device, vocab_size = probs.device, probs.shape[1]
-    largest = probs.topk(max(k for k in top_k if k < vocab_size), dim=-1).values
-    k = to_device(top_k, torch.int64, device).unsqueeze(1)
-    kth = largest.gather(1, (k.clamp(max=largest.shape[1]) - 1))
-    threshold = torch.where(k < vocab_size, kth, torch.zeros_like(kth))
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
-def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Zero all but each row's k most likely tokens, then all but its nucleus among those.
-
-    top-p is measured on the top-k survivors renormalized (as Hugging Face and vLLM do): a token
-    stays while the mass ranked above it is below top_p of the surviving mass, so the most likely
-    token always stays.
-    """
-    device = probs.device
-    sorted_probs, sorted_index = probs.sort(dim=-1, descending=True)
-    k = to_device(top_k, torch.int64, device).unsqueeze(1)
-    keep = sorted_probs >= sorted_probs.gather(1, k - 1)  # ties with the k-th stay, as in _top_k
-    sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
-
-    p = to_device(top_p, probs.dtype, device).unsqueeze(1)
-    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-    kept_mass = sorted_probs.sum(dim=-1, keepdim=True)
-    keep &= (mass_above < p * kept_mass) | (p >= 1.0)
-
-    keep_by_token = torch.zeros_like(keep).scatter(1, sorted_index, keep)
-    return probs.masked_fill(~keep_by_token, 0.0)
-
-
-def _exponential_noise(
-    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """Exp(1) noise [len(rows), V]; row i depends only on rows[i]'s seed and step."""
-    noise = torch.empty((len(rows), vocab_size), device=device)
-    generator = torch.Generator(device=device)
-    for i, row in enumerate(rows):
-        generator.manual_seed(mix_seed(row.seed, row.step))
-        noise[i].exponential_(generator=generator)
-    # A zero draw would turn p = 0 into nan (0 / 0), which argmax prefers.
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)

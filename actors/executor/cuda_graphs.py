@@ -21,7 +21,6 @@ import bisect
 import torch
 
 from shoal.kernels.batch import BatchShape
-from shoal.kernels.device_copy import to_device
 from shoal.kernels.triton.attention import DecodePart, TritonBatch, decode_splits, slot_mapping_of
 from shoal.models.decoder import DecoderModel
 from shoal.models.kv_pool import KVPool
@@ -100,11 +99,12 @@ class DecodeGraphs:
         )
 
     def fits(self, shape: BatchShape, num_sampling: int) -> bool:
+        """A batch of one token a sequence, each sampling, no larger than the largest graph."""
         num_seqs = len(shape.rows)
         return (
             0 < num_seqs <= self.sizes[-1]
             and num_sampling == num_seqs
-            and all(n == 1 for n in shape.extend_lens)
+            and shape.extend_lens.count(1) == num_seqs
         )
 
     def size_for(self, num_seqs: int) -> int:
@@ -112,22 +112,18 @@ class DecodeGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, shape: BatchShape
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
-        """Replay for a decode batch that `fits`; returns its logits [b, V]."""
-        b = len(shape.rows)
+        """Replay for a decode batch that `fits` (its tokens' rows on the device, [b]); returns
+        its logits [b, V]. The inputs reach the static buffers on the device: no host copy."""
+        b = rows.shape[0]
         size = self.size_for(b)
-        device = self.input_ids.device
-        seq_lens = [p + 1 for p in shape.prefix_lens]
-        host = to_device([*shape.rows, *seq_lens], torch.int32, device)
         self.input_ids[:b] = input_ids
         self.positions[:b] = positions
-        self.rows[:b] = host[:b]
-        self.seq_lens[:b] = host[b:]
+        self.rows[:b] = rows
+        torch.add(self.positions[:b], 1, out=self.seq_lens[:b])
         self.seq_lens[b:size] = 0
-        self.slot_mapping[:b] = slot_mapping_of(
-            self.page_table, host[:b], positions, self.page_size
-        )
+        self.slot_mapping[:b] = slot_mapping_of(self.page_table, rows, positions, self.page_size)
         self.slot_mapping[b:size] = -1
         if size not in self.graphs:  # not captured: run it
             return self.forward(size)[:b]

@@ -7,6 +7,12 @@ stream; on CPU they run there and then) and starts copying the sampled tokens to
 runs on the executor's completion thread, in the same order: it waits for the copy and returns
 plain ints. With pipeline stages, stage 0 runs here and the rest on the stages' threads
 (actors/executor/stages.py).
+
+A steady step (plain rows decoding) costs the launch no per-row Python: its table writes are
+one scatter (table_writes.py), its inputs one copy (step_inputs.py), its rows' sampling
+parameters a gather of what their RowInit wrote (sampling_slots.py), its draw a few batched
+operations (kernels/sampling_columns.py). Only tracked rows (penalties, row constraints, a
+pending min_new_tokens mask) are touched one by one, here and in `PendingStep.result`.
 """
 
 from __future__ import annotations
@@ -14,20 +20,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.actors.executor.pending_step import PendingStep, RowState, sampling_rows
+from shoal.actors.executor.sampling_slots import RowStart, SamplingSlots
 from shoal.actors.executor.stages import Microbatch, Stage, StageMonitor, StagePipeline
+from shoal.actors.executor.step_inputs import StepInputs, step_inputs
 from shoal.actors.executor.streams import HostResult, StepStreams
+from shoal.actors.executor.table_writes import write_tables
 from shoal.actors.executor_messages import Launch
 from shoal.heap import trim_host_heap
-from shoal.kernels.batch import AttentionBackend, BatchShape
+from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.constraints import advance_all, row_constraints
-from shoal.kernels.device_copy import to_device, to_device_many
-from shoal.kernels.sampling import compute_logprobs, sample
+from shoal.kernels.device_copy import to_device
+from shoal.kernels.sampling import (
+    compute_logprobs,
+    edit_logits,
+    has_penalty,
+    masks_stop_tokens,
+    sample,
+)
 from shoal.loading.checkpoint import CheckpointError
 from shoal.loading.identity import weights_digest
 from shoal.loading.loader import checkpoint_folder
@@ -40,16 +54,6 @@ if TYPE_CHECKING:
     from shoal.actors.executor.cuda_graphs import DecodeGraphs  # imports triton
 
 log = logging.getLogger("shoal.executor")
-
-
-@dataclass
-class StepInputs:
-    input_ids: list[int]  # [T]; a decode's slot is filled on the device
-    positions: list[int]  # [T]
-    decode_at: list[int]  # which of the T inputs are decodes
-    decode_rows: list[int]  # ... and whose row's last token each takes
-    sample_index: list[int]  # which of the T tokens sample
-    sample_rows: list[int]  # ... and for which row
 
 
 class DeviceState:
@@ -84,7 +88,10 @@ class DeviceState:
         self.streams = streams or StepStreams(device)
         self.page_table = torch.zeros(num_rows, max_pages_per_row, dtype=torch.int64, device=device)
         self.last_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.counting = torch.arange(num_rows, dtype=torch.int64, device=device)
         self.rows: dict[int, RowState] = {}
+        # read only without pipeline stages
+        self.slots = SamplingSlots(num_rows, model.config.vocab_size, device)
         self.arrived = threading.Condition()
         self.graphs: DecodeGraphs | None = None
         later = later_stages or []
@@ -190,78 +197,68 @@ class DeviceState:
             return self._launch(launch)
 
     def _launch(self, launch: Launch) -> PendingStep:
-        device = self.model.device
-        self._write_table(launch)
-        host = self._inputs(launch)
-        # One host-to-device copy for all of them.
-        ids, pos, decode_at, decode_rows, sample_index, rows_t = to_device_many(
-            (
-                host.input_ids,
-                host.positions,
-                host.decode_at,
-                host.decode_rows,
-                host.sample_index,
-                host.sample_rows,
-            ),
-            torch.int64,
-            device,
-        )
-        if host.decode_at:
-            ids[decode_at] = self.last_token[decode_rows]
-        seqs = launch.all_seqs()
-        shape = BatchShape(
-            tuple(s.row for s in seqs),
-            tuple(s.start for s in seqs),
-            tuple(s.num_tokens for s in seqs),
-        )
-        sample_rows = host.sample_rows
+        write_tables(self.tables, launch.writes)  # before any stage reads this batch
+        self._start_rows(launch)
+        step = step_inputs(launch, self.last_token, self.counting)
         if self.pipeline is not None:
-            return self._launch_stages(ids, pos, shape, sample_index, rows_t, sample_rows)
+            return self._launch_stages(step)
         self.monitor.gate(0)  # the tests' hold of stage 0 holds a one-stage engine too
-        if self.graphs is not None and self.graphs.fits(shape, len(sample_rows)):
-            logits = self.graphs.run(ids, pos, shape)
+        num_sampling = len(step.sample_rows_host)
+        if self.graphs is not None and self.graphs.fits(step.shape, num_sampling):
+            logits = self.graphs.run(step.ids, step.positions, step.sample_rows)
         else:
-            attention = self.attention.prepare(self.page_table, shape)
-            logits = self.model.forward(ids, pos, attention, self.kv, sample_index)
+            attention = self.attention.prepare(self.page_table, step.shape)
+            logits = self.model.forward(
+                step.ids, step.positions, attention, self.kv, step.sample_index
+            )
+        return self._sample(logits, step)
 
-        states = [self.rows[r] for r in sample_rows]
-        next_tokens = sample(logits, sampling_rows(states, self.arrived), self.eos_token_ids)
-        if sample_rows:
-            self.last_token[rows_t] = next_tokens
-        want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
+    def _sample(self, logits: torch.Tensor, step: StepInputs) -> PendingStep:
+        """Sample the step's rows from their columns (SamplingSlots); only tracked rows cost
+        Python, each (their edits, their tokens' way back)."""
+        rows_host, rows = step.sample_rows_host, step.sample_rows
+        tracked_at = self.slots.tracked_at(rows_host)
+        states = [self.rows[int(rows_host[i])] for i in tracked_at]
+        views = sampling_rows(states, self.arrived)  # waits for a penalized row's tokens
+        edited = edit_logits(logits, views, tracked_at, self.eos_token_ids)
+        next_tokens = self.slots.sample(edited, rows, rows_host)
+        self.last_token.index_copy_(0, rows, next_tokens)
+        want = self.slots.logprobs_at(rows_host)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
         if want:
-            index = to_device(want, torch.int64, device)
-            top_k = max(states[i].sampling.top_logprobs for i in want)
+            index = to_device([i for i, _ in want], torch.int64, logits.device)
+            top_k = max(k for _, k in want)
             to_copy += compute_logprobs(logits[index], next_tokens[index], top_k)
-        pending = PendingStep(states, self.streams.to_host(to_copy), want, self.arrived)
-        for state in states:  # last: a launch that raised above sampled nothing
+        pending = PendingStep(states, self.streams.to_host(to_copy), want, self.arrived, tracked_at)
+        # last: a launch that raised above sampled nothing
+        self.slots.advance(rows)
+        for state, i in zip(states, tracked_at, strict=True):
             state.num_sampled += 1
+            if not self._tracks(state):  # its min_new_tokens mask is over
+                self.slots.untrack(int(rows_host[i]))
         return pending
 
-    def _launch_stages(
-        self,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        shape: BatchShape,
-        sample_index: torch.Tensor,
-        rows_t: torch.Tensor,
-        sample_rows: list[int],
-    ) -> PendingStep:
-        """Stage 0's part here (on the launch thread), the rest on the stages' threads."""
+    def _launch_stages(self, step: StepInputs) -> PendingStep:
+        """Stage 0's part here (on the launch thread), the rest on the stages' threads. Every
+        row is tracked here (`_tracks`): the last stage samples from the rows' views."""
         monitor = self.monitor
         monitor.enter(0)
         try:
             monitor.gate(0)
-            attention = self.attention.prepare(self.page_table, shape)
-            h = self.model.run_layers(self.model.embed(ids), pos, attention, self.kv)
+            attention = self.attention.prepare(self.page_table, step.shape)
+            h = self.model.run_layers(
+                self.model.embed(step.ids), step.positions, attention, self.kv
+            )
             self.streams.synchronize()  # h is whole before stage 1 reads it
         finally:
             monitor.leave(0)
-        states = [self.rows[r] for r in sample_rows]
+        states = [self.rows[r] for r in step.sample_rows_host.tolist()]
         rows = sampling_rows(states, self.arrived)  # before num_sampled moves on: the seed's step
-        want = [i for i, state in enumerate(states) if state.sampling.wants_logprobs]
-        micro = Microbatch(shape, pos, sample_index, (states, rows, rows_t, want))
+        want = [
+            (i, s.sampling.top_logprobs) for i, s in enumerate(states) if s.sampling.wants_logprobs
+        ]
+        context = (states, rows, step.sample_rows, want)
+        micro = Microbatch(step.shape, step.positions, step.sample_index, context)
         assert self.pipeline is not None
         future = self.pipeline.submit(h, micro)
         pending = PendingStep(states, future, want, self.arrived)
@@ -280,48 +277,36 @@ class DeviceState:
             self.last_token[rows_t] = next_tokens.to(self.last_token.device)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
         if want:
-            index = to_device(want, torch.int64, device)
-            top_k = max(states[i].sampling.top_logprobs for i in want)
+            index = to_device([i for i, _ in want], torch.int64, device)
+            top_k = max(k for _, k in want)
             to_copy += compute_logprobs(logits[index], next_tokens[index], top_k)
         return stage.streams.to_host(to_copy)
 
-    def _inputs(self, launch: Launch) -> StepInputs:
-        """The step's host-side inputs; a sequence's first chunk (re)initializes its row."""
-        host = StepInputs([], [], [], [], [], [])
-        for seq in launch.all_seqs():
-            if seq.init is not None:
-                init = seq.init
-                outputs = list(init.output_ids)
-                constraints = row_constraints(init.sampling, self.models[-1].device)
-                advance_all(constraints, outputs)  # a retracted row's tokens so far
-                state = RowState(
-                    init.sampling, init.seed, init.prompt_ids, outputs, len(outputs), constraints
-                )
-                self.rows[seq.row] = state
-            if seq.input_ids is None:  # decode: the input is the row's last sampled token
-                host.decode_at.append(len(host.input_ids))
-                host.decode_rows.append(seq.row)
-                host.input_ids.append(0)
-            else:
-                host.input_ids.extend(seq.input_ids)
-            host.positions.extend(range(seq.start, seq.start + seq.num_tokens))
-            if seq.sample:
-                host.sample_index.append(len(host.input_ids) - 1)
-                host.sample_rows.append(seq.row)
-        return host
+    def _start_rows(self, launch: Launch) -> None:
+        """A sequence's first chunk (re)initializes its row (a retracted row with its tokens
+        so far)."""
+        starts: list[RowStart] = []
+        for seq in launch.seqs:
+            init = seq.init
+            if init is None:
+                continue
+            outputs = list(init.output_ids)
+            constraints = row_constraints(init.sampling, self.models[-1].device)
+            advance_all(constraints, outputs)  # a retracted row's tokens so far
+            state = RowState(
+                init.sampling, init.seed, init.prompt_ids, outputs, len(outputs), constraints
+            )
+            self.rows[seq.row] = state
+            starts.append(
+                RowStart(seq.row, init.sampling, init.seed, len(outputs), self._tracks(state))
+            )
+        self.slots.start(starts)
 
-    def _write_table(self, launch: Launch) -> None:
-        """Apply the batch's row writes before its forward, in the same stream
-        (docs/architecture.md, "Lifecycle laws", law 3)."""
-        if not launch.writes:
-            return
-        pages = to_device(
-            [p for w in launch.writes for p in w.pages], torch.int64, self.model.device
+    def _tracks(self, state: RowState) -> bool:
+        """Whether the host keeps the row's count and tokens (pending_step.py's doc)."""
+        return (
+            self.pipeline is not None
+            or bool(state.constraints)
+            or has_penalty(state.sampling)
+            or masks_stop_tokens(state.sampling, state.num_sampled, self.eos_token_ids)
         )
-        for table in self.tables:  # every stage's copy, before any stage reads this batch
-            on_device = pages.to(table.device)
-            offset = 0
-            for w in launch.writes:
-                n = len(w.pages)
-                table[w.row, w.start : w.start + n] = on_device[offset : offset + n]
-                offset += n

@@ -1,6 +1,11 @@
 """A launched step's results on their way to the host, and the per-row sampling state they
 complete.
 
+Only a tracked row (actors/executor/sampling_slots.py: penalties, row constraints, a
+min_new_tokens mask still pending; with pipeline stages every row) keeps the two counts below;
+a plain row's step lives on the device (`SamplingSlots`) and its tokens only go to the
+scheduler, so a step of plain rows costs the host no per-row work here.
+
 - `RowState.num_sampled` counts tokens launched for sampling; only the launch thread writes it.
   It is the row's seed-stream step, known without waiting for the device.
 - `RowState.output_ids` are the sampled tokens that reached the host; only the completion
@@ -8,7 +13,8 @@ complete.
   row with penalties first waits until that row's earlier tokens have arrived (such rows give
   up overlap), and so does a row with a row constraint that waits for its tokens
   (kernels/constraints.py). The completion thread advances a row's constraints on each token
-  it appends, under `arrived`, before it wakes a launch waiting for them.
+  it appends, under `arrived`, before it wakes a launch waiting for them. A row that waits is
+  tracked for life, so every token it waits for is appended.
 """
 
 from __future__ import annotations
@@ -54,16 +60,21 @@ class RowState:
 
 class PendingStep:
     """A launched step whose sampled tokens (and logprobs) are on their way to the host (with
-    pipeline stages: whose last stage will start them there, `host` a Future)."""
+    pipeline stages: whose last stage will start them there, `host` a Future).
+
+    `states` are the step's tracked rows, states[i] at place at[i] of the batch (default i);
+    `logprob_rows` the (place, top_logprobs) of each row that asked for logprobs, in order."""
 
     def __init__(
         self,
         states: list[RowState],
         host: HostResult | Future[HostResult],
-        logprob_rows: list[int],
+        logprob_rows: list[tuple[int, int]],
         arrived: threading.Condition,
+        at: list[int] | None = None,
     ) -> None:
         self.states = states
+        self.at = list(range(len(states))) if at is None else at
         self.host = host
         self.logprob_rows = logprob_rows
         self.arrived = arrived
@@ -72,16 +83,27 @@ class PendingStep:
         try:
             host = self.host.result() if isinstance(self.host, Future) else self.host
             tensors = host.wait()
-            tokens = tuple(int(t) for t in tensors[0].tolist())
+            tokens: tuple[int, ...] = tuple(tensors[0].tolist())
         except BaseException:
-            with self.arrived:  # nobody may wait for these tokens any longer
-                for state in self.states:
-                    state.lost = True
-                self.arrived.notify_all()
+            self._lose()  # nobody may wait for these tokens any longer
             raise
+        if self.states:
+            self._arrive(tokens)
+        if not self.logprob_rows:
+            return StepResult(tokens, ())
+        chosen, values, ids = (t.tolist() for t in tensors[1:])
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        for j, (i, k) in enumerate(self.logprob_rows):
+            top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
+            out[i] = TokenLogprob(tokens[i], float(chosen[j]), top)
+        return StepResult(tokens, tuple(out))
+
+    def _arrive(self, tokens: tuple[int, ...]) -> None:
+        """The tracked rows' tokens: appended, their constraints advanced, waiters woken."""
         with self.arrived:
             try:
-                for state, token in zip(self.states, tokens, strict=True):
+                for state, i in zip(self.states, self.at, strict=True):
+                    token = tokens[i]
                     state.output_ids.append(token)
                     for constraint in state.constraints:
                         constraint.advance(token)
@@ -91,15 +113,12 @@ class PendingStep:
                 raise
             finally:
                 self.arrived.notify_all()
-        if not self.logprob_rows:
-            return StepResult(tokens, ())
-        chosen, values, ids = (t.tolist() for t in tensors[1:])
-        out: list[TokenLogprob | None] = [None] * len(self.states)
-        for j, i in enumerate(self.logprob_rows):
-            k = self.states[i].sampling.top_logprobs
-            top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
-            out[i] = TokenLogprob(tokens[i], float(chosen[j]), top)
-        return StepResult(tokens, tuple(out))
+
+    def _lose(self) -> None:
+        with self.arrived:
+            for state in self.states:
+                state.lost = True
+            self.arrived.notify_all()
 
 
 def sampling_rows(states: list[RowState], arrived: threading.Condition) -> list[SamplingRow]:

@@ -230,6 +230,25 @@ async def test_chunked_request_keeps_its_row_with_the_table_full(
         assert list((await s.result()).token_ids) == tiny_reference.greedy(p, 4, True)
 
 
+async def test_a_reused_row_keeps_nothing_of_its_previous_requests_sampling(
+    make_engine: EngineFactory, tiny_reference: Reference
+) -> None:
+    """What the executor keeps per row on the device (temperature, filters, the seed's step,
+    logprobs: actors/executor/sampling_slots.py) is its request's alone: with one row, every
+    request takes the row the previous one left, and draws as it would on a fresh one."""
+    engine = await make_engine(page_size=4, max_running_requests=1)
+    ids = prompt(10, 3)
+    seeded = {"temperature": 0.9, "top_k": 20, "seed": 5, "ignore_eos": True}
+    first = await engine.generate(input_ids=ids, max_new_tokens=8, **seeded).result()
+    hot = {"temperature": 1.5, "top_p": 0.5, "seed": 77, "ignore_eos": True, "top_logprobs": 2}
+    await engine.generate(input_ids=prompt(7, 4), max_new_tokens=12, **hot).result()
+    plain = await engine.generate(input_ids=ids, max_new_tokens=8, **greedy()).result()
+    assert list(plain.token_ids) == tiny_reference.greedy(ids, 8, True)
+    assert plain.logprobs is None
+    again = await engine.generate(input_ids=ids, max_new_tokens=8, **seeded).result()
+    assert again.token_ids == first.token_ids
+
+
 # ---- aborts at every stage ----------------------------------------------------------------
 
 
