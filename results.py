@@ -62,6 +62,14 @@ class Delta(msgspec.Struct, frozen=True):
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when asked for
 
 
+def merged(deltas: list[Delta]) -> Delta:
+    """Consecutive Deltas as one, for a reader that fell behind (RequestStream)."""
+    text, ids = "".join([d.text for d in deltas]), tuple([t for d in deltas for t in d.token_ids])
+    if all(d.logprobs is None for d in deltas):
+        return Delta(text, ids)
+    return Delta(text, ids, tuple([lp for d in deltas for lp in d.logprobs or ()]))
+
+
 class Completion(msgspec.Struct, frozen=True):
     rid: str
     text: str
@@ -160,6 +168,9 @@ class RequestStream:
     Leaving `async with stream:` early, or cancelling the task that iterates it, aborts the
     request. Written to only by the tokenizer actor, on the event loop.
 
+    A reader waiting when a Delta comes gets it (one a token); one that fell behind gets all
+    that came since its last read as one Delta (`merged`), never a queue of them.
+
     `await accepted()` waits until the prompt is encoded and checked (its number of tokens),
     before any Delta: a door that must know of a refusal before it answers (an HTTP stream's
     status line) awaits it, then iterates.
@@ -168,9 +179,12 @@ class RequestStream:
     def __init__(self, rid: str, abort: Callable[[str], None]) -> None:
         self.rid = rid
         self._abort = abort
-        self._queue: asyncio.Queue[Delta | Completion | BaseException] = asyncio.Queue()
-        self._completion: Completion | None = None
-        self._error: BaseException | None = None
+        # Not yet read: the Deltas since the last read (taken at once), then the end.
+        self._pending: list[Delta] = []
+        self._end: Completion | BaseException | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+        self._completion: Completion | None = None  # the end, once the reader reached it
+        self._error: BaseException | None = None  # (or its error)
         self._ended = False
         self._decided = asyncio.Event()  # accepted, or ended first
         self._prompt_tokens: int | None = None  # once accepted
@@ -191,12 +205,14 @@ class RequestStream:
 
     def push(self, delta: Delta) -> None:
         if not self._ended:
-            self._queue.put_nowait(delta)
+            self._pending.append(delta)
+            if self._waiters:
+                self._wake()
 
     def finish(self, completion: Completion) -> None:
         if not self._ended:
-            self._ended = True
-            self._queue.put_nowait(completion)
+            self._ended, self._end = True, completion
+            self._wake()
             self._decided.set()
             aborted = completion.finish_reason in ("abort", "error")
             cause = (completion.message or "aborted") if aborted else None
@@ -204,11 +220,17 @@ class RequestStream:
 
     def fail(self, error: BaseException) -> None:
         if not self._ended:
-            self._ended = True
-            self._queue.put_nowait(error)
+            self._ended, self._end = True, error
+            self._wake()
             self._failure = error
             self._decided.set()
             self._tell_end(str(error) or type(error).__name__, isinstance(error, ValueError))
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():  # done: cancelled, its reader aborts
+                waiter.set_result(None)
+        self._waiters.clear()
 
     def _tell_end(self, cause: str | None, refused: bool) -> None:
         if self.on_end is not None:
@@ -234,21 +256,26 @@ class RequestStream:
 
     async def __anext__(self) -> Delta:
         while True:
+            if pending := self._pending:
+                delta = pending[0] if len(pending) == 1 else merged(pending)
+                pending.clear()
+                return delta
             if self._completion is not None:
                 raise StopAsyncIteration
             if self._error is not None:
                 raise self._error
-            try:
-                item = await self._queue.get()
-            except asyncio.CancelledError:
-                self.abort()
-                raise
-            if isinstance(item, Delta):
-                return item
-            if isinstance(item, Completion):
-                self._completion = item
-            else:
-                self._error = item
+            if isinstance(self._end, Completion):
+                self._completion = self._end
+            elif self._end is not None:
+                self._error = self._end
+            else:  # nothing yet: wait for a push or the end
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiters.append(waiter)
+                try:
+                    await waiter
+                except asyncio.CancelledError:  # its waiter, done, is dropped by the next wake
+                    self.abort()
+                    raise
 
     async def result(self) -> Completion:
         async for _ in self:

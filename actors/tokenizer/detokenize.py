@@ -76,10 +76,11 @@ class IncrementalDetokenizer:
         tokenizer: Decoder,
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        num_context_ids: int = PROMPT_CONTEXT_IDS,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[max(0, len(prompt_ids) - PROMPT_CONTEXT_IDS) :])
+        self._ids: list[int] = list(prompt_ids[max(0, len(prompt_ids) - num_context_ids) :])
         self._prefix_text = self._decode(self._ids)
         if self._prefix_text.endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a character; output ids must not complete it.

@@ -3,7 +3,7 @@ strings, pushed into its caller's stream, which ends with a Completion
 (docs/architecture.md, "Out: detokenize, stop strings, the stream").
 
     streams.open(gen, ids, sampling, version, session) # at admission
-    streams.deliver(output)                           # every Output the scheduler sends
+    streams.deliver_all(outputs.items)                # every Outputs the scheduler sends
     streams.fail(rid, error)                          # ends it with an error, if live
 
 A request is live here from its admission until its stream ends (its last token, a stop
@@ -14,12 +14,12 @@ request (Abort, reason "stop"); tokens still arriving for it are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Abort, Generate, Output, SchedulerMsg
-from shoal.actors.tokenizer.detokenize import IncrementalDetokenizer, fast_decoder
+from shoal.actors.tokenizer.detokenizers import Detokenizer, Detokenizers
 from shoal.actors.tokenizer.sessions import SessionBook, SessionState
 from shoal.actors.tokenizer.stops import StopMatcher
 from shoal.loading.hf_tokenizer import HFTokenizer
@@ -38,9 +38,10 @@ from shoal.results import (
 @dataclass
 class Live:
     stream: RequestStream
-    detok: IncrementalDetokenizer
+    detok: Detokenizer
     stops: StopMatcher
     num_prompt: int
+    plain: bool  # no stop strings: a steady output's text goes out as it comes
     output_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -61,7 +62,7 @@ class RequestStreams:
     def __init__(
         self, tokenizer: HFTokenizer, scheduler: Mailbox[SchedulerMsg], sessions: SessionBook
     ) -> None:
-        self.decoder = fast_decoder(tokenizer)  # what the detokenizers decode with
+        self.detokenizers = Detokenizers(tokenizer)  # each request's, chosen once
         self.scheduler = scheduler
         self.sessions = sessions  # a turn's end becomes its session's history
         self.live: dict[str, Live] = {}
@@ -87,8 +88,9 @@ class RequestStreams:
     ) -> None:
         """Book an admitted request (its measured prompt and sampling): its output is decoded
         after its prompt."""
-        detok = IncrementalDetokenizer(self.decoder, ids, sampling.skip_special_tokens)
-        live = Live(gen.stream, detok, StopMatcher(sampling.stop), len(ids))
+        detok = self.detokenizers.open(ids, sampling.skip_special_tokens)
+        stops = StopMatcher(sampling.stop)
+        live = Live(gen.stream, detok, stops, len(ids), not sampling.stop)
         live.logprobs = [] if sampling.wants_logprobs else None
         live.weight_version = weight_version
         live.session = session
@@ -99,6 +101,25 @@ class RequestStreams:
         generate next comes from the new weights, and their Completions say so."""
         for live in self.live.values():
             live.weight_version = weight_version
+
+    def deliver_all(self, items: Sequence[Output]) -> None:
+        """A step's outputs. A steady one (its tokens and nothing else to tell: no finish, no
+        logprobs, no cached count) of a request without stop strings takes the short way:
+        the ids, their text, one Delta, as `deliver` would do them."""
+        live_of = self.live.get
+        for item in items:
+            live = live_of(item.rid)
+            if live is None:
+                continue  # its stream already ended on a stop string; late tokens are dropped
+            ids = item.token_ids
+            steady = item.finish is None and item.logprobs is None and ids
+            if steady and live.plain and item.num_cached_tokens is None:
+                live.output_ids += ids
+                text = live.detok.push(ids)
+                live.text.append(text)
+                live.stream.push(Delta(text, ids))
+            else:
+                self.deliver(item)
 
     def deliver(self, item: Output) -> None:
         live = self.live.get(item.rid)

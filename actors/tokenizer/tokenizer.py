@@ -102,8 +102,7 @@ class Tokenizer:
                 else:
                     self.admission.withdraw(rid, abort.message)
             case Outputs(items=items):
-                for item in items:
-                    self.streams.deliver(item)
+                self.streams.deliver_all(items)
             case Released(rids=rids):
                 self.released(rids)
             case WriteDone(failure=failure):
