@@ -6,7 +6,7 @@
 #   GPU_CHECK_DRY=1 OUT=/tmp/gpuout bash bench/gpu_check.sh  # here: CPU, tiny sizes, no 8B
 #
 # Parts, in this order (each under `timeout`, all inside one deadline, GPU_CHECK_BUDGET_S,
-# default 480 s: a part that hangs or fails costs only its own share):
+# default 540 s: a part that hangs or fails costs only its own share):
 #   T  tests/kernels/test_sampling*.py and tests/actors/executor, on CUDA where they can
 #   A  bench/host_cost.py --paths graph: the host's cost of a decode step, the trivial forward
 #      captured into real CUDA graphs; batches 1 64 256, greedy and sampled (A5: --device-ms 5)
@@ -16,7 +16,8 @@
 #   C  py-spy over the decode windows of host_cost at batch 256, greedy: on-CPU samples
 #      (pyspy.txt), then every thread's samples, idle too (pyspy_idle.txt); --threads, raw
 # With a .before/ folder (an earlier commit's tree: `git archive REV | tar -x -C .before`,
-# carried too), A and B's SmolLM2 run (without generate) run on it as well, same card.
+# carried too), A runs on it as well, and B's SmolLM2 run (without generate) three times on
+# each tree, alternating, same card.
 # Needs .whl/ (msgspec, gguf, py-spy wheels for CPython 3.12 x86_64). Files in $OUT:
 # gpu_check.log (all output), host_cost_gpu.jsonl, gpu_offline.jsonl (a {"shape": ..} line
 # before each model's lines), pyspy.txt, pyspy_idle.txt. The summary is printed last.
@@ -27,7 +28,7 @@ exec </dev/null
 LOG=$OUT/gpu_check.log
 DRY=${GPU_CHECK_DRY:-0}
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET_S:-480}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 RESERVE=20 # seconds kept for the digests and the summary
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export SHOAL_CACHE_DIR=${SHOAL_CACHE_DIR:-/tmp/shoal-cache}
@@ -48,10 +49,10 @@ if [ "$DRY" = 1 ]; then
   OFF=(--device cpu --max-running 8 --kv-cache-tokens 4096 --cuda-graph-max-batch 8
        --decode-batch 1 4 --decode-output-len 8 --prompt-len 8 16 --output-len 4 8
        --requests 8 --peers hf --hf-batch 8 --hf-solo 0)
-  OFF_BEFORE=(--device cpu --max-running 8 --kv-cache-tokens 4096 --cuda-graph-max-batch 8
+  OFF_ALONE=(--device cpu --max-running 8 --kv-cache-tokens 4096 --cuda-graph-max-batch 8
               --decode-batch 1 4 --decode-output-len 8 --prompt-len 8 16 --output-len 4 8
               --requests 8 --peers)
-  OFF_BIG=("${OFF_BEFORE[@]}" --requests 0)
+  OFF_BIG=("${OFF_ALONE[@]}" --requests 0)
   BIG_SHAPE=smollm2  # the 8B's commands, run on the small folder (reused, not rebuilt)
 else
   SITE=/tmp/site PKG=/tmp/pkg MODELS=/tmp/models TAGS=()
@@ -61,7 +62,7 @@ else
   OFF=(--device cuda --max-running 256 --kv-cache-tokens 131072 --cuda-graph-max-batch 256
        --decode-batch 1 64 256 --decode-output-len 128 --requests 256
        --peers hf --hf-batch 256 --hf-solo 0)
-  OFF_BEFORE=(--device cuda --max-running 256 --kv-cache-tokens 131072 --cuda-graph-max-batch 256
+  OFF_ALONE=(--device cuda --max-running 256 --kv-cache-tokens 131072 --cuda-graph-max-batch 256
               --decode-batch 1 64 256 --decode-output-len 128 --requests 256 --peers)
   OFF_BIG=(--device cuda --max-running 256 --kv-cache-tokens 131072 --cuda-graph-max-batch 256
            --decode-batch 1 64 256 --decode-output-len 128 --requests 0 --peers)
@@ -163,10 +164,16 @@ offline() {  # offline SHAPE FOLDER MAX_S ARGS...
 }
 if part B-build-smollm2 120 "$PY" bench/random_model.py smollm2 "$MODELS/smollm2"; then
   offline smollm2 "$MODELS/smollm2" 200 "${OFF[@]}"
-  if [ -d .before ]; then  # the before tree, same card: shoal alone, no generate
-    echo "{\"shape\": \"smollm2-before\"}" >>"$OUT/gpu_offline.jsonl"
-    before part B-offline-smollm2-before 120 "$PY" bench/offline.py \
-      --model "$MODELS/smollm2" "${OFF_BEFORE[@]}" --out "$OUT/gpu_offline.jsonl"
+  if [ -d .before ]; then  # the before tree, same card: shoal alone, no generate, alternating
+    # with this tree's, three rounds (the first of a fresh machine compiles Triton's kernels)
+    for round in 1 2 3; do
+      echo "{\"shape\": \"smollm2-after-$round\"}" >>"$OUT/gpu_offline.jsonl"
+      part "B-offline-smollm2-after-$round" 60 "$PY" bench/offline.py \
+        --model "$MODELS/smollm2" "${OFF_ALONE[@]}" --out "$OUT/gpu_offline.jsonl"
+      echo "{\"shape\": \"smollm2-before-$round\"}" >>"$OUT/gpu_offline.jsonl"
+      before part "B-offline-smollm2-before-$round" 60 "$PY" bench/offline.py \
+        --model "$MODELS/smollm2" "${OFF_ALONE[@]}" --out "$OUT/gpu_offline.jsonl"
+    done
   fi
 fi
 

@@ -16,10 +16,9 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import openai
 import pytest
 import torch
 
@@ -42,7 +41,6 @@ torch.set_num_threads(2)
 
 from engines import EngineFactory  # noqa: E402
 from reference import Reference  # noqa: E402
-from served import MODEL, SERVER_FIELDS, Served, ServeFactory  # noqa: E402
 from tiny_model import make_tiny_model_folder  # noqa: E402
 
 from shoal.api.engine import Engine  # noqa: E402
@@ -50,6 +48,9 @@ from shoal.api.http.server import Server, ServerOptions  # noqa: E402
 from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_kernels  # noqa: E402
 from shoal.loading.loader import default_cache_dir  # noqa: E402
 from shoal.models.load import LoadedModel, load_model  # noqa: E402
+
+if TYPE_CHECKING:
+    from served import Served, ServeFactory
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -126,6 +127,11 @@ async def make_engine(tiny_model: LoadedModel) -> AsyncIterator[EngineFactory]:
 async def serve(make_engine: EngineFactory) -> AsyncIterator[ServeFactory]:
     """Start servers (support/served.py) on engines from make_engine; stopped after the test,
     before make_engine's checks, and no HTTP job may outlive its request."""
+    # Imported here: the openai client is only the servers' (bench/gpu_check.sh runs the
+    # kernel and executor tests where it is not installed).
+    import openai
+    from served import MODEL, SERVER_FIELDS, Served
+
     started: list[Served] = []
 
     async def start(**options: Any) -> Served:
