@@ -18,7 +18,9 @@
 # With a .before/ folder (an earlier commit's tree: `git archive REV | tar -x -C .before`,
 # carried too), A runs on it as well, and B's SmolLM2 run (without generate) three times on
 # each tree, alternating, same card.
-# Needs .whl/ (msgspec, gguf, py-spy wheels for CPython 3.12 x86_64). Files in $OUT:
+# Needs .whl/ (wheels for CPython 3.12 x86_64 the device lacks: msgspec 0.22.0, gguf 0.19.0,
+# py-spy 0.4.3, pytest 9.2.0, pytest-asyncio 1.5.0; fetched with the `pip download` line of
+# /work/.library/device/README.md's notes, --no-deps). Files in $OUT:
 # gpu_check.log (all output), host_cost_gpu.jsonl, gpu_offline.jsonl (a {"shape": ..} line
 # before each model's lines), pyspy.txt, pyspy_idle.txt. The summary is printed last.
 set -uo pipefail

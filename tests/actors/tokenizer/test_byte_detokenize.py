@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from unicode_texts import TEXTS
 
 from shoal.actors.tokenizer.byte_detokenize import ByteDetokenizer, ByteTables
 from shoal.actors.tokenizer.detokenize import IncrementalDetokenizer, fast_decoder
@@ -20,13 +21,6 @@ from shoal.actors.tokenizer.detokenizers import Detokenizer, Detokenizers
 from shoal.actors.tokenizer.stream_detokenize import StreamDetokenizer
 from shoal.loading.hf_tokenizer import HFTokenizer
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Héllo wörld, ça va? Naïve café, smörgåsbord, Ærøskøbing.",
-    "日本語のテキストです。中文文本测试。한국어 텍스트도 있어요.",
-    "Emoji: 😀 🎉 👍🏽 🇫🇷 ❤️ 🚀🚀 and a family 👨‍👩‍👧 at the end.",
-    "<|im_start|>assistant\nYes.<|im_end|>\n<|endoftext|>",
-]
 VOCAB = 49152  # SmolLM2's
 
 
