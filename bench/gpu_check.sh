@@ -19,8 +19,9 @@
 # carried too), A runs on it as well, and B's SmolLM2 run (without generate) three times on
 # each tree, alternating, same card.
 # Needs .whl/ (wheels for CPython 3.12 x86_64 the device lacks: msgspec 0.22.0, gguf 0.19.0,
-# py-spy 0.4.3, pytest 9.2.0, pytest-asyncio 1.5.0; fetched with the `pip download` line of
-# /work/.library/device/README.md's notes, --no-deps). Files in $OUT:
+# py-spy 0.4.3, pytest 9.2.0, pytest-asyncio 1.5.0; each fetched with `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --implementation cp --platform
+# manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION`). Files in $OUT:
 # gpu_check.log (all output), host_cost_gpu.jsonl, gpu_offline.jsonl (a {"shape": ..} line
 # before each model's lines), pyspy.txt, pyspy_idle.txt. The summary is printed last.
 set -uo pipefail
