@@ -86,6 +86,11 @@ class Output(msgspec.Struct, frozen=True):
 
 class Outputs(msgspec.Struct, frozen=True, tag=True):
     items: tuple[Output, ...]
+    # A steady step's outputs as two columns: one token for each request, and nothing else
+    # to tell (no finish, logprobs or cached count); delivered before `items`, which never
+    # name the same request (docs/architecture.md, "A steady step").
+    steady_rids: tuple[str, ...] = ()
+    steady_tokens: tuple[int, ...] = ()
 
 
 class Released(msgspec.Struct, frozen=True, tag=True):

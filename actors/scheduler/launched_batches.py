@@ -2,7 +2,8 @@
 Python, no asyncio, no torch).
 
 A batch is in `by_id` from its `Launch` until its `StepDone` is processed, so its members'
-counters go up in `form` and down in `result` or `forget`, and nowhere else::
+counters go up in `form` and down in `result` or `forget`, and nowhere else (while a
+`DecodeSet` is alive, in its columns: `form_steady`, and `result` hands over to it)::
 
     Req.inflight   launched batches that read the request's row: it is released only at 0
                    (docs/architecture.md, law 3)
@@ -22,9 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from shoal.actors.executor_messages import Launch, RowInit, RowWriteMsg, SeqChunk
 from shoal.actors.messages import Output, StepDone
 from shoal.actors.scheduler import planner_transfers as transfers
+from shoal.actors.scheduler.decode_set import DecodeSet, Ints
 from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, finish_reason
 from shoal.actors.scheduler.request_table import Outbox
 from shoal.results import TokenLogprob
@@ -47,6 +51,9 @@ class LaunchedBatch:
     decodes: list[Req]
     decode_starts: list[int]
     chunks: list[Member]
+    # While a DecodeSet is alive (decode_set.py): the decodes' slots in it and their starts
+    slots: Ints | None = None
+    starts: Ints | None = None
 
     def members(self) -> list[Member]:
         """Every sequence, in batch order."""
@@ -131,11 +138,38 @@ class LaunchedBatches:
         writes, self.pending_writes = tuple(self.pending_writes), []
         return Launch(batch_id, writes, tuple(seqs), tuple(decode_rows), tuple(decode_starts))
 
-    def result(self, done: StepDone, reqs: Mapping[str, Req]) -> list[Output]:
+    def form_steady(self, decode_set: DecodeSet, proposed: Ints) -> Launch | None:
+        """`form` for a steady step (decode_set.py): the proposed members' decodes, as
+        columns (None if none is left to launch)."""
+        slots, starts = decode_set.form(proposed)
+        if not slots.size:
+            return None
+        batch_id = self.next_batch_id
+        self.next_batch_id += 1
+        members = decode_set.members
+        starts_list = starts.tolist()
+        decodes = [members[slot] for slot in slots.tolist()]
+        self.by_id[batch_id] = LaunchedBatch(decodes, starts_list, [], slots, starts)
+        writes, self.pending_writes = tuple(self.pending_writes), []
+        rows = tuple(decode_set.rows[slots].tolist())
+        return Launch(batch_id, writes, (), rows, tuple(starts_list))
+
+    def result(
+        self, done: StepDone, reqs: Mapping[str, Req], decode_set: DecodeSet | None = None
+    ) -> list[Output]:
         """A batch's tokens came back: one output per sampling member still going; a
-        finished one moves to finishing (released in a later plan)."""
-        outputs: list[Output] = []
+        finished one moves to finishing (released in a later plan). A batch of the alive
+        `decode_set` is taken as columns, its steady outputs too (`Outbox.steady`)."""
         batch = self.by_id.pop(done.batch_id)
+        if decode_set is not None:
+            assert batch.slots is not None and batch.starts is not None
+            assert not done.logprobs and not batch.chunks
+            columns = np.array(done.next_tokens, dtype=np.int64)
+            ended, steady = decode_set.result(batch.slots, batch.starts, columns, self.config)
+            if steady[0]:
+                self.outbox.steady.append(steady)
+            return ended
+        outputs: list[Output] = []
         tokens = done.next_tokens
         logprobs = done.logprobs or (None,) * len(tokens)
         decoded = zip(batch.decodes, batch.decode_starts, tokens, logprobs, strict=False)

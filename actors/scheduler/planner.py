@@ -16,9 +16,11 @@ One step is one round trip, with one `PlanRequest` out at a time (`plan_pending`
 publishes of computed prompt pages (prefix_sharing.py), sliding-window trims
 (window_trims.py), one-token extensions for the running requests and admissions in queue
 order within `max_running` and the step's prefill budget. `apply_plan` hands the answer to the
-request table and forms the batch it allows. A plan that changed nothing leaves the planner
-`stalled` until a result or a request arrives; `paused` proposes releases only; `pressure`
-(the last plan failed an extension) admits nothing new.
+request table and forms the batch it allows. While only decoding goes on, the three do it as
+column operations over a `DecodeSet` (decode_set.py), which any other event dissolves first.
+A plan that changed nothing leaves the planner `stalled` until a result or a request arrives;
+`paused` proposes releases only; `pressure` (the last plan failed an extension) admits
+nothing new.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ from shoal.actors.messages import (
 from shoal.actors.replies import SchedulerSnapshot
 from shoal.actors.scheduler import planner_transfers as transfers
 from shoal.actors.scheduler.admissions import admissions
+from shoal.actors.scheduler.decode_set import DecodeSet
 from shoal.actors.scheduler.launched_batches import LaunchedBatch, LaunchedBatches, wants_decode
 from shoal.actors.scheduler.prefix_sharing import publishes_due
-from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, pages_for, released_now
+from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, released_now
 from shoal.actors.scheduler.request_table import Outbox, RequestTable
+from shoal.actors.scheduler.steady_steps import SteadySteps
 from shoal.actors.scheduler.window_trims import window_trims
 from shoal.actors.transfer_messages import TransferMsg
 from shoal.results import ErrorCode, FinishReason
@@ -62,6 +66,7 @@ class Planner:
         self.paused = False  # schedule nothing new; only releases go on
         self.trimmed_to: dict[str, int] = {}  # trims asked, per holding rid
         self.proposed_decodes: list[Req] = []  # the outstanding plan's decodes, in order
+        self.steady = SteadySteps()  # while only decoding goes on (steady_steps.py)
         # A request's computed prompt may have grown (a result, an admission, a transfer)
         # since publishes_due last ran (prefix_sharing.py).
         self.publishes_may_be_due = False
@@ -70,6 +75,8 @@ class Planner:
 
     @property
     def reqs(self) -> dict[str, Req]:
+        """Every live request, its counters up to date (a decode set gives them back)."""
+        self._dissolve()
         return self.requests.reqs
 
     @property
@@ -85,37 +92,21 @@ class Planner:
     def idle(self) -> bool:
         """Law 1 (docs/architecture.md): no request anywhere, no batch in flight, no plan
         outstanding."""
-        return not self.reqs and not self.batches and not self.plan_pending
+        return not self.requests.reqs and not self.batches and not self.plan_pending
 
     @property
     def parked(self) -> bool:
         """No request holds a row or pages and nothing is in flight (requests may wait)."""
-        return not self.holding() and not self.batches and not self.plan_pending
+        return not self.requests.holding() and not self.batches and not self.plan_pending
 
     def holding(self) -> list[Req]:
+        self._dissolve()
         return self.requests.holding()
 
     def snapshot(self) -> SchedulerSnapshot:
-        def phase(p: Phase) -> tuple[str, ...]:
-            return tuple(r.rid for r in self.reqs.values() if r.phase is p)
-
-        return SchedulerSnapshot(
-            waiting=phase(Phase.WAITING),
-            prefill=phase(Phase.PREFILL),
-            running=phase(Phase.RUNNING),
-            retracting=phase(Phase.RETRACTING),
-            finishing=phase(Phase.FINISHING),
-            transfer=phase(Phase.TRANSFER),
-            launched_batches={
-                b: tuple(m.rid for m in batch.members()) for b, batch in self.batches.items()
-            },
-            rows={r.rid: r.row for r in self.reqs.values() if r.row is not None},
-            progress={r.rid: r.num_launched for r in self.reqs.values()},
-            plan_pending=self.plan_pending,
-            paused=self.paused,
-            num_retractions=self.num_retractions,
-            idle=self.idle,
-        )
+        self._dissolve()
+        launched = {b: tuple(m.rid for m in batch.members()) for b, batch in self.batches.items()}
+        return self.requests.snapshot(launched, self.plan_pending, self.paused, self.idle)
 
     # ---- events: each that changes a request ends a stall ---------------------------------
 
@@ -127,6 +118,7 @@ class Planner:
         self, rid: str, reason: FinishReason, message: str, keep_outputs: int | None = None
     ) -> list[Output]:
         """End a request wherever it is. A "stop" (stop string matched) emits nothing."""
+        self._dissolve()
         req = self.requests.live(rid)
         if req is None:
             return []
@@ -135,6 +127,7 @@ class Planner:
 
     def fail(self, rid: str, message: str, code: ErrorCode | None = None) -> list[Output]:
         """End one request with an error wherever it is; its KV is not cached."""
+        self._dissolve()
         req = self.requests.live(rid)
         if req is None:
             return []
@@ -143,20 +136,24 @@ class Planner:
 
     def fail_all(self, message: str) -> list[Output]:
         """Executor failure: end every request with an error; their KV is not trusted."""
+        self._dissolve()
         return self.requests.fail_all(message)
 
     def set_paused(self, paused: bool) -> None:
+        self._dissolve()
         self.paused = paused
         self.stalled = False
 
     def park_all(self) -> None:
         """Retract every request that holds KV, dropping it (weights are about to change)."""
+        self._dissolve()
         self.requests.park_all()
         self.stalled = False
 
     def transfer_ended(self, done: TransferEnded) -> list[Output]:
         """A room's transfer is over (planner_transfers.py): its pages may be released."""
-        req = self.reqs.get(done.rid)
+        self._dissolve()
+        req = self.requests.reqs.get(done.rid)
         if req is None or not transfers.concerns(req, done):
             return []
         self.stalled = False
@@ -172,10 +169,18 @@ class Planner:
     def take_transfers(self) -> list[TransferMsg]:
         return self.outbox.take_transfers()
 
+    def take_steady(self) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+        """Steady outputs as columns (`Outputs.steady_rids`, `steady_tokens`), in order."""
+        return self.outbox.take_steady()
+
     # ---- the loop -------------------------------------------------------------------------
 
     def propose(self, step: int) -> PlanRequest | None:
-        holding = self.holding()
+        if self._steady_set() is not None:
+            request = self.steady.ask(step, self.config.prefix_cache, self.stalled)
+            self.plan_pending = request is not None
+            return request
+        holding = self.requests.holding()
         config = self.config
         releases = []
         decodes: list[Req] = []  # running requests with a token to decode
@@ -227,7 +232,7 @@ class Planner:
     def _trims(self) -> tuple[TrimReq, ...]:
         if self.kv_window is None:
             return ()
-        local = [r for r in self.holding() if r.role is None]  # a transfer reads every page
+        local = [r for r in self.requests.holding() if r.role is None]  # a transfer reads all
         return window_trims(
             local,
             [batch.members() for batch in self.batches.values()],
@@ -239,10 +244,15 @@ class Planner:
     def apply_plan(self, plan: Plan) -> Launch | None:
         """Take the cache manager's answer; form the batch it allows (None if empty)."""
         self.plan_pending = False
+        if plan.extend_failed or plan.admitted or plan.admit_failed:
+            self._dissolve()  # requests move between phases
+        decode_set = self.steady.decode_set
         retractions = self.num_retractions
         self.launched.pending_writes.extend(plan.writes)
         for rid in plan.released:
             self.trimmed_to.pop(rid, None)  # a retracted request trims its next row anew
+            if decode_set is not None:
+                decode_set.released(rid)
             self.requests.cache_released(rid)
         self.pressure = bool(plan.extend_failed)
         if plan.extend_failed:
@@ -250,13 +260,15 @@ class Planner:
         self.requests.admissions_answered(plan.admitted, plan.admit_failed)
         if plan.admitted:
             self.publishes_may_be_due = True
-        ps = self.config.page_size
-        reqs = self.reqs
-        for rid in plan.extended:
-            req = reqs[rid]  # extended to cover num_launched + 1, on whole pages
-            req.capacity = max(req.capacity, pages_for(req.num_launched + 1, ps) * ps)
+        self.steady.extended(plan.extended, self.requests.reqs, self.config.page_size)
         decodes, self.proposed_decodes = self.proposed_decodes, []
-        launch = None if self.paused else self.launched.form(self.holding(), decodes)
+        slots, self.steady.proposed = self.steady.proposed, None
+        if self.paused:
+            launch = None
+        elif decode_set is not None and slots is not None:
+            launch = self.launched.form_steady(decode_set, slots)
+        else:
+            launch = self.launched.form(self.requests.holding(), decodes)
         changed = plan.released or plan.admitted or self.outbox.errors
         self.stalled = launch is None and not changed and retractions == self.num_retractions
         return launch
@@ -264,9 +276,24 @@ class Planner:
     def process(self, done: StepDone) -> list[Output]:
         """A batch's result: its tokens out, or every request failed with the step."""
         self.stalled = False
+        if done.error is not None or done.logprobs:
+            self._dissolve()  # a failure ends every request; logprobs go one by one
         if done.error is not None:
-            self.launched.forget(done.batch_id, self.reqs)
+            self.launched.forget(done.batch_id, self.requests.reqs)
             return self.fail_all(f"forward failed: {done.error}")
-        outputs = self.launched.result(done, self.reqs)
+        outputs = self.launched.result(done, self.requests.reqs, self.steady.decode_set)
         self.publishes_may_be_due |= self.launched.take_prompt_progress()
         return outputs
+
+    # ---- a steady step (steady_steps.py) --------------------------------------------------
+
+    def _steady_set(self) -> DecodeSet | None:
+        busy = self.paused or self.config.disjoint or self.publishes_may_be_due
+        quiet = not busy and self.kv_window is None
+        return self.steady.current(quiet, self.requests, self.batches)
+
+    def _dissolve(self) -> None:
+        """Every request's counters and tokens up to date (steady_steps.py)."""
+        proposed = self.steady.dissolve(self.batches)
+        if proposed is not None:
+            self.proposed_decodes = proposed

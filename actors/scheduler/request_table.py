@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shoal.actors.messages import Admit, Admitted, Output, TransferEnded
+from shoal.actors.replies import SchedulerSnapshot
 from shoal.actors.scheduler import planner_transfers as transfers
 from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, pages_for
 from shoal.actors.transfer_messages import TransferMsg
@@ -41,6 +42,8 @@ class Outbox:
     released: list[str] = field(default_factory=list)
     errors: list[Output] = field(default_factory=list)
     transfers: list[TransferMsg] = field(default_factory=list)
+    # a steady result's outputs as columns (decode_set.py): request ids, their tokens
+    steady: list[tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=list)
 
     def to_transfer(self, msg: TransferMsg | None) -> None:
         if msg is not None:
@@ -58,6 +61,10 @@ class Outbox:
         done, self.transfers = self.transfers, []
         return done
 
+    def take_steady(self) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+        done, self.steady = self.steady, []
+        return done
+
 
 @dataclass
 class RequestTable:
@@ -71,6 +78,30 @@ class RequestTable:
 
     def holding(self) -> list[Req]:
         return [r for r in self.reqs.values() if r.row is not None]
+
+    def snapshot(
+        self, launched: dict[int, tuple[str, ...]], plan_pending: bool, paused: bool, idle: bool
+    ) -> SchedulerSnapshot:
+        """Where every request is, with the planner's launched batches and flags."""
+
+        def phase(p: Phase) -> tuple[str, ...]:
+            return tuple(r.rid for r in self.reqs.values() if r.phase is p)
+
+        return SchedulerSnapshot(
+            waiting=phase(Phase.WAITING),
+            prefill=phase(Phase.PREFILL),
+            running=phase(Phase.RUNNING),
+            retracting=phase(Phase.RETRACTING),
+            finishing=phase(Phase.FINISHING),
+            transfer=phase(Phase.TRANSFER),
+            launched_batches=launched,
+            rows={r.rid: r.row for r in self.reqs.values() if r.row is not None},
+            progress={r.rid: r.num_launched for r in self.reqs.values()},
+            plan_pending=plan_pending,
+            paused=paused,
+            num_retractions=self.num_retractions,
+            idle=idle,
+        )
 
     def live(self, rid: str) -> Req | None:
         """The request `rid` if it can still be ended: known, not yet finishing."""

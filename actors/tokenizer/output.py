@@ -3,6 +3,7 @@ strings, pushed into its caller's stream, which ends with a Completion
 (docs/architecture.md, "Out: detokenize, stop strings, the stream").
 
     streams.open(gen, ids, sampling, version, session) # at admission
+    streams.deliver_steady(outputs.steady_rids, outputs.steady_tokens)  # then
     streams.deliver_all(outputs.items)                # every Outputs the scheduler sends
     streams.fail(rid, error)                          # ends it with an error, if live
 
@@ -101,6 +102,23 @@ class RequestStreams:
         generate next comes from the new weights, and their Completions say so."""
         for live in self.live.values():
             live.weight_version = weight_version
+
+    def deliver_steady(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
+        """A steady step's outputs as columns (`Outputs.steady_rids`): one token for each
+        request and nothing else to tell; one without stop strings takes the short way."""
+        live_of = self.live.get
+        for rid, token in zip(rids, tokens, strict=True):
+            live = live_of(rid)
+            if live is None:
+                continue  # its stream already ended on a stop string; late tokens are dropped
+            ids = (token,)
+            if live.plain:
+                live.output_ids.append(token)
+                text = live.detok.push(ids)
+                live.text.append(text)
+                live.stream.push(Delta(text, ids))
+            else:
+                self.deliver(Output(rid, ids))
 
     def deliver_all(self, items: Sequence[Output]) -> None:
         """A step's outputs. A steady one (its tokens and nothing else to tell: no finish, no

@@ -101,7 +101,9 @@ class Tokenizer:
                     self.scheduler.put(abort)
                 else:
                     self.admission.withdraw(rid, abort.message)
-            case Outputs(items=items):
+            case Outputs(items=items, steady_rids=rids, steady_tokens=tokens):
+                if rids:
+                    self.streams.deliver_steady(rids, tokens)
                 self.streams.deliver_all(items)
             case Released(rids=rids):
                 self.released(rids)
@@ -167,9 +169,9 @@ class Tokenizer:
                     self.admission.fail(entry, error)
             case Abort(rid=rid):
                 self.fail_request(rid, error)
-            case Outputs(items=items):
-                for item in items:
-                    self.fail_request(item.rid, error)
+            case Outputs(items=items, steady_rids=rids):
+                for rid in (*rids, *(item.rid for item in items)):
+                    self.fail_request(rid, error)
             case Released(rids=rids):
                 self.released(rids)
             case UpdateWeights() as update:

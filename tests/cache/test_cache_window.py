@@ -405,6 +405,9 @@ class WindowSim:
         assert self.cache.check(loud=True) is None
 
     def collect(self, outputs: list[Output]) -> None:
+        for rids, tokens in self.planner.take_steady():  # a steady step's, as columns
+            for rid, token in zip(rids, tokens, strict=True):
+                self.outputs.setdefault(rid, []).append(token)
         for out in outputs + self.planner.take_errors():
             assert out.finish != "error", out
             self.outputs.setdefault(out.rid, []).extend(out.token_ids)

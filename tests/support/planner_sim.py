@@ -79,6 +79,9 @@ class Sim:
         self.planner.add(Admit(rid, tuple(prompt), params, 0))
 
     def record(self, outputs: list[Output]) -> None:
+        for rids, tokens in self.planner.take_steady():  # a steady step's, as columns
+            for rid, token in zip(rids, tokens, strict=True):
+                self.outputs.setdefault(rid, []).append(Output(rid, (token,)))
         for out in outputs + self.planner.take_errors():
             self.outputs.setdefault(out.rid, []).append(out)
         self.released += self.planner.take_released()
