@@ -8,14 +8,15 @@ are stale, and the columns here are the truth; its `Req.tokens` lacks the tokens
 `recent` (a block of steps x members, moved into the lists when it fills, and a member's at
 its detach). The planner keeps it so:
 
-    build     when every live request is a running decoder (or a finished one waiting for its
-              release) and every launched batch is decodes of them only (`DecodeSet.build`)
+    build     when at least MIN_MEMBERS live requests run and every one is a running decoder
+              (or a finished one waiting for its release), nothing waits, and every launched
+              batch is decodes of them only (`DecodeSet.of`, steady_steps.py)
     steady    propose, form and result as column operations (`want`, `form`, `result`);
-              a finish detaches its member (its counters go back to its Req) and marks the
-              slot dead: the set lives on
+              a finish detaches its member (its counters and tokens go back to its Req) and
+              marks the slot dead: the set lives on
     dissolve  on anything else (an arrival, an abort, a failed extension, logprobs, a pause,
-              a snapshot, too many dead slots): every alive member's counters go back to its
-              Req, and the planner's per-request code takes over (`dissolve`)
+              a snapshot, a quarter of the slots dead): every alive member's counters and
+              tokens go back to its Req, and the planner's per-request code takes over
 
 A slot is a member's index in `members`; slots are never reused while the set lives, so a
 launched batch names its decodes by slot (`LaunchedBatch.slots`). The laws hold as they do
@@ -25,7 +26,7 @@ slot's batches count down on its Req), and a finished member's release waits for
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,10 @@ Steady = tuple[tuple[str, ...], tuple[int, ...]]  # outputs as columns: request 
 
 # A set whose dead slots pass this share of its members is dissolved and built anew.
 MAX_DEAD_SHARE = 0.25
+# Fewer running requests are planned one by one: a step of column operations costs about
+# 40 µs of numpy calls whatever the batch, the per-request code about 2.3 µs a request
+# (bench/planner_cost.py and bench/README.md, "Host cost per decode step": even at 16).
+MIN_MEMBERS = 16
 RECENT_STEPS = 64  # tokens kept as columns before they go into the requests' lists
 COUNTERS = ("num_launched", "pending", "inflight", "num_computed", "capacity")
 
@@ -72,13 +77,16 @@ class DecodeSet:
     dying: list[Req] = field(default_factory=list)  # finished, detached, not yet released
 
     @classmethod
-    def of(cls, reqs: Iterable[Req]) -> DecodeSet | None:
+    def of(cls, reqs: Collection[Req]) -> DecodeSet | None:
         """A set of every live request if each is a running decoder holding its row, or a
-        finished one whose batches are all back (it waits for its release); else None.
+        finished one whose batches are all back (it waits for its release), and at least
+        `MIN_MEMBERS` run; else None.
         Logprobs come back one by one (`LaunchedBatches.result`): a request that asks for
         them keeps the per-request code."""
         running: list[Req] = []
         dying: list[Req] = []
+        if len(reqs) < MIN_MEMBERS:
+            return None
         for req in reqs:
             if req.row is None or req.role == "send" or req.sampling.wants_logprobs:
                 return None
@@ -88,7 +96,7 @@ class DecodeSet:
                 dying.append(req)
             else:
                 return None
-        return cls.build(running, dying) if running else None
+        return cls.build(running, dying) if len(running) >= MIN_MEMBERS else None
 
     @classmethod
     def build(cls, running: list[Req], dying: list[Req]) -> DecodeSet:
@@ -124,8 +132,9 @@ class DecodeSet:
 
     @property
     def worn(self) -> bool:
-        """Too many dead slots (or none alive) to go on: dissolve and build anew."""
-        return self.num_alive <= len(self.members) * (1 - MAX_DEAD_SHARE)
+        """Too many dead slots (or too few alive) to go on: dissolve and build anew."""
+        few = self.num_alive < MIN_MEMBERS
+        return few or self.num_alive <= len(self.members) * (1 - MAX_DEAD_SHARE)
 
     def detach(self, slot: int) -> Req:
         """The member's counters and tokens back to its Req; the slot is dead from now on."""

@@ -17,7 +17,14 @@ from shoal.actors.scheduler import decode_set
 from shoal.actors.scheduler.decode_set import DecodeSet
 from shoal.actors.scheduler.launched_batches import LaunchedBatches
 
+DEFAULT_MIN_MEMBERS = decode_set.MIN_MEMBERS
 EOS = 17  # one of the fake device's tokens (3..91), so requests end at different times
+
+
+@pytest.fixture(autouse=True)
+def small_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These workloads run a handful of requests: let them make decode sets."""
+    monkeypatch.setattr(decode_set, "MIN_MEMBERS", 1)
 
 
 @dataclass
@@ -176,3 +183,22 @@ def test_min_new_tokens_hold_back_a_stop_inside_the_set() -> None:
     assert steady > 20
     assert [i + 1 for i, t in enumerate(tokens) if t == 17] == [4, 9, 15] and len(tokens) == 15
     assert sim.finish("a") == "stop" and len(sim.tokens("b")) == 40
+
+
+@pytest.mark.parametrize("running", [DEFAULT_MIN_MEMBERS - 1, DEFAULT_MIN_MEMBERS])
+def test_a_set_is_made_only_for_enough_requests(
+    running: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below MIN_MEMBERS running requests the per-request code is cheaper, and plans."""
+    monkeypatch.setattr(decode_set, "MIN_MEMBERS", DEFAULT_MIN_MEMBERS)
+    sim = Sim(page_size=4, num_rows=running, num_pages=running * 16)
+    for i in range(running):
+        sim.add(f"r{i}", [5 + i, 6, 7], max_new_tokens=12, ignore_eos=True)
+    steady = 0
+    while not sim.planner.idle:
+        if len(sim.launched) < sim.max_inflight and sim.plan_and_launch():
+            steady += sim.planner.steady.decode_set is not None
+            continue
+        sim.complete_one()
+    assert all(len(sim.tokens(f"r{i}")) == 12 for i in range(running))
+    assert (steady > 0) == (running >= DEFAULT_MIN_MEMBERS)
