@@ -166,6 +166,17 @@ def test_a_finished_member_is_released_only_after_its_last_batch() -> None:
     assert len(sim.tokens("long")) == 30
 
 
+def run_counting_steady(sim: Sim) -> int:
+    """Run the simulation to the end; how many launches a decode set formed."""
+    steady = 0
+    while not sim.planner.idle:
+        if len(sim.launched) < sim.max_inflight and sim.plan_and_launch():
+            steady += sim.planner.steady.decode_set is not None
+            continue
+        sim.complete_one()
+    return steady
+
+
 def test_min_new_tokens_hold_back_a_stop_inside_the_set() -> None:
     """Alone, [8, 9, 10] decodes 17 as its 4th, 9th and 15th tokens: with stop id 17 and at
     least 10 tokens, the first two do not end it, the third does; beside it, a request that
@@ -173,12 +184,7 @@ def test_min_new_tokens_hold_back_a_stop_inside_the_set() -> None:
     sim = Sim(page_size=4)
     sim.add("a", [8, 9, 10], max_new_tokens=40, stop_token_ids=(17,), min_new_tokens=10)
     sim.add("b", [5, 6, 7], max_new_tokens=40, ignore_eos=True)
-    steady = 0
-    while not sim.planner.idle:
-        if len(sim.launched) < sim.max_inflight and sim.plan_and_launch():
-            steady += sim.planner.steady.decode_set is not None
-            continue
-        sim.complete_one()
+    steady = run_counting_steady(sim)
     tokens = sim.tokens("a")
     assert steady > 20
     assert [i + 1 for i, t in enumerate(tokens) if t == 17] == [4, 9, 15] and len(tokens) == 15
@@ -194,11 +200,6 @@ def test_a_set_is_made_only_for_enough_requests(
     sim = Sim(page_size=4, num_rows=running, num_pages=running * 16)
     for i in range(running):
         sim.add(f"r{i}", [5 + i, 6, 7], max_new_tokens=12, ignore_eos=True)
-    steady = 0
-    while not sim.planner.idle:
-        if len(sim.launched) < sim.max_inflight and sim.plan_and_launch():
-            steady += sim.planner.steady.decode_set is not None
-            continue
-        sim.complete_one()
+    steady = run_counting_steady(sim)
     assert all(len(sim.tokens(f"r{i}")) == 12 for i in range(running))
     assert (steady > 0) == (running >= DEFAULT_MIN_MEMBERS)
