@@ -28,6 +28,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     and temperature) of each chosen token and of its top alternatives.
     logit_bias adds its value to its token's logit at every step (OpenAI's meaning: -100 bans a
     token, +100 all but forces it), as the row constraint of kernels/logit_bias.py.
+    include_stop_str_in_output keeps the stop string that ended the request at the end of its
+    text (vLLM's name; SGLang's /generate calls it no_stop_trim); by default the text ends
+    before it. A stop token id's own text is in the text either way, as vLLM answers.
 
     This struct is the per-request spec: it travels whole from the door to the request's row
     (Generate, the scheduler's Request, RowInit, RowState), and every door takes every field
@@ -47,6 +50,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: bool = False

@@ -113,8 +113,17 @@ class UpdateWeights(msgspec.Struct, frozen=True, tag=True):
     reply: asyncio.Future[UpdateResult]  # success False: why, and the old weights serve on
 
 
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
 class Pause(msgspec.Struct, frozen=True, tag=True):
+    """Pause or continue generation. Pausing, `mode` says what becomes of the requests
+    already in the engine (SGLang's modes): "in_place" they stop where they are and keep
+    their KV; "retract" they give their KV back and wait, to prefill again on continue;
+    "abort" they end at once with what they generated (finish reason "abort")."""
+
     paused: bool
+    mode: PauseMode = "in_place"
 
 
 class OpenSession(msgspec.Struct, frozen=True, tag=True):

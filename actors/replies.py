@@ -110,6 +110,14 @@ def settle(reply: asyncio.Future[None], refusal: BaseException | None) -> None:
         refuse(reply, refusal)
 
 
+def unread() -> asyncio.Future[None]:
+    """A reply no one waits for (a pause's retraction: the ordered mailboxes already put it
+    before anything later); a failure in it is read here, so asyncio does not report it."""
+    reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    reply.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return reply
+
+
 async def ask(mailbox: Mailbox[M], message: Callable[[asyncio.Future[T]], M]) -> T:
     """Post `message(reply)` and wait for its reply: its value, or what it raises."""
     reply: asyncio.Future[T] = asyncio.get_running_loop().create_future()

@@ -21,7 +21,7 @@ import uuid
 from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, get_args
 
 from shoal.actors.messages import (
     Abort,
@@ -32,6 +32,7 @@ from shoal.actors.messages import (
     Generate,
     OpenSession,
     Pause,
+    PauseMode,
     Snapshot,
     UpdateWeights,
 )
@@ -269,9 +270,16 @@ class Engine:
             return FlushResult(False, f"not flushed: {exc}")
         return FlushResult(True, "prefix cache flushed")
 
-    def pause_generation(self) -> None:
-        """New requests queue; running ones stop being scheduled and keep their KV."""
-        self.actors.tokenizer_box.put(Pause(True))
+    def pause_generation(self, mode: PauseMode = "in_place") -> None:
+        """New requests queue until continue_generation; the ones in the engine, by `mode`
+        (SGLang's): "in_place" stop being scheduled and keep their KV; "retract" give their
+        KV back and wait, to prefill again when generation continues; "abort" end at once
+        with what they generated, finish reason "abort" (an RL loop resubmits them, prompt
+        and partial output, after a weight update). ValueError for another mode."""
+        if mode not in get_args(PauseMode):
+            modes = ", ".join(get_args(PauseMode))
+            raise ValueError(f"mode must be one of {modes}, got {mode!r}")
+        self.actors.tokenizer_box.put(Pause(True, mode))
         self._paused = True
 
     def continue_generation(self) -> None:

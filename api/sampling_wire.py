@@ -9,8 +9,8 @@ own), under the name the door gives it. WIRE_NAMES lists only the names that dif
     chat            the body of /v1/chat/completions     max_tokens, min_tokens
     completions     the body of /v1/completions          max_tokens, min_tokens, logprobs (an
                                                          int: top_logprobs; logprobs implied)
-    native          /generate's sampling_params; the     return_logprob, top_logprobs_num
-                    logprob pair beside it, as SGLang
+    native          /generate's sampling_params; the     return_logprob, top_logprobs_num,
+                    logprob pair beside it, as SGLang    no_stop_trim
     websocket       the turn message                     none
     CLI             `generate` flags (add_sampling_flags) --max-new-tokens, --no-ignore-eos, ...
                     (greedy unless --temperature is given)
@@ -51,7 +51,11 @@ WIRE_NAMES: Mapping[str, Mapping[str, str | None]] = {
         "logprobs": None,  # asked for by any value of the next
         "top_logprobs": "logprobs",
     },
-    "native": {"logprobs": "return_logprob", "top_logprobs": "top_logprobs_num"},
+    "native": {
+        "logprobs": "return_logprob",
+        "top_logprobs": "top_logprobs_num",
+        "include_stop_str_in_output": "no_stop_trim",
+    },
     "websocket": {},
 }
 

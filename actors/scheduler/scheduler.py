@@ -157,6 +157,10 @@ class Scheduler:
                     refuse(reply, OperationRefused(why, "engine_busy"))
             case SetPaused(paused=paused):
                 planner.set_paused(paused)
+                if not paused:  # a pause's retraction is moot once generation continues
+                    for parked in self.parks:  # (a writer's: continue waits for its end)
+                        answer(parked, None)
+                    self.parks.clear()
             case Park(reply=reply):
                 planner.park_all()
                 self.parks.append(reply)

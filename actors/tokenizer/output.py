@@ -43,6 +43,7 @@ class Live:
     stops: StopMatcher
     num_prompt: int
     plain: bool  # no stop strings: a steady output's text goes out as it comes
+    keep_stop: bool = False  # the matched stop string stays in the text
     output_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -92,6 +93,7 @@ class RequestStreams:
         detok = self.detokenizers.open(ids, sampling.skip_special_tokens)
         stops = StopMatcher(sampling.stop)
         live = Live(gen.stream, detok, stops, len(ids), not sampling.stop)
+        live.keep_stop = sampling.include_stop_str_in_output
         live.logprobs = [] if sampling.wants_logprobs else None
         live.weight_version = weight_version
         live.session = session
@@ -152,6 +154,8 @@ class RequestStreams:
         emit, matched = live.stops.push(text) if text else ("", None)
         if matched is None and item.finish is not None:
             emit += live.stops.flush()
+        elif matched is not None and live.keep_stop:
+            emit += matched
         if item.logprobs is not None and live.logprobs is not None:
             live.logprobs.extend(item.logprobs)
         if emit or item.token_ids:

@@ -36,6 +36,7 @@ from shoal.actors.messages import (
     OpenSession,
     Outputs,
     Pace,
+    Park,
     Pause,
     Released,
     SchedulerMsg,
@@ -46,7 +47,7 @@ from shoal.actors.messages import (
     UpdateWeights,
     WriteDone,
 )
-from shoal.actors.replies import answer
+from shoal.actors.replies import answer, unread
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
 from shoal.actors.tokenizer.admission import Admission
 from shoal.actors.tokenizer.intake import Intake, Waiting
@@ -140,10 +141,15 @@ class Tokenizer:
                 if update.abort_all:
                     for rid in self.streams.rids():
                         self.scheduler.put(Abort(rid, "abort", "aborted for a weight update"))
-            case Pause(paused=paused):
+            case Pause(paused=paused, mode=mode):
                 self.lock.set_paused(paused)
                 if paused or self.lock.may_resume():
                     self.scheduler.put(SetPaused(paused))
+                if paused and mode == "abort":
+                    for rid in self.streams.rids():
+                        self.scheduler.put(Abort(rid, "abort", "aborted by pause_generation"))
+                elif paused and mode == "retract":
+                    self.scheduler.put(Park(unread()))
             case Snapshot() | FlushWhenIdle() | Pace() as control:
                 self.scheduler.put(control)
 

@@ -130,7 +130,7 @@ class AdminRoutes:
         options = engine.options
         return json_response(
             {
-                "version": _version(),
+                "version": package_version(),
                 "model_path": str(loaded.path),
                 "served_model_name": self.model_names[0],
                 "weight_version": self.weight_version,
@@ -195,7 +195,7 @@ class AdminRoutes:
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
 
-def _version() -> str:
+def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -24,7 +24,6 @@ from shoal.api.http.field_rules import (
     STRUCTURED,
     THINKING,
     TOOLS,
-    TRIM,
     Accepted,
     Refused,
     Rules,
@@ -86,8 +85,6 @@ _OPENAI: dict[str, Refused | Accepted] = {
     "custom_params": Refused(LOGITS, ({},)),
     "bad_words": Refused(LOGITS, ([],)),
     "allowed_token_ids": Refused(LOGITS),
-    "no_stop_trim": TRIM,
-    "include_stop_str_in_output": TRIM,
     "use_beam_search": Refused(": shoal samples; it does not search beams", (False,)),
     "truncate_prompt_tokens": Refused(": a prompt that does not fit is refused, never cut"),
     "prompt_logprobs": Refused(PROMPT_LOGPROBS),
@@ -184,13 +181,16 @@ SAMPLING: Rules = {  # SGLang's sampling_params beyond SamplingParams' fields
     **_refused(STRUCTURED, "json_schema", "regex", "ebnf", "structural_tag"),
     "stop_regex": STOP_REGEX,
     "n": Refused(": send the prompt n times, as a batch", (1,)),
-    "no_stop_trim": TRIM,
     "custom_params": Refused(LOGITS, ({},)),
     "spaces_between_special_tokens": Accepted("fast tokenizers ignore it, as shoal's do"),
     "stream_interval": Accepted("it batches streamed chunks; each is sent when it is ready"),
 }
 
-TURN: Rules = {**SAMPLING, "sampling_seed": Refused(": the websocket names it seed")}
+TURN: Rules = {
+    **SAMPLING,
+    "sampling_seed": Refused(": the websocket names it seed"),
+    "no_stop_trim": Refused(": the websocket names it include_stop_str_in_output", (False,)),
+}
 
 GENERATE: Rules = {
     # SGLang's router sends "model": null (its own request type has the field)

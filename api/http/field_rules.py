@@ -98,7 +98,6 @@ PROMPT = ": shoal renders the prompt from the messages alone, with the model's c
 PROMPT_LOGPROBS = " yet: only the generated tokens' logprobs are reported"
 ANSWER = ": the answer does not carry it"
 INPUTS = ": only text and token ids are taken as input"
-TRIM = Refused(": the answer never includes the stop string that ended it", (False,))
 STOP_REGEX = Refused(" yet: only stop strings and stop token ids end generation", ([],))
 ADAPTER = Refused(": shoal serves the model's own weights, without adapters")
 CACHE_SALT = Refused(

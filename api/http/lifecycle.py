@@ -5,8 +5,12 @@ and pause").
                                     200 {"success": true, "message", "weight_version"}, or 400
                                     with success false and the reason (old weights still serve)
     POST /flush_cache?timeout=30    200 {"success": true, "message"} once the engine was idle,
-                                    or 409 if it did not become idle in time (nothing changed)
-    POST /pause_generation          new requests queue, running ones keep their KV
+                                    or 409 if it did not become idle in time (nothing changed);
+                                    GET too, as SGLang serves it (verl and slime call GET)
+    POST /pause_generation          {"mode": "abort" | "retract" | "in_place"} (SGLang's; default
+                                    "abort", also for an empty body): new requests queue; the
+                                    ones in the engine end with their partial output, give
+                                    their KV back and wait, or stop where they are
     POST /continue_generation
 
 A refusal carries both `success: false` (what SGLang clients check) and the error shape.
@@ -19,8 +23,9 @@ import math
 import msgspec
 from aiohttp import web
 
+from shoal.actors.messages import PauseMode
 from shoal.api.engine import Engine
-from shoal.api.http.body import decode_body, json_response
+from shoal.api.http.body import decode_body, decode_bytes, json_response
 from shoal.api.http.errors import ErrorBody, bad_request
 from shoal.api.http.limits import HttpLimits, check_chars
 
@@ -31,6 +36,10 @@ class UpdateWeightsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     model_path: str
     abort_all_requests: bool = False
     weight_version: int | None = None
+
+
+class PauseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    mode: PauseMode = "abort"  # SGLang's default: in-flight requests return at once
 
 
 class Outcome(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -81,8 +90,11 @@ class LifecycleRoutes:
         return refusal(409, result.message, "timeout", "engine_busy")
 
     async def pause(self, request: web.Request) -> web.Response:
-        self.engine.pause_generation()
-        return json_response(Outcome(True, "generation paused"))
+        body = PauseRequest()
+        if request.can_read_body and (raw := await request.read()).strip():
+            body = decode_bytes(raw, PauseRequest)
+        self.engine.pause_generation(body.mode)
+        return json_response(Outcome(True, f"generation paused ({body.mode})"))
 
     async def resume(self, request: web.Request) -> web.Response:
         self.engine.continue_generation()

@@ -163,6 +163,12 @@ class OpenAISampling:
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
             self.values["max_new_tokens"] = body.max_completion_tokens  # the newer name wins
             self.names["max_new_tokens"] = "max_completion_tokens"
+        if body.no_stop_trim is not None:  # SGLang's name; vLLM's, if given too, must agree
+            given = self.values.setdefault("include_stop_str_in_output", body.no_stop_trim)
+            if given != body.no_stop_trim:
+                message = "no_stop_trim and include_stop_str_in_output disagree; give one"
+                raise bad_request(message, "no_stop_trim")
+            self.names["include_stop_str_in_output"] = "no_stop_trim"
         if chat and self.values.get("top_logprobs") and not self.values.get("logprobs"):
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         if not chat and "top_logprobs" in self.values:  # any completions logprobs asks for them

@@ -56,6 +56,7 @@ class OpenAIFields(RoomFields, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None  # refused unless {"type": "text"}
+    no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
     session_params: SessionParams | None = None  # chat: the messages are the turn's new ones
 
 

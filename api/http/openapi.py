@@ -98,7 +98,7 @@ def _operation(op: Route, schema_of: Mapping[str, Any]) -> dict[str, Any]:
         out["description"] = op.description
     if op.request is not None:
         out["requestBody"] = {
-            "required": True,
+            "required": not op.body_optional,
             "content": {JSON: {"schema": schema_of[_key(op.request)]}},
         }
         if op.example is not None:

@@ -16,7 +16,13 @@ from typing import Any
 
 from shoal.api.http.admin import AdminRoutes
 from shoal.api.http.errors import ErrorEnvelope
-from shoal.api.http.lifecycle import LifecycleRoutes, Outcome, UpdateWeightsRequest
+from shoal.api.http.lifecycle import (
+    LifecycleRoutes,
+    Outcome,
+    PauseRequest,
+    UpdateWeightsRequest,
+)
+from shoal.api.http.loads import LoadRoutes, Loads
 from shoal.api.http.native import NativeRoutes
 from shoal.api.http.native_protocol import AbortRequest, GenerateRequest, GenerateResponse
 from shoal.api.http.openai_protocol import (
@@ -118,6 +124,19 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route(
         method="GET",
+        path="/v1/loads",
+        handler=LoadRoutes.loads,
+        summary="Requests running and waiting, KV tokens used (SGLang's core load fields)",
+        responses=ok(Body(Loads)),
+        query=(
+            Query("include", {"type": "string"}, "SGLang's sections, comma-separated"),
+            Query("dp_rank", {"type": "integer", "minimum": 0}, "a data-parallel rank (0)"),
+            Query("format", {"type": "string", "enum": ["json"]}, "json"),
+        ),
+        tags=("admin",),
+    ),
+    Route(
+        method="GET",
         path="/get_model_info",
         handler=AdminRoutes.model_info,
         summary="Model facts",
@@ -177,11 +196,30 @@ ROUTES: tuple[Route, ...] = (
         tags=("lifecycle",),
     ),
     Route(
+        method="GET",
+        path="/flush_cache",
+        handler=LifecycleRoutes.flush_cache,
+        summary="Empty the prefix cache once idle (GET as SGLang takes it too)",
+        access="admin",  # it changes the engine's state, whatever the method
+        responses={"200": (Body(Outcome),), "409": (Body(Outcome),)},
+        query=(
+            Query(
+                "timeout",
+                {"type": "number", "minimum": 0},
+                "seconds to wait for the engine to become idle (default 30)",
+            ),
+        ),
+        tags=("lifecycle",),
+    ),
+    Route(
         method="POST",
         path="/pause_generation",
         handler=LifecycleRoutes.pause,
-        summary="Pause: new requests queue, running ones keep their KV",
+        summary="Pause: new requests queue; running ones end, give their KV back or stop",
         responses=ok(Body(Outcome)),
+        request=PauseRequest,
+        body_optional=True,  # SGLang's clients send {} or nothing: the default mode
+        example={"mode": "abort"},
         tags=("lifecycle",),
     ),
     Route(

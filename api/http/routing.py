@@ -64,6 +64,7 @@ class Route:
     summary: str
     responses: Mapping[str, tuple[Body, ...]]  # status ("200", "101") -> its bodies
     request: Any = None  # the JSON body's type; None: no body
+    body_optional: bool = False  # no body (or an empty one) is the type's defaults
     access: Access | None = None  # None: the method's default (see the module)
     generates: bool = False  # a generation request: a refusal ends its disaggregation rooms
     example: Any = None

@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from shoal.api.engine import Engine
-from shoal.api.http.admin import AdminRoutes
+from shoal.api.http.admin import AdminRoutes, package_version
 from shoal.api.http.body import BODY_TIMEOUT_S, MAX_JSON_DEPTH
 from shoal.api.http.bootstrap_fields import RoomRefusals
 from shoal.api.http.errors import ApiError, error_middleware
@@ -35,6 +35,7 @@ from shoal.api.http.guard import Guard, parse_origins
 from shoal.api.http.hosts import HostCheck, parse_hosts
 from shoal.api.http.lifecycle import LifecycleRoutes
 from shoal.api.http.limits import HttpLimits
+from shoal.api.http.loads import LoadRoutes
 from shoal.api.http.metrics import Metrics
 from shoal.api.http.native import NativeRoutes
 from shoal.api.http.openai_routes import OpenAIRoutes
@@ -183,6 +184,7 @@ class Server:
                 self.options.health_timeout_s,
             ),
             LifecycleRoutes(self.engine, self.gateway.limits),
+            LoadRoutes(self.engine, package_version()),
             SessionRoutes(self.gateway),
             self.sockets,
             OpenAPIRoute(self.routes, self.options.api_key, self.options.admin_api_key),

@@ -115,6 +115,16 @@ async def test_stop_string_trims_the_text_and_ends_the_request(
     assert cut.finish_reason == "stop" and cut.matched_stop == stop
     assert cut.text == text[: text.index(stop)]
     assert len(cut.token_ids) < len(full.token_ids)
+    kept = await engine.generate(
+        "The quick",
+        max_new_tokens=40,
+        temperature=0.0,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=True,
+    ).result()
+    assert kept.text == cut.text + stop and kept.token_ids == cut.token_ids
+    assert kept.finish_reason == "stop" and kept.matched_stop == stop
 
 
 async def test_stop_token_and_eos(make_engine: EngineFactory, tiny_reference: Reference) -> None:

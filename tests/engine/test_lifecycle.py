@@ -328,6 +328,56 @@ async def test_pause_holds_work_and_continue_resumes_it(
     assert list((await queued.result()).token_ids) == tiny_reference.greedy(ids, 5, True)
 
 
+async def test_pause_abort_ends_requests_with_their_output_and_a_resubmission_goes_on(
+    make_engine: EngineFactory, tiny_reference: Reference
+) -> None:
+    """SGLang's default pause ("abort"), as AReaL uses it around a weight update: the
+    running request ends at once with what it generated; resubmitted as prompt + partial
+    output, it waits while paused and then decodes the rest, token for token."""
+    engine = await make_engine(page_size=4)
+    ids = prompt(13, 13)
+    expected = tiny_reference.greedy(ids, 60, True)
+    running = engine.generate(input_ids=ids, max_new_tokens=60, **greedy())
+    async for _ in running:
+        break
+    engine.pause_generation("abort")
+    done = await asyncio.wait_for(running.result(), 5)
+    partial = list(done.token_ids)
+    assert done.finish_reason == "abort" and 0 < len(partial) < 60
+    assert partial == expected[: len(partial)] and done.usage.completion_tokens == len(partial)
+    rest = engine.generate(input_ids=ids + partial, max_new_tokens=60 - len(partial), **greedy())
+    await asyncio.sleep(0.1)
+    snap = await engine.snapshot()
+    assert snap.paused and not rest.ended and not snap.launched_batches
+    engine.continue_generation()
+    assert partial + list((await rest.result()).token_ids) == expected
+    await engine.wait_idle()
+
+
+async def test_pause_retract_gives_the_kv_back_and_continue_prefills_again(
+    make_engine: EngineFactory, tiny_reference: Reference
+) -> None:
+    """ "retract": the running request holds no row while paused (its pages are the
+    cache's again), and after continue it finishes as if never stopped."""
+    engine = await make_engine(page_size=4)
+    ids = prompt(17, 11)
+    running = engine.generate(input_ids=ids, max_new_tokens=60, **greedy())
+    async for _ in running:
+        break
+    engine.pause_generation("retract")
+    for _ in range(200):  # the retraction waits for the batches in flight
+        snap = await engine.snapshot()
+        if running.rid in snap.waiting:
+            break
+        await asyncio.sleep(0.01)
+    assert snap.paused and running.rid in snap.waiting and running.rid not in snap.rows
+    assert not running.ended
+    engine.continue_generation()
+    assert list((await running.result()).token_ids) == tiny_reference.greedy(ids, 60, True)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        engine.pause_generation("later")  # type: ignore[arg-type]
+
+
 async def paused_after(engine: Engine, ids: list[int], tokens: int) -> RequestStream:
     """A greedy 30-token request, and the engine paused once it has streamed `tokens`."""
     stream = engine.generate(input_ids=ids, max_new_tokens=30, **greedy())

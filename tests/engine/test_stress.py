@@ -33,6 +33,7 @@ class Stress:
         self.control = asyncio.Lock()  # an update never lands inside a pause
         # prompt, max_new_tokens, logit_bias, output, weight version
         self.completed: list[tuple[list[int], int, dict[int, float], list[int], int]] = []
+        self.partial: list[tuple[list[int], int, dict[int, float], list[int], int]] = []  # aborted
         self.counts: dict[str, int] = {}
         self.folder_of_version: dict[int, Path] = {}
         self.next_rid = 0
@@ -53,13 +54,15 @@ class Stress:
 
     def record(self, body: dict[str, Any], result: dict[str, Any]) -> None:
         meta = result["meta_info"]
-        if meta["finish_reason"]["type"] == "length":
-            sampling = body["sampling_params"]
-            bias = {int(t): b for t, b in sampling.get("logit_bias", {}).items()}
-            output, version = result["output_ids"], meta["weight_version"]
-            self.completed.append(
-                (body["input_ids"], sampling["max_new_tokens"], bias, output, version)
-            )
+        finish = meta["finish_reason"]["type"]
+        sampling = body["sampling_params"]
+        bias = {int(t): b for t, b in sampling.get("logit_bias", {}).items()}
+        output, version = result["output_ids"], meta["weight_version"]
+        done = (body["input_ids"], sampling["max_new_tokens"], bias, output, version)
+        if finish == "length":
+            self.completed.append(done)
+        elif finish == "abort" and output:  # what it generated before it was ended
+            self.partial.append(done)
 
     async def generate(self) -> None:
         body = self.body(False, self.rng.randint(1, 12))
@@ -96,6 +99,7 @@ class Stress:
             assert resp.status == 200, await resp.text()
             result = await resp.json()
         assert result["meta_info"]["finish_reason"]["type"] in ("abort", "length")
+        self.record(body, result)
 
     async def flush(self) -> None:
         async with self.http.post(self.url + "/flush_cache?timeout=0.5") as resp:
@@ -112,8 +116,10 @@ class Stress:
             self.folder_of_version[result["weight_version"]] = folder
 
     async def pause(self) -> None:
+        mode = self.rng.choice(["abort", "retract", "in_place", None])  # None: SGLang's default
+        body = {} if mode is None else {"mode": mode}
         async with self.control:
-            async with self.http.post(self.url + "/pause_generation") as resp:
+            async with self.http.post(self.url + "/pause_generation", json=body) as resp:
                 assert resp.status == 200
             await asyncio.sleep(self.rng.random() * 0.03)
             async with self.http.post(self.url + "/continue_generation") as resp:
@@ -175,11 +181,16 @@ async def test_random_operations_against_a_running_server(
     assert sum(stress.counts.values()) == OPERATIONS
     assert all(stress.counts.get(k, 0) > 10 for k in ("generate", "update", "pause", "flush"))
     references = {tiny_folder: tiny_reference, other_folder: Reference(other_folder, (2,))}
-    assert len(stress.completed) > 100
+    assert len(stress.completed) > 60  # pauses in "abort" mode end some early
     assert sum(1 for c in stress.completed if c[2]) > 20  # biased rows among them
     for prompt, max_new, bias, output, version in stress.completed:
         reference = references[stress.folder_of_version[version]]
         assert output == reference.greedy(prompt, max_new, True, bias), f"version {version}"
+    assert stress.partial  # aborted by a call, a weight update or a pause, with some output
+    for prompt, max_new, bias, output, version in stress.partial:
+        reference = references[stress.folder_of_version[version]]
+        expected = reference.greedy(prompt, max_new, True, bias)
+        assert output == expected[: len(output)], f"aborted, version {version}"
 
     await served.engine.wait_idle()
     await served.engine.check_integrity()

@@ -21,6 +21,7 @@ EXAMPLES: dict[str, Any] = {
     "seed": 7,
     "stop": ("zzqq",),
     "stop_token_ids": (3,),
+    "include_stop_str_in_output": True,
     "ignore_eos": True,
     "skip_special_tokens": False,
     "logprobs": True,

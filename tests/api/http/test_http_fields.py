@@ -284,7 +284,7 @@ KINDS: dict[str, Kind] = {
     **{"add_special_tokens": R(True, None, False), "echo": R(True, None, False)},
     **{"input_ids": R([5, 6], None), "truncate_prompt_tokens": R(5, None)},
     # the answer: what it carries
-    **{name: R(True, None, False) for name in ("no_stop_trim", "include_stop_str_in_output")},
+    **{name: H(True) for name in ("no_stop_trim", "include_stop_str_in_output")},
     **{"prompt_logprobs": R(1, None), "use_beam_search": R(True, None, False)},
     **{"best_of": R(2, None, 1), "suffix": R("x", None, ""), "prompt_embeds": R("AAAA", None)},
     **{
@@ -380,6 +380,8 @@ BY_DOOR: dict[str, dict[str, Kind]] = {
         **VLLM_ONLY_SAMPLING,
         **SGLANG_SAMPLING_EXTRAS,
         "sampling_seed": R(7, None),  # the websocket names it seed
+        "include_stop_str_in_output": H(True),  # the websocket names it so, as Python does
+        "no_stop_trim": R(True, None, False),
         "max_tokens": H(2, drop="max_new_tokens"),  # the websocket's OpenAI spelling
         "logprobs": H(True),
     },

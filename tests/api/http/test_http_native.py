@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from served import ServeFactory, chat, post, sse_events
@@ -50,6 +52,11 @@ async def test_generate_stop_reports_what_matched(serve: ServeFactory) -> None:
     )
     assert by_text["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert by_text["text"] == text[: text.index(stop)]
+    kept_params = {**base, "stop": stop, "no_stop_trim": True}  # as slime sends it
+    _, kept = await post(s, "/generate", {"text": "The quick", "sampling_params": kept_params})
+    assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert kept["text"] == text[: text.index(stop)] + stop
+    assert kept["output_ids"] == by_text["output_ids"]
 
 
 async def test_generate_batch_rids_seeds_and_logprobs(serve: ServeFactory) -> None:
@@ -190,6 +197,8 @@ async def test_lifecycle_routes_are_served_and_weight_version_shows(
     s = await serve()
     status, flushed = await post(s, "/flush_cache", {})
     assert status == 200 and flushed["success"] is True
+    async with s.http.get(s.url + "/flush_cache") as resp:  # verl and slime send GET
+        assert resp.status == 200 and (await resp.json())["success"] is True
     body = {"model_path": str(tiny_folder), "weight_version": 7}
     status, updated = await post(s, "/update_weights_from_disk", body)
     assert status == 200 and updated["success"] is True and updated["weight_version"] == 7
@@ -199,3 +208,74 @@ async def test_lifecycle_routes_are_served_and_weight_version_shows(
         assert (await resp.json())["weight_version"] == 7
     status, refused = await post(s, "/update_weights_from_disk", {"model_path": "/nonexistent"})
     assert status == 400 and refused["success"] is False and refused["error"]["param"]
+
+
+async def test_pause_generation_aborts_by_default_with_the_partial_output(
+    serve: ServeFactory,
+) -> None:
+    """`POST /pause_generation {}` is SGLang's "abort": a /generate in flight returns at once,
+    200 with what it generated and finish reason abort; a request sent while paused waits
+    for /continue_generation. A mode SGLang does not know is a 400 naming it."""
+    s = await serve()
+    sampling = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    body = {"text": "The sea is", "sampling_params": sampling, "stream": True}
+    async with s.http.post(s.url + "/generate", json=body) as resp:
+        first = await resp.content.readline()
+        assert first.startswith(b"data: ")
+        status, paused = await post(s, "/pause_generation", {})
+        assert status == 200 and paused["success"] is True and "abort" in paused["message"]
+        events = [first.decode().removeprefix("data: ").strip(), *await sse_events(resp)]
+    last = json.loads(events[-2]) if isinstance(events[-2], str) else events[-2]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < last["meta_info"]["completion_tokens"] == len(last["output_ids"]) < 400
+    waiting = asyncio.create_task(
+        post(s, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    )
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    status, refused = await post(s, "/pause_generation", {"mode": "later"})
+    assert status == 400 and refused["error"]["param"] == "mode"
+    for mode in ("in_place", "retract"):
+        assert (await post(s, "/pause_generation", {"mode": mode}))[0] == 200
+    assert (await post(s, "/continue_generation", {}))[0] == 200
+    status, answered = await asyncio.wait_for(waiting, 10)
+    assert status == 200 and answered["meta_info"]["finish_reason"]["type"] == "length"
+
+
+async def test_loads_count_running_and_waiting_as_slime_reads_them(serve: ServeFactory) -> None:
+    """slime's end of a rollout: `abort_request {"abort_all": true}`, then `GET /v1/loads?
+    include=core` until running + waiting is 0 (SGLang's core fields)."""
+    s = await serve(max_running_requests=2)
+    sampling = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+    load = [
+        asyncio.create_task(post(s, "/generate", {"text": f"t{i}", "sampling_params": sampling}))
+        for i in range(4)
+    ]
+
+    async def loads(query: str = "?include=core") -> tuple[int, Any]:
+        async with s.http.get(s.url + "/v1/loads" + query) as resp:
+            return resp.status, await resp.json()
+
+    for _ in range(200):
+        status, got = await loads()
+        core = got["loads"][0]
+        if core["num_running_reqs"] == 2 and core["num_waiting_reqs"] == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert status == 200 and got["version"] and got["timestamp"]
+    assert core["dp_rank"] == 0 and core["max_running_requests"] == 2
+    assert (core["num_running_reqs"], core["num_waiting_reqs"]) == (2, 2)
+    assert 0 < core["num_used_tokens"] <= core["num_total_tokens"]
+    assert core["token_usage"] == round(core["num_used_tokens"] / core["num_total_tokens"], 4)
+    assert (await post(s, "/abort_request", {"abort_all": True}))[0] == 200
+    for _ in range(200):
+        core = (await loads())[1]["loads"][0]
+        if core["num_running_reqs"] + core["num_waiting_reqs"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert core["num_running_reqs"] + core["num_waiting_reqs"] == 0
+    assert all(status == 200 for status, _ in await asyncio.gather(*load))
+    assert (await loads("?dp_rank=1"))[1]["loads"] == []
+    for query, param in (("?include=cores", "include"), ("?format=prometheus", "format")):
+        status, refused = await loads(query)
+        assert status == 400 and refused["error"]["param"] == param

@@ -183,6 +183,23 @@ async def test_stop_strings_and_stop_token_ids(serve: ServeFactory) -> None:
         prompt="The quick", max_tokens=30, stop=["zzzz", stop], **greedy
     )
     assert listed.choices[0].text == cut.choices[0].text
+    for keep in ({"include_stop_str_in_output": True}, {"no_stop_trim": True}):  # vLLM, SGLang
+        body = {**greedy, "extra_body": {"ignore_eos": True, **keep}}
+        kept = await s.client.completions.create(  # type: ignore[call-overload]
+            prompt="The quick", max_tokens=30, stop=stop, **body
+        )
+        assert kept.choices[0].text == text[: text.index(stop)] + stop, keep
+        assert kept.choices[0].finish_reason == "stop"
+        streamed = await s.client.completions.create(  # type: ignore[call-overload]
+            prompt="The quick", max_tokens=30, stop=stop, stream=True, **body
+        )
+        pieces = [c.choices[0].text async for c in streamed if c.choices]
+        assert "".join(pieces) == kept.choices[0].text
+    both = {"include_stop_str_in_output": True, "no_stop_trim": False}
+    with pytest.raises(openai.BadRequestError, match="disagree"):
+        await s.client.completions.create(  # type: ignore[call-overload]
+            prompt="The quick", max_tokens=3, stop=stop, model=MODEL, extra_body=both
+        )
     direct = await s.engine.generate(
         "The quick", max_new_tokens=30, temperature=0.0, ignore_eos=True
     ).result()
