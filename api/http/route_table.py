@@ -180,36 +180,26 @@ ROUTES: tuple[Route, ...] = (
         description="A refused checkpoint (400, success false) leaves the old weights serving.",
         tags=("lifecycle",),
     ),
-    Route(
-        method="POST",
-        path="/flush_cache",
-        handler=LifecycleRoutes.flush_cache,
-        summary="Empty the prefix cache once idle",
-        responses={"200": (Body(Outcome),), "409": (Body(Outcome),)},
-        query=(
-            Query(
-                "timeout",
-                {"type": "number", "minimum": 0},
-                "seconds to wait for the engine to become idle (default 30)",
+    # GET too, as SGLang serves it (verl and slime call GET); admin either way: it changes
+    # the engine's state, whatever the method
+    *(
+        Route(
+            method=method,
+            path="/flush_cache",
+            handler=LifecycleRoutes.flush_cache,
+            summary="Empty the prefix cache once idle",
+            access="admin",
+            responses={"200": (Body(Outcome),), "409": (Body(Outcome),)},
+            query=(
+                Query(
+                    "timeout",
+                    {"type": "number", "minimum": 0},
+                    "seconds to wait for the engine to become idle (default 30)",
+                ),
             ),
-        ),
-        tags=("lifecycle",),
-    ),
-    Route(
-        method="GET",
-        path="/flush_cache",
-        handler=LifecycleRoutes.flush_cache,
-        summary="Empty the prefix cache once idle (GET as SGLang takes it too)",
-        access="admin",  # it changes the engine's state, whatever the method
-        responses={"200": (Body(Outcome),), "409": (Body(Outcome),)},
-        query=(
-            Query(
-                "timeout",
-                {"type": "number", "minimum": 0},
-                "seconds to wait for the engine to become idle (default 30)",
-            ),
-        ),
-        tags=("lifecycle",),
+            tags=("lifecycle",),
+        )
+        for method in ("POST", "GET")
     ),
     Route(
         method="POST",
