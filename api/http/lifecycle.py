@@ -1,7 +1,9 @@
 """The routes RL loops call between rollouts (docs/architecture.md, "Weight updates, cache flush
 and pause").
 
-    POST /update_weights_from_disk  {"model_path", "abort_all_requests"?, "weight_version"?}
+    POST /update_weights_from_disk  {"model_path", "abort_all_requests"?, "weight_version"? (a
+                                    number, or a string of digits as slime sends it),
+                                    "load_format"? (auto, safetensors), "flush_cache"? (true)}
                                     200 {"success": true, "message", "weight_version"}, or 400
                                     with success false and the reason (old weights still serve)
     POST /flush_cache?timeout=30    200 {"success": true, "message"} once the engine was idle,
@@ -32,10 +34,43 @@ from shoal.api.http.limits import HttpLimits, check_chars
 DEFAULT_FLUSH_TIMEOUT_S = 30.0
 
 
+LOAD_FORMATS = (None, "auto", "safetensors")  # a Hugging Face folder's safetensors
+
+
 class UpdateWeightsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_path: str
     abort_all_requests: bool = False
-    weight_version: int | None = None
+    # SGLang's type is a string (slime sends str(step)); shoal numbers its weights, so a
+    # string of digits is taken as its number and any other string refused
+    weight_version: int | str | None = None
+    load_format: str | None = None  # SGLang's: only what a folder of safetensors is
+    flush_cache: bool | None = None  # SGLang's: true only, the prefix cache always goes
+
+    def version(self) -> int | None:
+        """The weight version asked for, as a number (a 400 for one that is not)."""
+        given = self.weight_version
+        if isinstance(given, str):
+            if not given.isdigit() or not given.isascii():
+                why = f"weight_version must be an integer >= 0 or a string of digits, got {given!r}"
+                raise bad_request(why, param="weight_version")
+            return int(given)
+        if given is not None and given < 0:
+            raise bad_request("weight_version must be >= 0", param="weight_version")
+        return given
+
+    def check_options(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise bad_request(
+                f"load_format {self.load_format!r} is not supported: shoal loads a folder of "
+                "safetensors (load_format auto or safetensors)",
+                param="load_format",
+            )
+        if self.flush_cache is False:
+            raise bad_request(
+                "flush_cache false is not supported: the prefix cache is always flushed with "
+                "new weights, so KV computed by the old weights never serves the new ones",
+                param="flush_cache",
+            )
 
 
 class PauseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -63,10 +98,9 @@ class LifecycleRoutes:
         check_chars(len(body.model_path), max_chars, "model_path", "max_path_chars")
         if not body.model_path.strip():
             raise bad_request("model_path must not be empty", param="model_path")
-        if body.weight_version is not None and body.weight_version < 0:
-            raise bad_request("weight_version must be >= 0", param="weight_version")
+        body.check_options()
         result = await self.engine.update_weights_from_disk(
-            body.model_path, body.abort_all_requests, body.weight_version
+            body.model_path, body.abort_all_requests, body.version()
         )
         if result.success:
             return json_response(Outcome(True, result.message, result.weight_version))

@@ -208,6 +208,19 @@ async def test_lifecycle_routes_are_served_and_weight_version_shows(
         assert (await resp.json())["weight_version"] == 7
     status, refused = await post(s, "/update_weights_from_disk", {"model_path": "/nonexistent"})
     assert status == 400 and refused["success"] is False and refused["error"]["param"]
+    # as slime sends it: the version a string of digits, SGLang's load_format and flush_cache
+    body = {"model_path": str(tiny_folder), "weight_version": "8", "load_format": "auto"}
+    status, updated = await post(s, "/update_weights_from_disk", {**body, "flush_cache": True})
+    assert status == 200 and updated["weight_version"] == 8
+    for wrong, param in (
+        ({"weight_version": "v9"}, "weight_version"),
+        ({"load_format": "pt"}, "load_format"),
+        ({"flush_cache": False}, "flush_cache"),
+    ):
+        status, refused = await post(s, "/update_weights_from_disk", {**body, **wrong})
+        assert status == 400 and refused["error"]["param"] == param, refused
+    async with s.http.get(s.url + "/get_model_info") as resp:
+        assert (await resp.json())["weight_version"] == 8  # the refusals changed nothing
 
 
 async def test_pause_generation_aborts_by_default_with_the_partial_output(
