@@ -50,12 +50,12 @@ class UpdateWeightsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
         """The weight version asked for, as a number (a 400 for one that is not)."""
         given = self.weight_version
         if isinstance(given, str):
-            if not given.isdigit() or not given.isascii():
+            if not given.isdigit() or not given.isascii() or len(given) > 18:
                 why = f"weight_version must be an integer >= 0 or a string of digits, got {given!r}"
                 raise bad_request(why, param="weight_version")
             return int(given)
-        if given is not None and given < 0:
-            raise bad_request("weight_version must be >= 0", param="weight_version")
+        if given is not None and not 0 <= given < 2**63:
+            raise bad_request("weight_version must be in [0, 2**63)", param="weight_version")
         return given
 
     def check_options(self) -> None:

@@ -214,6 +214,8 @@ async def test_lifecycle_routes_are_served_and_weight_version_shows(
     assert status == 200 and updated["weight_version"] == 8
     for wrong, param in (
         ({"weight_version": "v9"}, "weight_version"),
+        ({"weight_version": "9" * 30}, "weight_version"),
+        ({"weight_version": 2**63}, "weight_version"),
         ({"load_format": "pt"}, "load_format"),
         ({"flush_cache": False}, "flush_cache"),
     ):
