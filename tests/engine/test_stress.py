@@ -19,6 +19,8 @@ import pytest
 from reference import Reference
 from served import ServeFactory
 
+from shoal.actors.scheduler import decode_set
+
 OPERATIONS = 500
 PROMPTS = [[random.Random(i).randrange(3, 500) for _ in range(4 + 5 * i)] for i in range(8)]
 # Three more share a 40-token prefix, so requests wait for each other's published pages.
@@ -161,7 +163,11 @@ async def test_random_operations_against_a_running_server(
     tiny_folder: Path,
     other_folder: Path,
     tiny_reference: Reference,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A decode set from the first running request (16 in production): its steady steps,
+    # finishes and dissolving meet every operation here (one stage; stages never build one)
+    monkeypatch.setattr(decode_set, "MIN_MEMBERS", 1)
     served = await serve(page_size=4, chunk_size=16, kv_cache_tokens=1024, pipeline_stages=stages)
     start = await served.engine.cache_stats()
     stress = Stress(served.url, served.http, seed=seed)
