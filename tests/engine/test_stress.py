@@ -188,7 +188,7 @@ async def test_random_operations_against_a_running_server(
     assert all(stress.counts.get(k, 0) > 10 for k in ("generate", "update", "pause", "flush"))
     references = {tiny_folder: tiny_reference, other_folder: Reference(other_folder, (2,))}
     assert len(stress.completed) > 60  # pauses in "abort" mode end some early
-    assert sum(1 for c in stress.completed if c[2]) > 20  # biased rows among them
+    assert sum(1 for c in stress.completed if c[2]) > 10  # biased rows among them
     for prompt, max_new, bias, output, version in stress.completed:
         reference = references[stress.folder_of_version[version]]
         assert output == reference.greedy(prompt, max_new, True, bias), f"version {version}"
