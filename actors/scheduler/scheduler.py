@@ -169,13 +169,9 @@ class Scheduler:
 
     def _send(self, outputs: list[Output]) -> None:
         """For the tokenizer, in order, once this message's turn is over (`_deliver`)."""
-        steady = self.planner.take_steady()
-        for rids, tokens in steady[:-1]:
+        for rids, tokens in self.planner.take_steady():
             self.for_tokenizer.append(Outputs((), rids, tokens))
-        if steady:
-            rids, tokens = steady[-1]
-            self.for_tokenizer.append(Outputs(tuple(outputs), rids, tokens))
-        elif outputs:
+        if outputs:
             self.for_tokenizer.append(Outputs(tuple(outputs)))
         released = self.planner.take_released()
         if released:

@@ -139,19 +139,22 @@ class Tokenizer:
             case UpdateWeights() as update:
                 self.lock.request(update)
                 if update.abort_all:
-                    for rid in self.streams.rids():
-                        self.scheduler.put(Abort(rid, "abort", "aborted for a weight update"))
+                    self.abort_live("aborted for a weight update")
             case Pause(paused=paused, mode=mode):
                 self.lock.set_paused(paused)
                 if paused or self.lock.may_resume():
                     self.scheduler.put(SetPaused(paused))
                 if paused and mode == "abort":
-                    for rid in self.streams.rids():
-                        self.scheduler.put(Abort(rid, "abort", "aborted by pause_generation"))
+                    self.abort_live("aborted by pause_generation")
                 elif paused and mode == "retract":
                     self.scheduler.put(Park(unread()))
             case Snapshot() | FlushWhenIdle() | Pace() as control:
                 self.scheduler.put(control)
+
+    def abort_live(self, message: str) -> None:
+        """End every request in the engine, each with what it generated."""
+        for rid in self.streams.rids():
+            self.scheduler.put(Abort(rid, "abort", message))
 
     def recover(self, msg: TokenizerMsg, error: InternalError) -> None:
         """One message failed (actors/supervise.py): end what it stood for, keep the lock's

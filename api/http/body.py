@@ -32,7 +32,8 @@ BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)  # set by the Server from i
 DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
-async def decode_body(request: web.Request, kind: type[T]) -> T:
+async def decode_body(request: web.Request, kind: type[T], empty: T | None = None) -> T:
+    """The body as `kind`; `empty`: what no body (or a blank one) means, else a 400."""
     timeout_s = request.app.get(BODY_TIMEOUT_S, DEFAULT_BODY_TIMEOUT_S)
     try:
         async with asyncio.timeout(timeout_s):  # a trickled body must not hold the handler
@@ -41,6 +42,8 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
         raise ApiError(
             408, f"the request body did not arrive within {timeout_s:g}s (body_timeout_s)"
         ) from None
+    if empty is not None and not raw.strip():
+        return empty
     return decode_bytes(raw, kind, request.app.get(MAX_JSON_DEPTH, DEFAULT_MAX_JSON_DEPTH))
 
 

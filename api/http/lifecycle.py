@@ -27,7 +27,7 @@ from aiohttp import web
 
 from shoal.actors.messages import PauseMode
 from shoal.api.engine import Engine
-from shoal.api.http.body import decode_body, decode_bytes, json_response
+from shoal.api.http.body import decode_body, json_response
 from shoal.api.http.errors import ErrorBody, bad_request
 from shoal.api.http.limits import HttpLimits, check_chars
 
@@ -124,9 +124,7 @@ class LifecycleRoutes:
         return refusal(409, result.message, "timeout", "engine_busy")
 
     async def pause(self, request: web.Request) -> web.Response:
-        body = PauseRequest()
-        if request.can_read_body and (raw := await request.read()).strip():
-            body = decode_bytes(raw, PauseRequest)
+        body = await decode_body(request, PauseRequest, empty=PauseRequest())
         self.engine.pause_generation(body.mode)
         return json_response(Outcome(True, f"generation paused ({body.mode})"))
 
