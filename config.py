@@ -140,12 +140,19 @@ class EngineOptions:
     max_stop_token_ids: int = option(
         DEFAULT_LIMITS.max_stop_token_ids, "stop token ids per request"
     )
+    max_stop_regex: int = option(DEFAULT_LIMITS.max_stop_regex, "stop_regex patterns per request")
+    max_stop_regex_chars: int = option(
+        DEFAULT_LIMITS.max_stop_regex_chars, "characters per stop_regex pattern"
+    )
     max_prompt_chars: int = option(
         DEFAULT_LIMITS.max_prompt_chars,
         "characters of a text prompt, or of all the chat messages together",
     )
     max_messages: int = option(DEFAULT_LIMITS.max_messages, "chat messages per request or turn")
     max_logit_bias: int = option(DEFAULT_LIMITS.max_logit_bias, "logit_bias entries per request")
+    max_token_ids_logprob: int = option(
+        DEFAULT_LIMITS.max_token_ids_logprob, "token_ids_logprob entries per request"
+    )
 
     def input_limits(self) -> InputLimits:
         return InputLimits(**{name: getattr(self, name) for name in InputLimits.__struct_fields__})

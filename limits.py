@@ -30,9 +30,12 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_stop_strings: int = 32
     max_stop_chars: int = 1024  # per stop string
     max_stop_token_ids: int = 256
+    max_stop_regex: int = 16  # stop_regex patterns per request
+    max_stop_regex_chars: int = 512  # per pattern
     max_prompt_chars: int = 2_000_000  # a text prompt, or all the messages' content together
     max_messages: int = 2048
     max_logit_bias: int = 300  # logit_bias entries per request
+    max_token_ids_logprob: int = 64  # token_ids_logprob entries per request
 
     def validate(self) -> None:
         for name in self.__struct_fields__:
@@ -66,8 +69,14 @@ def check_chars(length: int, limit: int, field: str, option: str, what: str = ""
         )
 
 
-def check_stops(limits: InputLimits, stop: Sequence[str], stop_token_ids: Sequence[int]) -> None:
-    """Stop strings (how many, how long each) and stop token ids (how many)."""
+def check_stops(
+    limits: InputLimits,
+    stop: Sequence[str],
+    stop_token_ids: Sequence[int],
+    stop_regex: Sequence[str] = (),
+) -> None:
+    """Stop strings and stop_regex patterns (how many, how long each) and stop token ids (how
+    many)."""
     check_count(len(stop), limits.max_stop_strings, "stop", "max_stop_strings")
     for index, entry in enumerate(stop):
         if isinstance(entry, str):
@@ -75,6 +84,12 @@ def check_stops(limits: InputLimits, stop: Sequence[str], stop_token_ids: Sequen
             check_chars(len(entry), limits.max_stop_chars, "stop", "max_stop_chars", what)
     num_ids = len(stop_token_ids)
     check_count(num_ids, limits.max_stop_token_ids, "stop_token_ids", "max_stop_token_ids")
+    check_count(len(stop_regex), limits.max_stop_regex, "stop_regex", "max_stop_regex")
+    for index, entry in enumerate(stop_regex):
+        if isinstance(entry, str):
+            what = f" entry {index}" if len(stop_regex) > 1 else ""
+            limit = limits.max_stop_regex_chars
+            check_chars(len(entry), limit, "stop_regex", "max_stop_regex_chars", what)
 
 
 def check_prompt_size(

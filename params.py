@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import msgspec
+import regex  # type: ignore[import-untyped]  # no stubs; re's syntax, and search timeouts
 
 from shoal.limits import InputLimits, check_count, check_stops
 from shoal.results import RequestError
@@ -26,11 +27,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     Hugging Face meaning for repetition_penalty (over prompt and generated tokens).
     logprobs / top_logprobs report the model's raw log-probabilities (before penalties, biases
     and temperature) of each chosen token and of its top alternatives.
+    logprob_start_len asks for the prompt's logprobs too, from that position on (SGLang's
+    meaning: -1 none, 0 the whole prompt, position 0's reported without a logprob since nothing
+    precedes it; it must be below the prompt's length), each with top_logprobs alternatives;
+    token_ids_logprob lists token ids whose logprobs are reported at every position reported
+    (prompt and, with logprobs, output). docs/architecture.md, "Prompt logprobs".
     logit_bias adds its value to its token's logit at every step (OpenAI's meaning: -100 bans a
     token, +100 all but forces it), as the row constraint of kernels/logit_bias.py.
     include_stop_str_in_output keeps the stop string that ended the request at the end of its
     text (vLLM's name; SGLang's /generate calls it no_stop_trim); by default the text ends
     before it. A stop token id's own text is in the text either way, as vLLM answers.
+    stop_regex (SGLang's) ends the request when the output's text matches a pattern (Python
+    regular expressions, searched over the text's tail: actors/tokenizer/stop_regex.py); the
+    text ends with the match, which stays in it whatever include_stop_str_in_output says.
 
     This struct is the per-request spec: it travels whole from the door to the request's row
     (Generate, the scheduler's Request, RowInit, RowState), and every door takes every field
@@ -50,25 +59,37 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    stop_regex: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: dict[int, float] = {}
+    logprob_start_len: int = -1
+    token_ids_logprob: tuple[int, ...] = ()
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.logprob_start_len >= 0
 
     def validate(self, vocab_size: int | None = None, limits: InputLimits | None = None) -> None:
         """Raise RequestError (LimitExceeded for a count or a length) naming the first bad
         field in `field`; its message starts with the name. Counts and lengths are checked
         first, against `limits` (default: InputLimits())."""
         limits = limits or InputLimits()
-        check_stops(limits, self.stop, self.stop_token_ids)
+        check_stops(limits, self.stop, self.stop_token_ids, self.stop_regex)
         check_count(len(self.logit_bias), limits.max_logit_bias, "logit_bias", "max_logit_bias")
-        _check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
+        num_listed = len(self.token_ids_logprob)
+        check_count(
+            num_listed, limits.max_token_ids_logprob, "token_ids_logprob", "max_token_ids_logprob"
+        )
+        # 0: the prompt's prefill alone (its prompt logprobs), as SGLang answers
+        _check(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0", self.max_new_tokens)
         _check(
             0 <= self.min_new_tokens <= self.max_new_tokens,
             "min_new_tokens",
@@ -108,21 +129,49 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         )
         for stop in self.stop:
             _check(isinstance(stop, str) and stop != "", "stop", "entries must be non-empty", stop)
+        for index, pattern in enumerate(self.stop_regex):
+            problem = pattern_problem(pattern)
+            if problem is not None:
+                where = f" entry {index}" if len(self.stop_regex) > 1 else ""
+                raise RequestError(f"{where} {problem}", "stop_regex", named=True)
         _check(
             0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
             "top_logprobs",
             f"must be in [0, {MAX_TOP_LOGPROBS}]",
             self.top_logprobs,
         )
-        for token_id in self.stop_token_ids:
-            ok = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
-            _check(ok, "stop_token_ids", "entries must be valid token ids", token_id)
+        _check(
+            self.logprob_start_len >= -1,
+            "logprob_start_len",
+            "must be -1 (no prompt logprobs) or a prompt position >= 0",
+            self.logprob_start_len,
+        )
+        for name in ("stop_token_ids", "token_ids_logprob"):
+            for token_id in getattr(self, name):
+                ok = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
+                _check(ok, name, "entries must be valid token ids", token_id)
         for token_id, bias in self.logit_bias.items():
             ok = isinstance(token_id, int) and token_id >= 0
             ok = ok and (vocab_size is None or token_id < vocab_size)
             _check(ok, "logit_bias", "keys must be valid token ids", token_id)
             ok = _finite(bias) and -100.0 <= bias <= 100.0
             _check(ok, "logit_bias", "values must be in [-100, 100]", bias)
+
+
+def pattern_problem(pattern: object) -> str | None:
+    """Why `pattern` is not a regular expression stop_regex can search for (None: it is): it
+    does not compile, or it matches the empty text.
+    The `regex` package's V0 syntax (Python's `re`'s); it caches compiled patterns, so
+    the tokenizer actor's compile of the same pattern costs nothing more."""
+    if not isinstance(pattern, str):
+        return f"must be a string, got {type(pattern).__name__}"
+    try:
+        compiled = regex.compile(pattern)
+    except (regex.error, ValueError, OverflowError, RecursionError) as exc:
+        return f"is not a valid regular expression: {exc}"
+    if compiled.search("") is not None:  # "a*", ".*", "$": every request would end at once
+        return "matches the empty text, so it would end every request at its first token"
+    return None
 
 
 def _finite(value: float) -> bool:

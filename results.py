@@ -49,25 +49,43 @@ class Usage(msgspec.Struct, frozen=True):
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):
-    """The raw log-probability of a chosen token, and its most likely alternatives."""
+    """The raw log-probability of a chosen token, and its most likely alternatives.
+    `listed`: the logprobs of the request's token_ids_logprob, in its order; `rank`: the
+    token's rank in the distribution, 1 the most likely (prompt positions only; 0: not
+    computed)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    listed: tuple[float, ...] = ()
+    rank: int = 0
+
+
+class PromptLogprobs(msgspec.Struct, frozen=True):
+    """A prompt's logprobs from position `start` (SGLang's logprob_start_len) to its end:
+    `items[i]` is position max(start, 1) + i's token, its logprob given the positions before.
+    Position 0 has none (nothing precedes it): when start is 0, `first_token_id` is its token
+    and the doors report it with a null logprob."""
+
+    start: int
+    first_token_id: int | None
+    items: tuple[TokenLogprob, ...]
 
 
 class Delta(msgspec.Struct, frozen=True):
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when asked for
+    prompt_logprobs: PromptLogprobs | None = None  # on a request's first Delta, when asked for
 
 
 def merged(deltas: list[Delta]) -> Delta:
     """Consecutive Deltas as one, for a reader that fell behind (RequestStream)."""
     text, ids = "".join([d.text for d in deltas]), tuple([t for d in deltas for t in d.token_ids])
+    prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     if all(d.logprobs is None for d in deltas):
-        return Delta(text, ids)
-    return Delta(text, ids, tuple([lp for d in deltas for lp in d.logprobs or ()]))
+        return Delta(text, ids, None, prompt)
+    return Delta(text, ids, tuple([lp for d in deltas for lp in d.logprobs or ()]), prompt)
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -79,8 +97,9 @@ class Completion(msgspec.Struct, frozen=True):
     matched_stop: str | int | None = None  # the stop string or stop token that ended it
     message: str = ""
     logprobs: tuple[TokenLogprob, ...] | None = None
-    weight_version: int = 0  # the weights its last token came from (see docs/architecture.md)
+    weight_version: str = "0"  # the weights its last token came from (see docs/architecture.md)
     code: ErrorCode | None = None  # an "error" that was the caller's mistake, and which
+    prompt_logprobs: PromptLogprobs | None = None  # when asked for (logprob_start_len)
 
 
 class RequestError(ValueError):
@@ -151,7 +170,7 @@ class UpdateResult(msgspec.Struct, frozen=True):
 
     success: bool
     message: str
-    weight_version: int
+    weight_version: str
 
 
 class FlushResult(msgspec.Struct, frozen=True):

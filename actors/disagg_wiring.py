@@ -62,7 +62,7 @@ def build_transfer(
     stages: list[Stage],
     page_size: int,
     scheduler: Mailbox[SchedulerMsg],
-    weight_version: Callable[[], int],
+    weight_version: Callable[[], str],
     weights_digest: Callable[[], str],
     fabric: LocalFabric | None,
     faults: FaultInjector | None,

@@ -9,7 +9,7 @@ import asyncio
 
 import msgspec
 
-from shoal.actors.messages import Shutdown
+from shoal.actors.messages import MemoryTag, Shutdown, WeightSource
 from shoal.params import SamplingParams
 
 
@@ -34,6 +34,9 @@ class SeqChunk(msgspec.Struct, frozen=True):
     """One sequence of a batch: new tokens at positions start .. start + n - 1 of its row.
 
     input_ids None means a decode step whose input is the row's last sampled token.
+    `logprob_targets` asks for prompt logprobs (SamplingParams.logprob_start_len): position
+    `logprobs_from + i` of the chunk gives the logprob of the next prompt token,
+    logprob_targets[i] (the prompt's last position, which samples, is never among them).
     """
 
     row: int
@@ -42,6 +45,8 @@ class SeqChunk(msgspec.Struct, frozen=True):
     input_ids: tuple[int, ...] | None
     sample: bool
     init: RowInit | None = None
+    logprob_targets: tuple[int, ...] = ()
+    logprobs_from: int = 0
 
 
 class Launch(msgspec.Struct, frozen=True, tag=True):
@@ -63,12 +68,21 @@ class Launch(msgspec.Struct, frozen=True, tag=True):
 
 
 class LoadWeights(msgspec.Struct, frozen=True, tag=True):
-    """Swap in a checkpoint of the same architecture (only sent while nothing is in flight).
-    The reply raises OperationRefused (invalid_checkpoint) if it was refused (old weights
-    stay)."""
+    """Swap in new weights of the same architecture, a checkpoint's or tensors' (only sent
+    while nothing is in flight). The reply raises OperationRefused (invalid_checkpoint,
+    invalid_weights) if they were refused (old weights stay)."""
 
-    model_path: str
+    source: WeightSource
     reply: asyncio.Future[None]
 
 
-ExecutorMsg = Launch | LoadWeights | Shutdown
+class SetMemory(msgspec.Struct, frozen=True, tag=True):
+    """Free the KV pool's or the weights' memory (release True), or allocate and fill them
+    again (only sent while nothing is in flight: actors/executor/memory.py)."""
+
+    release: bool
+    tags: tuple[MemoryTag, ...]
+    reply: asyncio.Future[None]
+
+
+ExecutorMsg = Launch | LoadWeights | SetMemory | Shutdown

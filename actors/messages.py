@@ -33,6 +33,8 @@ from shoal.results import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from shoal.actors.executor_messages import RowWriteMsg  # msgspec never resolves it here
     from shoal.actors.scheduler.pacing import PaceOrder
     from shoal.actors.tokenizer.encode import Prompt
@@ -82,6 +84,9 @@ class Output(msgspec.Struct, frozen=True):
     matched_token: int | None = None
     num_cached_tokens: int | None = None  # sent once, with the first output of a request
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # The next prompt positions' logprobs (logprob_start_len), in order, as a chunk computed
+    # them: always before the request's first token
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Outputs(msgspec.Struct, frozen=True, tag=True):
@@ -104,13 +109,55 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-class UpdateWeights(msgspec.Struct, frozen=True, tag=True):
-    """Take the writer lock, load the checkpoint, flush the prefix cache, bump the version."""
+class DiskWeights(msgspec.Struct, frozen=True, tag=True):
+    """New weights from a checkpoint folder (or a file in one): the whole set."""
 
     model_path: str
+
+    def describe(self) -> str:
+        return f"from {self.model_path}"
+
+
+class TensorWeights(msgspec.Struct, frozen=True, tag=True):
+    """New weights from tensors in this process, by Hugging Face name: any subset of the
+    model's (the rest keep their values). Held, never encoded: a mailbox passes objects."""
+
+    named: tuple[tuple[str, torch.Tensor], ...]
+    origin: str = "tensors"  # what the answer names: "tensors", "the group 'g'"
+
+    def describe(self) -> str:
+        return f"from {self.origin} ({len(self.named)} tensors)"
+
+
+WeightSource = DiskWeights | TensorWeights
+
+
+class UpdateWeights(msgspec.Struct, frozen=True, tag=True):
+    """Take the writer lock, load the new weights, flush the prefix cache, move the version."""
+
+    source: WeightSource
     abort_all: bool
-    weight_version: int | None
+    weight_version: str | None
     reply: asyncio.Future[UpdateResult]  # success False: why, and the old weights serve on
+
+
+MemoryTag = Literal["kv_cache", "weights"]
+
+
+class ChangeMemory(msgspec.Struct, frozen=True, tag=True):
+    """Release the memory of `tags` (release True) or take it back, as a writer of the update
+    lock: it starts once no request holds anything, and while anything is released new
+    requests wait and paused ones stay parked (actors/tokenizer/update_lock.py)."""
+
+    release: bool
+    tags: tuple[MemoryTag, ...]
+    reply: asyncio.Future[UpdateResult]
+
+    def describe(self) -> str:
+        return f"{'released' if self.release else 'resumed'} {', '.join(self.tags)}"
+
+
+Writer = UpdateWeights | ChangeMemory
 
 
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -190,6 +237,9 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
     next_tokens: tuple[int, ...]  # one per sampling sequence, in batch order
     error: str | None = None
     logprobs: tuple[TokenLogprob | None, ...] = ()  # parallel to next_tokens, when any asked
+    # One per prompt chunk of the launch that asked for prompt logprobs (SeqChunk.logprob_targets),
+    # in batch order: its positions' logprobs
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
 
 
 class TransferEnded(msgspec.Struct, frozen=True, tag=True):
@@ -302,6 +352,9 @@ class AdmitReq(msgspec.Struct, frozen=True):
     reserve_tokens: int
     session_id: str | None = None
     export_pages: bool = False  # a KV transfer reads or writes the row's pages: name them
+    # Reuse at most this many cached prompt positions (None: any): positions from here on
+    # need their logits, for prompt logprobs (KVCache.admit)
+    reuse_limit: int | None = None
 
 
 class PlanRequest(msgspec.Struct, frozen=True, tag=True):
@@ -350,6 +403,7 @@ TokenizerMsg = (
     | Outputs
     | Released
     | UpdateWeights
+    | ChangeMemory
     | Pause
     | WriteDone
     | Encoded

@@ -21,7 +21,7 @@ Any reply may instead raise InternalError: the actor failed while handling the m
 (actors/supervise.py, `fail_replies`).
 
     snapshot = await ask(box, Snapshot)                       # the message built around a reply
-    await ask(executor, partial(LoadWeights, model_path))     # raises what the reply raises
+    await ask(executor, partial(LoadWeights, source))         # raises what the reply raises
 """
 
 from __future__ import annotations

@@ -195,6 +195,7 @@ def start_actors(
         later_stages=stages[1:],
         streams=first.streams,
         weights_digest=weights_digest(loaded.weights, resolved.linear_kind),
+        folder=loaded.path,
     )
     planner = Planner(
         PlannerConfig(

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         "generation, abort_request) then need Authorization: Bearer ADMIN_KEY",
     )
     serve.add_argument(
+        "--allow-pickled-weights",
+        action="store_true",
+        help="serve POST /update_weights_from_tensor, whose body is a pickle: unpickling runs "
+        "code the sender chooses, so it needs --admin-api-key and takes only that key",
+    )
+    serve.add_argument(
         "--allowed-origins",
         type=_origins,
         default=server_defaults.allowed_origins,
@@ -149,9 +155,15 @@ async def generate(args: argparse.Namespace) -> int:
         done = await stream.result()
         took = time.perf_counter() - ready
         sys.stdout.write("\n")
-        for item in done.logprobs or ():  # --logprobs / --top-logprobs N
+        prompt = done.prompt_logprobs  # --logprob-start-len N
+        if prompt is not None and prompt.first_token_id is not None:
+            print(f"[prompt token {prompt.first_token_id}: no logprob]", file=sys.stderr)
+        items = [("prompt token", t) for t in (prompt.items if prompt is not None else ())]
+        items += [("token", t) for t in done.logprobs or ()]  # --logprobs / --top-logprobs N
+        for what, item in items:
+            listed = f"; listed {list(item.listed)}" if item.listed else ""  # --token-ids-logprob
             print(
-                f"[token {item.token_id}: {item.logprob:.4f}; top {list(item.top)}]",
+                f"[{what} {item.token_id}: {item.logprob:.4f}; top {list(item.top)}{listed}]",
                 file=sys.stderr,
             )
         print(
@@ -172,6 +184,7 @@ async def serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
+        allow_pickled_weights=args.allow_pickled_weights,
         allowed_origins=args.allowed_origins,
         allowed_hosts=args.allowed_hosts,
         body_timeout_s=args.body_timeout_s,

@@ -34,16 +34,18 @@ from shoal.actors.messages import (
     Pause,
     PauseMode,
     Snapshot,
-    UpdateWeights,
 )
 from shoal.actors.replies import SchedulerSnapshot, TransferStats, ask
 from shoal.actors.wiring import Actors
+from shoal.api.memory_calls import MemoryCalls
 from shoal.api.request_sampling import request_sampling
 from shoal.api.rooms import Rooms
 from shoal.api.sampling_wire import SAMPLING_FIELDS
 from shoal.api.session import Session, session_bounds
 from shoal.api.startup import StartHooks, start_engine
 from shoal.api.testing import EngineTesting
+from shoal.api.weight_calls import WeightCalls
+from shoal.api.weight_groups import WeightGroups
 from shoal.cache.stats import KVStats
 from shoal.config import EngineOptions, Resolved
 from shoal.disagg.backend import LocalFabric
@@ -59,11 +61,10 @@ from shoal.results import (
     OperationRefused,
     RequestError,
     RequestStream,
-    UpdateResult,
 )
 
 
-class Engine:
+class Engine(WeightCalls, MemoryCalls):
     def __init__(
         self,
         model: str | Path | LoadedModel | None = None,
@@ -94,6 +95,7 @@ class Engine:
         self.fabric = fabric
         self.bootstrap: BootstrapServer | None = None  # a prefill server's endpoint
         self._start_cancel = threading.Event()  # cancel_start(): read by the start's threads
+        self._groups: WeightGroups | None = None  # the trainers' weight update groups
 
     # ---- life ------------------------------------------------------------------------------
 
@@ -105,6 +107,7 @@ class Engine:
         self.loaded, self.resolved = started.loaded, started.resolved
         self.attention, self.startup_s = started.attention, started.startup_s
         self._actors, self.bootstrap = started.actors, started.bootstrap
+        self._groups = WeightGroups(started.loaded.config, started.resolved.device)
         return self
 
     def cancel_start(self) -> None:
@@ -114,6 +117,8 @@ class Engine:
         self._start_cancel.set()
 
     async def close(self) -> None:
+        if self._groups is not None:
+            self._groups.close()
         if self._actors is not None:
             await self._actors.stop()
         if self.bootstrap is not None:
@@ -142,6 +147,13 @@ class Engine:
         if self._actors.stopping:
             raise EngineDeadError("the engine is shut down")
         return self._actors
+
+    @property
+    def groups(self) -> WeightGroups:
+        """The weight update groups joined with trainers (api/weight_groups.py)."""
+        self.actors  # noqa: B018 - raises as every call on an engine not serving does
+        assert self._groups is not None
+        return self._groups
 
     @property
     def tokenizer(self) -> HFTokenizer:
@@ -193,6 +205,9 @@ class Engine:
             bootstrap = None
         if bootstrap is not None and session_id is not None:
             raise RequestError("a session turn cannot be disaggregated", "bootstrap_room")
+        if bootstrap is not None and sampling.wants_prompt_logprobs:  # no server has them all
+            why = " (prompt logprobs) is not supported for a disaggregated request"
+            raise RequestError(why, "logprob_start_len", named=True)
         self.rooms.check_peer(bootstrap)
         actors = self.actors
         rid = rid if rid is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -241,22 +256,6 @@ class Engine:
 
     # ---- lifecycle operations (docs/architecture.md, "Weight updates, cache flush and pause")
 
-    async def update_weights_from_disk(
-        self,
-        model_path: str | Path,
-        abort_all_requests: bool = False,
-        weight_version: int | None = None,
-    ) -> UpdateResult:
-        """Load a same-architecture checkpoint under the writer lock, then flush the prefix
-        cache. New requests wait meanwhile; in-flight ones finish first (or are aborted with
-        abort_all_requests; or, while paused, are parked and continue on the new weights).
-        A bad checkpoint leaves the old weights serving: success False and the reason."""
-        update = partial(UpdateWeights, str(model_path), abort_all_requests, weight_version)
-        try:
-            return await ask(self.actors.tokenizer_box, update)
-        except InternalError as exc:
-            return UpdateResult(False, str(exc), self.weight_version)
-
     async def flush_cache(self, timeout_s: float = 30.0) -> FlushResult:
         """Empty the prefix cache once the engine is idle (docs/architecture.md, law 1),
         waiting up to timeout_s; if it does not become idle in time, refuse and change
@@ -294,7 +293,7 @@ class Engine:
     # ---- introspection ---------------------------------------------------------------------
 
     @property
-    def weight_version(self) -> int:
+    def weight_version(self) -> str:
         return self.actors.tokenizer.weight_version
 
     @property

@@ -1,17 +1,20 @@
 """Every door's spelling of the sampling vocabulary, and the one way back into SamplingParams.
 
 SamplingParams (params.py) declares the sampling fields and their defaults once. Every door
-takes every field: its wire struct gets them from the declaration (`wire_struct`), each as
-`T | None = None` (None: not given, so the declared default, unless the door has a rule of its
-own), under the name the door gives it. WIRE_NAMES lists only the names that differ:
+takes every field (but the prompt logprobs' two, NATIVE_ONLY): its wire struct gets them from
+the declaration (`wire_struct`), each as `T | None = None` (None: not given, so the declared
+default, unless the door has a rule of its own), under the name the door gives it.
+WIRE_NAMES lists only the names that differ:
 
     door            where the fields are                 names that differ
-    chat            the body of /v1/chat/completions     max_tokens, min_tokens
+    chat            the body of /v1/chat/completions     max_tokens, min_tokens (prompt
+                                                         logprobs: vLLM's prompt_logprobs)
     completions     the body of /v1/completions          max_tokens, min_tokens, logprobs (an
-                                                         int: top_logprobs; logprobs implied)
+                                                         int: top_logprobs; logprobs implied;
+                                                         prompt logprobs: echo, prompt_logprobs)
     native          /generate's sampling_params; the     return_logprob, top_logprobs_num,
-                    logprob pair beside it, as SGLang    no_stop_trim
-    websocket       the turn message                     none
+                    logprob fields beside it, as SGLang  no_stop_trim
+    websocket       the turn message                     none (and no prompt logprobs)
     CLI             `generate` flags (add_sampling_flags) --max-new-tokens, --no-ignore-eos, ...
                     (greedy unless --temperature is given)
     Python          Engine.generate, Session.turn        none (keywords)
@@ -38,25 +41,39 @@ from shoal.params import SamplingParams
 
 SAMPLING_FIELDS: tuple[str, ...] = SamplingParams.__struct_fields__
 DEFAULT_SAMPLING = SamplingParams()
-LOGPROBS = ("logprobs", "top_logprobs")  # OpenAI: per endpoint; /generate: beside the rest
+# The logprob fields. OpenAI: per endpoint (the prompt's: the doors' rules, echo and vLLM's
+# prompt_logprobs); /generate: beside sampling_params, as SGLang has them.
+LOGPROBS = ("logprobs", "top_logprobs", "logprob_start_len", "token_ids_logprob")
 NOT_LOGPROBS = tuple(field for field in SAMPLING_FIELDS if field not in LOGPROBS)
+ONE_OR_MORE = ("stop", "stop_regex")  # a list, or one string for a list of one
+
+# The prompt's logprobs (SamplingParams.logprob_start_len, token_ids_logprob): SGLang's names
+# on /generate; the OpenAI doors ask with their own fields (echo, vLLM's prompt_logprobs:
+# openai_params.py), the websocket with none.
+NATIVE_ONLY = {"logprob_start_len": None, "token_ids_logprob": None}
 
 # door -> {SamplingParams field: the door's name for it}, only where it differs. None: the
-# door has no name of its own for the field; a rule of the door sets it.
+# door has no name of its own for the field; a rule of the door sets it, or it keeps its
+# declared default.
 WIRE_NAMES: Mapping[str, Mapping[str, str | None]] = {
-    "chat": {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"},
+    "chat": {
+        "max_new_tokens": "max_tokens",
+        "min_new_tokens": "min_tokens",
+        **NATIVE_ONLY,
+    },
     "completions": {
         "max_new_tokens": "max_tokens",
         "min_new_tokens": "min_tokens",
         "logprobs": None,  # asked for by any value of the next
         "top_logprobs": "logprobs",
+        **NATIVE_ONLY,
     },
     "native": {
         "logprobs": "return_logprob",
         "top_logprobs": "top_logprobs_num",
         "include_stop_str_in_output": "no_stop_trim",
     },
-    "websocket": {},
+    "websocket": {**NATIVE_ONLY},
 }
 
 
@@ -68,14 +85,14 @@ def wire_struct(
     **config: Any,
 ) -> type[msgspec.Struct]:
     """A subclass of `base` holding the door's sampling `fields`, each `T | None = None` under
-    its wire name; a stop may be one string. `config`: msgspec's struct options."""
+    its wire name; a stop or stop_regex may be one string. `config`: msgspec's struct options."""
     kinds = {info.name: info.type for info in msgspec.structs.fields(SamplingParams)}
     names = WIRE_NAMES[door]
     specs: list[tuple[str, Any, None]] = []
     for field in fields:
         wire = names.get(field, field)
         if wire is not None:
-            kind = str | kinds[field] if field == "stop" else kinds[field]
+            kind = str | kinds[field] if field in ONE_OR_MORE else kinds[field]
             specs.append((wire, kind | None, None))
     module = base.__module__
     return msgspec.defstruct(name, specs, bases=(base,), module=module, kw_only=True, **config)
@@ -105,10 +122,12 @@ def wire_names(
 
 def sampling_from(values: Mapping[str, Any]) -> SamplingParams:
     """The one conversion into SamplingParams, for every door: a field not given takes its
-    declared default, and one stop string is a stop list of one. Not validated here:
-    Engine.generate validates each request, once. ValueError for a value of the wrong type."""
-    if isinstance(values.get("stop"), str):
-        values = {**values, "stop": (values["stop"],)}
+    declared default, and one stop string (or stop_regex pattern) is a list of one. Not
+    validated here: Engine.generate validates each request, once. ValueError for a value of the
+    wrong type."""
+    for field in ONE_OR_MORE:
+        if isinstance(values.get(field), str):
+            values = {**values, field: (values[field],)}
     try:
         return msgspec.convert(values, SamplingParams)
     except msgspec.ValidationError as exc:

@@ -54,7 +54,7 @@ class RoomResult(msgspec.Struct, frozen=True):
     refused: bool = False  # the prefill server refused the request as given (a 4xx)
     first_token: int = -1
     logprob: TokenLogprob | None = None
-    weight_version: int = 0  # the prefill server's public counter (informative only)
+    weight_version: str = "0"  # the prefill server's public counter (informative only)
     weights_digest: str = ""  # the prefill server's weights: the decode server's must match
 
 

@@ -37,6 +37,7 @@ import torch
 
 from shoal.kernels.constraints import RowConstraint
 from shoal.kernels.device_copy import to_device
+from shoal.kernels.logprob_gather import logprob_columns
 from shoal.kernels.sampling_columns import (
     MIN_TEMPERATURE,
     columns_of,
@@ -122,10 +123,9 @@ def compute_logprobs(
     Returns the log-probability of each token_ids[b] (float32 [B]) and the top_k most likely
     tokens per row, values and ids ([B, top_k], most likely first; [B, 0] when top_k is 0).
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
-    values, ids = logprobs.topk(top_k, dim=-1) if top_k > 0 else (logprobs[:, :0],) * 2
-    return chosen, values, ids.long()
+    none_listed = torch.zeros(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+    chosen, _, values, ids, _ = logprob_columns(logits, token_ids, top_k, none_listed)
+    return chosen, values, ids
 
 
 def has_penalty(params: SamplingParams) -> bool:

@@ -31,6 +31,7 @@ from shoal.kernels.linear import GatedPanels, LinearKind
 from shoal.kernels.moe import Experts
 from shoal.kernels.quant import GatedInt8Linear
 from shoal.kernels.rope import apply_rope, rope_tables
+from shoal.kernels.routed_experts import Recorder
 from shoal.loading.config import ModelConfig
 from shoal.models.fused_layers import FusedLayers, fused_layers
 from shoal.models.kv_pool import KVPool
@@ -113,6 +114,18 @@ class DecoderModel:
         else:
             self.commit(self.stage(weights))
 
+    @property
+    def released(self) -> bool:
+        """Its weights were released (`release_weights`) and not loaded since."""
+        return not hasattr(self, "weights")
+
+    def release_weights(self) -> None:
+        """Drop the serving weights (release_memory_occupation): nothing runs the forward
+        until `load` builds them again, as the first load does."""
+        if not self.released:
+            del self.weights
+            self.fused = None
+
     def stage(self, weights: dict[str, torch.Tensor]) -> StagedWeights:
         """Everything of a weight update that can fail (mapping, packing, quantizing),
         done beside the serving weights, which it leaves as they are. A pipeline stages every
@@ -177,17 +190,23 @@ class DecoderModel:
 
     @torch.inference_mode()
     def run_layers(
-        self, h: torch.Tensor, positions: torch.Tensor, attention: Attention, kv: KVPool
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        attention: Attention,
+        kv: KVPool,
+        recorder: Recorder = None,
     ) -> torch.Tensor:
         """This part's layers over the residual stream h [T, hidden]; `kv` holds exactly
-        their K/V (a stage's pool, in order)."""
+        their K/V (a stage's pool, in order). `recorder` takes each MoE layer's top-k ids
+        (kernels/routed_experts.py); a recording batch runs the layer loop, never fused."""
         cfg = self.config
         ops = self.elementwise
         eps = cfg.rms_norm_eps
         layers = self.weights.layers
         rotations = [(cos[positions], sin[positions]) for cos, sin in self.tables]
         fused = self.fused
-        if fused is not None and fused.takes(attention, int(h.shape[0])):
+        if recorder is None and fused is not None and fused.takes(attention, int(h.shape[0])):
             assert isinstance(attention, AttentionMetadata)
             return fused(h, *rotations[0], attention, kv)
         first = self.part.layers.start
@@ -200,10 +219,11 @@ class DecoderModel:
             if norms.pre_mlp is not None and norms.post_mlp is not None:
                 h = h + ops.rms_norm(attn, norms.post_attention, eps)
                 x = ops.rms_norm(h, norms.pre_mlp, eps)
-                mlp = ops.rms_norm(self._mlp(layer, x), norms.post_mlp, eps)
+                mlp = self._mlp(layer, x, recorder, first + layer_id)
+                mlp = ops.rms_norm(mlp, norms.post_mlp, eps)
             else:
                 h, x = ops.add_rms_norm(h, attn, norms.post_attention, eps)
-                mlp = self._mlp(layer, x)
+                mlp = self._mlp(layer, x, recorder, first + layer_id)
             if layer_id + 1 < len(layers):  # the residual add, fused with the next layer's norm
                 h, x = ops.add_rms_norm(h, mlp, layers[layer_id + 1].norms.input, eps)
             else:
@@ -264,10 +284,13 @@ class DecoderModel:
             )
         return layer.o(out.reshape(-1, q_size))
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(
+        self, layer: LayerWeights, x: torch.Tensor, rec: Recorder = None, n: int = 0
+    ) -> torch.Tensor:
+        """`rec` records the experts of the model's layer `n` (kernels/routed_experts.py)."""
         mlp = layer.mlp
         if isinstance(mlp, Experts):
-            return mlp(x)
+            return mlp(x) if rec is None else rec.run(mlp, x, n)
         if isinstance(mlp.gate_up, GatedPanels | GatedInt8Linear):
             return mlp.down(mlp.gate_up.silu_mul(x))
         gate_up = mlp.gate_up(x)

@@ -21,8 +21,28 @@ class KVPool:
         device: torch.device,
         num_layers: int | None = None,
     ) -> None:
-        shape = (num_slots, config.num_kv_heads, config.head_dim)
-        layers = config.num_layers if num_layers is None else num_layers
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.shape = (num_slots, config.num_kv_heads, config.head_dim)
+        self.num_layers = config.num_layers if num_layers is None else num_layers
+        self.dtype, self.device = dtype, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.released = True
+        self.resume()
         self.num_slots = num_slots
+
+    def release(self) -> None:
+        """Free the tensors (release_memory_occupation: the cache manager holds no page, its
+        cache flushed, and nothing runs until `resume`)."""
+        self.k.clear()
+        self.v.clear()
+        self.released = True
+
+    def resume(self) -> None:
+        """Allocate the tensors (zeros), if released; the lists stay the same objects."""
+        if self.released:
+            for tensors in (self.k, self.v):
+                tensors.extend(self._zeros() for _ in range(self.num_layers))
+            self.released = False
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)

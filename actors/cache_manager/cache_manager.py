@@ -110,7 +110,11 @@ class CacheManager:
         for adm in req.admits:
             got = None
             if not admit_failed:
-                got = kv.admit(adm.rid, adm.tokens, adm.reserve_tokens, adm.session_id)
+                # A reuse limit: the prompt cut after it, so neither the tree's prefix nor a
+                # session's keep covers more of it (KVCache.admit matches tokens[:-1])
+                limit = adm.reuse_limit
+                tokens = adm.tokens if limit is None else adm.tokens[: limit + 1]
+                got = kv.admit(adm.rid, tokens, adm.reserve_tokens, adm.session_id)
             if got is None:
                 admit_failed.append(adm.rid)
                 continue

@@ -20,35 +20,39 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.actors.executor.pending_step import PendingStep, RowState, sampling_rows
+from shoal.actors.executor.prompt_asks import PromptAsks, prompt_asks
 from shoal.actors.executor.sampling_slots import RowStart, SamplingSlots
 from shoal.actors.executor.stages import Microbatch, Stage, StageMonitor, StagePipeline
 from shoal.actors.executor.step_inputs import StepInputs, step_inputs
 from shoal.actors.executor.streams import HostResult, StepStreams
 from shoal.actors.executor.table_writes import write_tables
+from shoal.actors.executor.weight_loads import ServingWeights
 from shoal.actors.executor_messages import Launch
+from shoal.actors.messages import MemoryTag, WeightSource
 from shoal.heap import trim_host_heap
 from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.constraints import advance_all, row_constraints
 from shoal.kernels.device_copy import to_device
+from shoal.kernels.logprob_gather import (
+    LogprobColumns,
+    listed_ids,
+    logprob_columns,
+    sliced_logprobs,
+)
 from shoal.kernels.sampling import (
-    compute_logprobs,
     edit_logits,
     has_penalty,
     masks_stop_tokens,
     sample,
 )
-from shoal.loading.checkpoint import CheckpointError
-from shoal.loading.identity import weights_digest
-from shoal.loading.loader import checkpoint_folder
 from shoal.models.decoder import DecoderModel
 from shoal.models.kv_pool import KVPool
-from shoal.models.load import load_weights, read_model_config
-from shoal.results import OperationRefused
 
 if TYPE_CHECKING:
     from shoal.actors.executor.cuda_graphs import DecodeGraphs  # imports triton
@@ -73,11 +77,13 @@ class DeviceState:
         later_stages: list[Stage] | None = None,
         streams: StepStreams | None = None,
         weights_digest: str = "",
+        folder: Path | None = None,
     ) -> None:
         """`model` and `kv` are the whole model's, or pipeline stage 0's part with the later
         stages' in `later_stages` (actors/executor/stages.py). `weights_digest`: the loaded weights'
         identity (loading/identity.py), kept current by every update (read from the
-        event loop by disaggregation's transfer actor: a str, replaced whole)."""
+        event loop by disaggregation's transfer actor: a str, replaced whole); `folder`: the
+        checkpoint they were read from (weight_loads.py)."""
         self.weights_digest = weights_digest
         device = model.device
         self.model = model
@@ -94,7 +100,9 @@ class DeviceState:
         self.slots = SamplingSlots(num_rows, model.config.vocab_size, device)
         self.arrived = threading.Condition()
         self.graphs: DecodeGraphs | None = None
+        self.graph_args: tuple[int, int] | None = None  # what they were captured for
         later = later_stages or []
+        self.later = later
         # The request-slot table on each stage's device (stages on one device share it).
         stage_tables = [self.page_table]
         for stage in later:
@@ -108,6 +116,7 @@ class DeviceState:
             stages = [first, *later]
             self.pipeline = StagePipeline(stages, stage_tables, self.monitor, self._finish)
         self.models = [model, *(s.model for s in later)]
+        self.serving = ServingWeights(self.models, self.streams, folder)
         for streams in [s.streams for s in later] + [self.streams]:
             streams.synchronize()  # weights, pool and tables were filled on the default stream
 
@@ -121,6 +130,7 @@ class DeviceState:
         capture fails, decode runs eagerly and the log says why."""
         from shoal.actors.executor.cuda_graphs import DecodeGraphs
 
+        self.graph_args = (max_batch, context_length)
         began = time.perf_counter()
         try:
             with self.streams.computing():
@@ -142,55 +152,41 @@ class DeviceState:
             took,
         )
 
-    def load_weights(self, model_path: str) -> None:
-        """`_load_weights`, then the freed host memory (the checkpoint as read, the replaced
-        weights) goes back to the OS (heap.py): ten updates hold RSS where one leaves it."""
+    def load_weights(self, source: WeightSource) -> None:
+        """Serve new weights (weight_loads.py; OperationRefused: the old ones serve on), then
+        the freed host memory (the weights as read, the replaced ones) goes back to the OS
+        (heap.py): ten updates hold RSS where one leaves it."""
         try:
-            self._load_weights(model_path)
+            self.weights_digest = self.serving.load(source)
         finally:
             trim_host_heap()  # after the load's frame, with its tensors, is gone
 
-    def _load_weights(self, model_path: str) -> None:
-        """Copy a same-architecture checkpoint into the weights in place (captured graphs keep
-        reading the same tensors); OperationRefused (invalid_checkpoint) saying why it was
-        refused (old weights stay).
-
-        The whole checkpoint is validated before anything is copied in, and no other exception
-        escapes: whatever a checkpoint holds, the executor lives. The reason is for the client
-        (what is wrong with which file of the checkpoint, no paths of ours); the log has the
-        detail."""
-        config = self.model.config
-        try:
-            folder = checkpoint_folder(model_path)
-            other = read_model_config(folder)
-            if other.architecture() != config.architecture():
-                raise OperationRefused(
-                    "the checkpoint has a different architecture: "
-                    f"{other.architecture()} instead of {config.architecture()}",
-                    "invalid_checkpoint",
-                )
-            weights = load_weights(folder, config, dtype=self.model.dtype)
-            digest = weights_digest(weights, self.model.linear_kind)  # before: cannot fail after
-            # Validated whole above. Every stage builds its part beside the serving weights
-            # first, and only then does any take it (idle: an update waits for that), so a
-            # failure partway leaves the old weights in every stage, never a mix.
-            staged = [model.stage(weights) for model in self.models]
-            self.streams.synchronize()
-            with self.streams.computing():
-                for model, part in zip(self.models, staged, strict=True):
-                    model.commit(part)
-            self.streams.synchronize()
-            self.weights_digest = digest
-        except CheckpointError as exc:
-            log.warning("refused checkpoint %r: %s", model_path, exc)  # expected: no traceback
-            why = f"could not load the checkpoint: {exc}"
-            raise OperationRefused(why, "invalid_checkpoint") from None
-        except OperationRefused:
-            raise
-        except Exception:
-            log.exception("loading checkpoint %r failed", model_path)
-            why = "could not load the checkpoint: it could not be read as a model checkpoint"
-            raise OperationRefused(why, "invalid_checkpoint") from None
+    def set_memory(self, release: bool, tags: tuple[MemoryTag, ...]) -> None:
+        """Free the KV pools' or the weights' memory, or allocate and fill them again (the
+        weights from where they came: weight_loads.py). Captured CUDA graphs read both, so a
+        release drops them and the resume that brings everything back captures them again."""
+        pools = [self.kv, *(stage.kv for stage in self.later)]
+        if release:
+            self.graphs = None
+            for pool in pools if "kv_cache" in tags else []:
+                pool.release()
+            for model in self.models if "weights" in tags else []:
+                model.release_weights()
+            trim_host_heap()
+            self.streams.empty_cache()
+            return
+        if "kv_cache" in tags:
+            for pool in pools:
+                pool.resume()
+        if "weights" in tags and any(model.released for model in self.models):
+            weights = self.serving.whole()
+            for model in self.models:
+                if model.released:
+                    model.load(weights)
+        released = any(p.released for p in pools) or any(m.released for m in self.models)
+        if self.graph_args is not None and self.graphs is None and not released:
+            self.capture_graphs(*self.graph_args)
+        self.streams.synchronize()
 
     def launch(self, launch: Launch) -> PendingStep:
         with self.streams.computing():
@@ -200,20 +196,49 @@ class DeviceState:
         write_tables(self.tables, launch.writes)  # before any stage reads this batch
         self._start_rows(launch)
         step = step_inputs(launch, self.last_token, self.counting)
+        asks = prompt_asks(launch, self.rows, self.models[-1].device)
         if self.pipeline is not None:
-            return self._launch_stages(step)
+            return self._launch_stages(step, asks)
         self.monitor.gate(0)  # the tests' hold of stage 0 holds a one-stage engine too
         num_sampling = len(step.sample_rows_host)
-        if self.graphs is not None and self.graphs.fits(step.shape, num_sampling):
+        prompt = None
+        if asks is not None:  # the prompt positions' logits too, from the same hidden states
+            attention = self.attention.prepare(self.page_table, step.shape)
+            model = self.model
+            h = model.run_layers(model.embed(step.ids), step.positions, attention, self.kv)
+            logits = model.head(h, step.sample_index)
+            prompt = self._prompt_logprobs(model, h, asks)
+        elif self.graphs is not None and self.graphs.fits(step.shape, num_sampling):
             logits = self.graphs.run(step.ids, step.positions, step.sample_rows)
         else:
             attention = self.attention.prepare(self.page_table, step.shape)
             logits = self.model.forward(
                 step.ids, step.positions, attention, self.kv, step.sample_index
             )
-        return self._sample(logits, step)
+        return self._sample(logits, step, asks, prompt)
 
-    def _sample(self, logits: torch.Tensor, step: StepInputs) -> PendingStep:
+    def _prompt_logprobs(
+        self, model: DecoderModel, h: torch.Tensor, asks: PromptAsks
+    ) -> LogprobColumns:
+        """The asked prompt positions' logprobs, the head run on slices of h (never the whole
+        prompt's logits at once: logprob_gather.py)."""
+        vocab_size = model.config.vocab_size
+        return sliced_logprobs(
+            lambda places: model.head(h, places),
+            asks.index,
+            asks.targets,
+            asks.top_k,
+            asks.listed,
+            vocab_size,
+        )
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        step: StepInputs,
+        asks: PromptAsks | None,
+        prompt: LogprobColumns | None,
+    ) -> PendingStep:
         """Sample the step's rows from their columns (SamplingSlots); only tracked rows cost
         Python, each (their edits, their tokens' way back)."""
         rows_host, rows = step.sample_rows_host, step.sample_rows
@@ -223,13 +248,17 @@ class DeviceState:
         edited = edit_logits(logits, views, tracked_at, self.eos_token_ids)
         next_tokens = self.slots.sample(edited, rows, rows_host)
         self.last_token.index_copy_(0, rows, next_tokens)
-        want = self.slots.logprobs_at(rows_host)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
-        if want:
-            index = to_device([i for i, _ in want], torch.int64, logits.device)
-            top_k = max(k for _, k in want)
-            to_copy += compute_logprobs(logits[index], next_tokens[index], top_k)
-        pending = PendingStep(states, self.streams.to_host(to_copy), want, self.arrived, tracked_at)
+        want: list[tuple[int, int, int]] = []
+        places = self.slots.logprobs_at(rows_host)
+        if places:
+            lists = [self.rows[int(rows_host[i])].sampling.token_ids_logprob for i, _ in places]
+            want = [(i, k, len(ids)) for (i, k), ids in zip(places, lists, strict=True)]
+            to_copy += _output_logprobs(logits, next_tokens, want, lists)
+        if prompt is not None:
+            to_copy += prompt
+        host = self.streams.to_host(to_copy)
+        pending = PendingStep(states, host, want, self.arrived, tracked_at, asks)
         # last: a launch that raised above sampled nothing
         self.slots.advance(rows)
         for state, i in zip(states, tracked_at, strict=True):
@@ -238,7 +267,7 @@ class DeviceState:
                 self.slots.untrack(int(rows_host[i]))
         return pending
 
-    def _launch_stages(self, step: StepInputs) -> PendingStep:
+    def _launch_stages(self, step: StepInputs, asks: PromptAsks | None) -> PendingStep:
         """Stage 0's part here (on the launch thread), the rest on the stages' threads. Every
         row is tracked here (`_tracks`): the last stage samples from the rows' views."""
         monitor = self.monitor
@@ -255,13 +284,15 @@ class DeviceState:
         states = [self.rows[r] for r in step.sample_rows_host.tolist()]
         rows = sampling_rows(states, self.arrived)  # before num_sampled moves on: the seed's step
         want = [
-            (i, s.sampling.top_logprobs) for i, s in enumerate(states) if s.sampling.wants_logprobs
+            (i, s.sampling.top_logprobs, len(s.sampling.token_ids_logprob))
+            for i, s in enumerate(states)
+            if s.sampling.wants_logprobs
         ]
-        context = (states, rows, step.sample_rows, want)
+        context = (states, rows, step.sample_rows, want, asks)
         micro = Microbatch(step.shape, step.positions, step.sample_index, context)
         assert self.pipeline is not None
         future = self.pipeline.submit(h, micro)
-        pending = PendingStep(states, future, want, self.arrived)
+        pending = PendingStep(states, future, want, self.arrived, prompt=asks)
         for state in states:  # last: a launch that raised above sampled nothing
             state.num_sampled += 1
         return pending
@@ -269,7 +300,7 @@ class DeviceState:
     def _finish(self, stage: Stage, h: torch.Tensor, micro: Microbatch) -> HostResult:
         """The last stage's end: norm, head, sampling, the row's last token (on stage 0's
         device, where the next decode reads it) and the copy to the host."""
-        states, rows, rows_t, want = micro.context
+        states, rows, rows_t, want, asks = micro.context
         device = stage.model.device
         logits = stage.model.head(h, micro.sample_index.to(device))
         next_tokens = sample(logits, rows, self.eos_token_ids)
@@ -277,9 +308,10 @@ class DeviceState:
             self.last_token[rows_t] = next_tokens.to(self.last_token.device)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
         if want:
-            index = to_device([i for i, _ in want], torch.int64, device)
-            top_k = max(k for _, k in want)
-            to_copy += compute_logprobs(logits[index], next_tokens[index], top_k)
+            lists = [states[i].sampling.token_ids_logprob for i, _, _ in want]
+            to_copy += _output_logprobs(logits, next_tokens, want, lists)
+        if asks is not None:
+            to_copy += self._prompt_logprobs(stage.model, h, asks)
         return stage.streams.to_host(to_copy)
 
     def _start_rows(self, launch: Launch) -> None:
@@ -310,3 +342,17 @@ class DeviceState:
             or has_penalty(state.sampling)
             or masks_stop_tokens(state.sampling, state.num_sampled, self.eos_token_ids)
         )
+
+
+def _output_logprobs(
+    logits: torch.Tensor,
+    next_tokens: torch.Tensor,
+    want: list[tuple[int, int, int]],
+    lists: list[tuple[int, ...]],
+) -> LogprobColumns:
+    """The sampled tokens' logprobs of the rows that asked (`want`: place, top k, number
+    listed; `lists`: their token_ids_logprob)."""
+    device = logits.device
+    index = to_device([i for i, _, _ in want], torch.int64, device)
+    top_k = max(k for _, k, _ in want)
+    return logprob_columns(logits[index], next_tokens[index], top_k, listed_ids(lists, device))

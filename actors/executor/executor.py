@@ -25,7 +25,7 @@ import torch
 
 from shoal.actors.executor.device_state import DeviceState
 from shoal.actors.executor.pending_step import PendingStep, StepResult
-from shoal.actors.executor_messages import ExecutorMsg, Launch, LoadWeights
+from shoal.actors.executor_messages import ExecutorMsg, Launch, LoadWeights, SetMemory
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import SchedulerMsg, Shutdown, StepDone
 from shoal.actors.replies import answer, refuse
@@ -82,14 +82,19 @@ class Executor:
                 step.add_done_callback(self.running.discard)
                 step.add_done_callback(partial(self._post, self.loop, launch.batch_id))
                 self.launcher.submit(self._launch, self.completer, launch, step)
-            case LoadWeights(model_path=model_path, reply=reply):
-                loading = self.launcher.submit(self.state.load_weights, model_path)
+            case LoadWeights(source=source, reply=reply):
+                loading = self.launcher.submit(self.state.load_weights, source)
                 try:
                     await asyncio.wrap_future(loading)
                 except OperationRefused as refusal:  # the checkpoint, not the executor
                     refuse(reply, refusal)
                 else:
                     answer(reply, None)
+            case SetMemory(release=release, tags=tags, reply=reply):
+                await asyncio.wrap_future(
+                    self.launcher.submit(self.state.set_memory, release, tags)
+                )
+                answer(reply, None)
             case Shutdown():
                 # Let launched steps finish: they write into the KV pool.
                 pending = [asyncio.wrap_future(f) for f in self.running]
@@ -131,7 +136,14 @@ class Executor:
             self.scheduler.put(StepDone(batch_id, (), error="internal error in the executor"))
         else:
             result = done.result()
-            self.scheduler.put(StepDone(batch_id, result.next_tokens, logprobs=result.logprobs))
+            self.scheduler.put(
+                StepDone(
+                    batch_id,
+                    result.next_tokens,
+                    logprobs=result.logprobs,
+                    prompt_logprobs=result.prompt_logprobs,
+                )
+            )
 
 
 def _resolve(pending: PendingStep, step: Future[StepResult]) -> None:

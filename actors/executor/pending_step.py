@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from shoal.actors.executor.prompt_asks import PromptAsks
 from shoal.actors.executor.streams import HostResult
 from shoal.kernels.constraints import RowConstraint
 from shoal.kernels.sampling import SamplingRow, has_penalty
@@ -36,6 +37,8 @@ class StepResult(NamedTuple):
 
     next_tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprob | None, ...]  # empty when no row asked for logprobs
+    # one per prompt chunk that asked for prompt logprobs, in batch order (prompt_asks.py)
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
 
 
 @dataclass
@@ -63,21 +66,26 @@ class PendingStep:
     pipeline stages: whose last stage will start them there, `host` a Future).
 
     `states` are the step's tracked rows, states[i] at place at[i] of the batch (default i);
-    `logprob_rows` the (place, top_logprobs) of each row that asked for logprobs, in order."""
+    `logprob_rows` the (place, top_logprobs, number of token_ids_logprob) of each row that
+    asked for logprobs, in order; `prompt` the step's asked prompt positions, if any. The host
+    tensors are the tokens, then the logprob rows' five columns (logprob_gather.py) if any,
+    then the prompt positions' five."""
 
     def __init__(
         self,
         states: list[RowState],
         host: HostResult | Future[HostResult],
-        logprob_rows: list[tuple[int, int]],
+        logprob_rows: list[tuple[int, int, int]],
         arrived: threading.Condition,
         at: list[int] | None = None,
+        prompt: PromptAsks | None = None,
     ) -> None:
         self.states = states
         self.at = list(range(len(states))) if at is None else at
         self.host = host
         self.logprob_rows = logprob_rows
         self.arrived = arrived
+        self.prompt = prompt
 
     def result(self) -> StepResult:
         try:
@@ -89,14 +97,19 @@ class PendingStep:
             raise
         if self.states:
             self._arrive(tokens)
+        rest = tensors[1:]
+        prompt: tuple[tuple[TokenLogprob, ...], ...] = ()
+        if self.prompt is not None:
+            prompt = self.prompt.unpack(rest[-5:])
+            rest = rest[:-5]
         if not self.logprob_rows:
-            return StepResult(tokens, ())
-        chosen, values, ids = (t.tolist() for t in tensors[1:])
+            return StepResult(tokens, (), prompt)
+        chosen, rank, values, ids, listed = (t.tolist() for t in rest)
         out: list[TokenLogprob | None] = [None] * len(tokens)
-        for j, (i, k) in enumerate(self.logprob_rows):
+        for j, (i, k, n) in enumerate(self.logprob_rows):
             top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
-            out[i] = TokenLogprob(tokens[i], float(chosen[j]), top)
-        return StepResult(tokens, tuple(out))
+            out[i] = TokenLogprob(tokens[i], float(chosen[j]), top, tuple(listed[j][:n]), rank[j])
+        return StepResult(tokens, tuple(out), prompt)
 
     def _arrive(self, tokens: tuple[int, ...]) -> None:
         """The tracked rows' tokens: appended, their constraints advanced, waiters woken."""

@@ -74,3 +74,10 @@ class StepStreams:
         allocating the KV pool there, and before replacing weights in place."""
         if self.compute is not None:
             torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        """Give the CUDA allocator's cached blocks back to the device (after a release of
+        memory, so another process, a colocated trainer, can take it). Nothing on the CPU."""
+        if self.compute is not None:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()

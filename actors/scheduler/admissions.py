@@ -34,6 +34,8 @@ def admissions(
             computing.add(req.tokens, 0)
         reserve = transfers.reserve_tokens(req)
         exports = req.role is not None
-        admits.append(AdmitReq(rid, tuple(req.tokens), reserve, req.session_id, exports))
+        admits.append(
+            AdmitReq(rid, tuple(req.tokens), reserve, req.session_id, exports, req.reuse_limit)
+        )
         budget -= min(len(req.tokens), config.chunk_size)
     return admits

@@ -41,6 +41,7 @@ class Member(NamedTuple):
     samples: bool
     end: int  # its KV is written up to this position once the batch completes
     start: int  # its first query's position: it reads keys from start - kv_window + 1 on
+    asks_logprobs: bool = False  # a prompt chunk that asked for prompt logprobs
 
 
 @dataclass(slots=True)
@@ -120,10 +121,10 @@ class LaunchedBatches:
                 prompt, outputs = req.tokens[: req.num_prompt], req.tokens[req.num_prompt :]
                 init = RowInit(req.sampling, req.seed, tuple(prompt), tuple(outputs))
                 req.needs_init = False
-            seqs.append(
-                SeqChunk(req.row, start, n, tuple(req.tokens[start : start + n]), sample, init)
-            )
-            members.append(Member(req.rid, sample, start + n, start))
+            first, targets = req.logprob_targets(start, n)
+            chunk = tuple(req.tokens[start : start + n])
+            seqs.append(SeqChunk(req.row, start, n, chunk, sample, init, targets, first))
+            members.append(Member(req.rid, sample, start + n, start, bool(targets)))
             budget -= n
             req.num_launched += n
             req.inflight += 1
@@ -180,13 +181,18 @@ class LaunchedBatches:
                 req.num_computed = start + 1
             self._sampled(req, token, logprob, outputs)
         i = len(batch.decodes)
-        for rid, samples, end, start in batch.chunks:
+        prompt_logprobs = iter(done.prompt_logprobs)
+        for rid, samples, end, start, asks_logprobs in batch.chunks:
             req = reqs[rid]
             req.inflight -= 1
             if end > req.num_computed:
                 req.num_computed = end
                 if start < req.num_prompt:
                     self.prompt_progress = True
+            if asks_logprobs:  # before the chunk's token: a request's are all before its first
+                items = next(prompt_logprobs)
+                if req.phase is not Phase.FINISHING:
+                    outputs.append(Output(rid, (), prompt_logprobs=items))
             if samples:
                 req.pending -= 1
                 self._sampled(req, tokens[i], logprobs[i], outputs)
@@ -202,6 +208,11 @@ class LaunchedBatches:
         if req.role == "send":  # held back until its KV has landed
             held = transfers.first_token(req, token, logprob, self.config.page_size)
             self.outbox.to_transfer(held)
+            return
+        if req.sampling.max_new_tokens == 0:  # its prefill alone was asked: no output token
+            cached = req.num_cached_tokens
+            outputs.append(Output(req.rid, (), "length", num_cached_tokens=cached))
+            req.phase, req.finish = Phase.FINISHING, "length"
             return
         req.tokens.append(token)
         finish = finish_reason(req, token, self.config.eos_token_ids)

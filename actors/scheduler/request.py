@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
@@ -90,10 +90,35 @@ class Req:
     pages: tuple[int, ...] = ()
     transfer_open: bool = False
     held_first: tuple[int, TokenLogprob | None] | None = None
+    # Prompt logprobs (SamplingParams.logprob_start_len): the next position whose logits a
+    # chunk must still give, each the logprob of the prompt token after it; the prompt's last
+    # position (it samples) once none is left. No cached KV is reused from here on
+    # (`reuse_limit`), so every position asked for is computed, once.
+    logprobs_next: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        start, last = self.sampling.logprob_start_len, self.num_prompt - 1
+        self.logprobs_next = min(max(start, 1) - 1, last) if start >= 0 else last
 
     @property
     def num_outputs(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+    @property
+    def reuse_limit(self) -> int | None:
+        """The most cached positions an admission may reuse (None: any): the positions from
+        `logprobs_next` on must be computed for their logits (AdmitReq.reuse_limit)."""
+        return self.logprobs_next if self.logprobs_next < self.num_prompt - 1 else None
+
+    def logprob_targets(self, start: int, num_tokens: int) -> tuple[int, tuple[int, ...]]:
+        """A chunk of positions start .. start + num_tokens - 1 is launched: the first of them
+        whose logits it must give and the prompt tokens those logits are for (SeqChunk)."""
+        first, end = max(start, self.logprobs_next), min(start + num_tokens, self.num_prompt - 1)
+        if first >= end:
+            return 0, ()
+        assert start <= self.logprobs_next, (self.rid, start, self.logprobs_next)
+        self.logprobs_next = end
+        return first, tuple(self.tokens[first + 1 : end + 1])
 
     def kept_tokens(self, prefix_cache: bool) -> tuple[tuple[int, ...] | None, str | None]:
         """At release: the tokens whose KV to keep, and the session that keeps them."""

@@ -101,8 +101,9 @@ def checked(
 ) -> SamplingParams:
     """The sampling this prompt runs with, once the prompt is checked: not empty, no longer
     than the context leaves room for, inside the vocabulary (but its first `num_checked` ids,
-    a session's history, checked before), and max_new_tokens within the room left; `room`:
-    max_new_tokens was not given, and is sized here (RoomLeft). RequestError otherwise."""
+    a session's history, checked before), logprob_start_len inside it, and max_new_tokens
+    within the room left; `room`: max_new_tokens was not given, and is sized here
+    (RoomLeft). RequestError otherwise."""
     num_prompt = len(ids)
     if not num_prompt:
         raise RequestError(" must not be empty", "prompt", named=True)
@@ -119,6 +120,13 @@ def checked(
         raise RequestError(
             f" has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
             "prompt",
+            named=True,
+        )
+    if sampling.logprob_start_len >= num_prompt:  # SGLang's rule: a prompt position
+        raise RequestError(
+            f" must be below the prompt's length {num_prompt} (or -1: no prompt logprobs), "
+            f"got {sampling.logprob_start_len}",
+            "logprob_start_len",
             named=True,
         )
     left = context_length - num_prompt

@@ -22,6 +22,7 @@ from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Abort, Generate, Output, SchedulerMsg
 from shoal.actors.tokenizer.detokenizers import Detokenizer, Detokenizers
 from shoal.actors.tokenizer.sessions import SessionBook, SessionState
+from shoal.actors.tokenizer.stop_regex import StopPatterns, StopRegexTimeout
 from shoal.actors.tokenizer.stops import StopMatcher
 from shoal.loading.hf_tokenizer import HFTokenizer
 from shoal.params import SamplingParams
@@ -30,6 +31,7 @@ from shoal.results import (
     Delta,
     ErrorCode,
     FinishReason,
+    PromptLogprobs,
     RequestStream,
     TokenLogprob,
     Usage,
@@ -42,14 +44,27 @@ class Live:
     detok: Detokenizer
     stops: StopMatcher
     num_prompt: int
-    plain: bool  # no stop strings: a steady output's text goes out as it comes
+    plain: bool  # no stop strings or patterns: a steady output's text goes out as it comes
     keep_stop: bool = False  # the matched stop string stays in the text
     output_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
-    weight_version: int = 0
+    weight_version: str = "0"
     session: SessionState | None = None
+    patterns: StopPatterns | None = None  # stop_regex (stop_regex.py)
+    # Prompt logprobs, when asked (SamplingParams.logprob_start_len): from this position, its
+    # first token (position 0's, which has no logprob), the items so far; they go out whole
+    # with the first Delta (`prompt_sent`) and the Completion.
+    prompt_start: int = -1
+    first_prompt_id: int | None = None
+    prompt_items: list[TokenLogprob] = field(default_factory=list)
+    prompt_sent: bool = False
+
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        if self.prompt_start < 0:
+            return None
+        return PromptLogprobs(self.prompt_start, self.first_prompt_id, tuple(self.prompt_items))
 
 
 def aborted_before_admission(gen: Generate, message: str) -> None:
@@ -85,21 +100,25 @@ class RequestStreams:
         gen: Generate,
         ids: list[int],
         sampling: SamplingParams,
-        weight_version: int,
+        weight_version: str,
         session: SessionState | None,
     ) -> None:
         """Book an admitted request (its measured prompt and sampling): its output is decoded
         after its prompt."""
         detok = self.detokenizers.open(ids, sampling.skip_special_tokens)
         stops = StopMatcher(sampling.stop)
-        live = Live(gen.stream, detok, stops, len(ids), not sampling.stop)
+        plain = not sampling.stop and not sampling.stop_regex
+        live = Live(gen.stream, detok, stops, len(ids), plain)
+        live.patterns = StopPatterns(sampling.stop_regex) if sampling.stop_regex else None
         live.keep_stop = sampling.include_stop_str_in_output
         live.logprobs = [] if sampling.wants_logprobs else None
+        live.prompt_start = sampling.logprob_start_len
+        live.first_prompt_id = ids[0] if sampling.logprob_start_len == 0 else None
         live.weight_version = weight_version
         live.session = session
         self.live[gen.rid] = live
 
-    def restamp(self, weight_version: int) -> None:
+    def restamp(self, weight_version: str) -> None:
         """A weight update landed while these requests were parked across it: what they
         generate next comes from the new weights, and their Completions say so."""
         for live in self.live.values():
@@ -151,16 +170,30 @@ class RequestStreams:
         text = live.detok.push(item.token_ids) if item.token_ids else ""
         if item.finish in ("stop", "length"):
             text += live.detok.flush()
+        try:
+            hit = live.patterns.push(text) if live.patterns is not None and text else None
+        except StopRegexTimeout as exc:
+            self.scheduler.put(Abort(item.rid, reason="stop", keep_outputs=len(live.output_ids)))
+            self.end(item.rid, "error", None, str(exc), "invalid_value")
+            return
+        if hit is not None:  # the text ends with the match; a stop string ending in it wins
+            text = text[: hit.keep]
         emit, matched = live.stops.push(text) if text else ("", None)
-        if matched is None and item.finish is not None:
+        if matched is None and (item.finish is not None or hit is not None):
             emit += live.stops.flush()
         elif matched is not None and live.keep_stop:
             emit += matched
+        if matched is None and hit is not None:
+            matched = hit.pattern  # SGLang's FINISHED_MATCHED_REGEX: {"matched": the pattern}
         if item.logprobs is not None and live.logprobs is not None:
             live.logprobs.extend(item.logprobs)
+        if item.prompt_logprobs is not None:
+            live.prompt_items.extend(item.prompt_logprobs)
         if emit or item.token_ids:
             live.text.append(emit)
-            live.stream.push(Delta(emit, item.token_ids, item.logprobs))
+            prompt = None if live.prompt_sent else live.prompt_logprobs()
+            live.prompt_sent = True
+            live.stream.push(Delta(emit, item.token_ids, item.logprobs, prompt))
         if matched is not None:
             kept = len(live.output_ids)
             self.scheduler.put(Abort(item.rid, reason="stop", keep_outputs=kept))
@@ -192,6 +225,7 @@ class RequestStreams:
             logprobs,
             live.weight_version,
             code,
+            live.prompt_logprobs(),
         )
         live.stream.finish(completion)
 

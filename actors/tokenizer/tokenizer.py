@@ -29,6 +29,7 @@ from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     Abort,
     CacheMsg,
+    ChangeMemory,
     Encoded,
     EndSession,
     FlushWhenIdle,
@@ -46,6 +47,7 @@ from shoal.actors.messages import (
     TokenizerMsg,
     UpdateWeights,
     WriteDone,
+    Writer,
 )
 from shoal.actors.replies import answer, unread
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
@@ -87,7 +89,7 @@ class Tokenizer:
         self.admission = Admission(self.intake, self.lock, self.sessions, self.streams, scheduler)
 
     @property
-    def weight_version(self) -> int:
+    def weight_version(self) -> str:
         """The weight version serving now (the one value of this actor read outside its
         mailbox: Engine.weight_version, on the same event loop)."""
         return self.lock.version
@@ -140,6 +142,8 @@ class Tokenizer:
                 self.lock.request(update)
                 if update.abort_all:
                     self.abort_live("aborted for a weight update")
+            case ChangeMemory() as change:
+                self.lock.request(change)
             case Pause(paused=paused, mode=mode):
                 self.lock.set_paused(paused)
                 if paused or self.lock.may_resume():
@@ -183,8 +187,8 @@ class Tokenizer:
                     self.fail_request(rid, error)
             case Released(rids=rids):
                 self.released(rids)
-            case UpdateWeights() as update:
-                self.lock.withdraw(update)
+            case UpdateWeights() | ChangeMemory() as writer:
+                self.lock.withdraw(writer)
             case WriteDone():
                 self.write_done(error)
 
@@ -257,9 +261,7 @@ class Tokenizer:
         and admit the requests that waited for the writers."""
         writer = self.lock.done(failure is None)
         if writer is not None:
-            message = (
-                f"weights loaded from {writer.model_path}" if failure is None else str(failure)
-            )
+            message = _done_message(writer) if failure is None else str(failure)
             answer(writer.reply, UpdateResult(failure is None, message, self.lock.version))
             self.streams.restamp(self.lock.version)  # parked across it: what comes is new
         if self.lock.may_resume():
@@ -277,3 +279,9 @@ class Tokenizer:
             fail_replies(entry.msg, error)
         for writer in writers:
             answer(writer.reply, UpdateResult(False, str(error), self.lock.version))
+
+
+def _done_message(writer: Writer) -> str:
+    if isinstance(writer, UpdateWeights):
+        return f"weights loaded {writer.source.describe()}"
+    return f"memory {writer.describe()}"

@@ -29,27 +29,33 @@ from __future__ import annotations
 
 from collections import deque
 
-from shoal.actors.messages import Generate, UpdateWeights
+from shoal.actors.messages import ChangeMemory, Generate, MemoryTag, UpdateWeights, Writer
 
 
 class UpdateLock:
     def __init__(self) -> None:
         self._readers: set[str] = set()
-        self._writers: deque[UpdateWeights] = deque()  # waiting, in arrival order
-        self._active: UpdateWeights | None = None  # at work: parking, loading, flushing
+        self._writers: deque[Writer] = deque()  # waiting, in arrival order
+        self._active: Writer | None = None  # at work: parking, loading, flushing
         self._queued: deque[Generate] = deque()  # arrived while a writer waits or works
         self._paused = False
-        self._version = 0
+        self._version = "0"
+        self._released: set[MemoryTag] = set()  # by ChangeMemory writers, until resumed
 
     @property
-    def version(self) -> int:
+    def version(self) -> str:
         """The weight version serving now: a reader admitted now reports it."""
         return self._version
 
     @property
+    def released(self) -> frozenset[MemoryTag]:
+        """The memory released now (none: the engine can run)."""
+        return frozenset(self._released)
+
+    @property
     def writing(self) -> bool:
-        """A writer waits or works: new requests must queue."""
-        return self._active is not None or bool(self._writers)
+        """A writer waits or works, or memory is released: new requests must queue."""
+        return self._active is not None or bool(self._writers) or bool(self._released)
 
     # ---- readers ---------------------------------------------------------------------------
 
@@ -91,35 +97,42 @@ class UpdateLock:
 
     # ---- writers ---------------------------------------------------------------------------
 
-    def request(self, update: UpdateWeights) -> None:
-        """A weight update joins the line of writers."""
+    def request(self, update: Writer) -> None:
+        """A weight update (or a memory change) joins the line of writers."""
         self._writers.append(update)
 
-    def withdraw(self, update: UpdateWeights) -> None:
+    def withdraw(self, update: Writer) -> None:
         """A writer that failed to join (its message failed) leaves the line, if in it."""
         if update in self._writers:
             self._writers.remove(update)
 
-    def next_writer(self) -> tuple[UpdateWeights, bool] | None:
+    def next_writer(self) -> tuple[Writer, bool] | None:
         """The writer to start now, and whether it must park paused requests first: the next
-        in line once no reader is left, or at once while paused (the readers are parked)."""
+        in line once no reader is left, or at once while paused or released (the readers are
+        parked: the scheduler runs again only once nothing is released, `may_resume`)."""
         if self._active is not None or not self._writers:
             return None
-        if self._readers and not self._paused:
-            return None
+        if self._readers and not (self._paused or self._released):
+            return None  # running readers: it waits (while released, every reader is parked)
         self._active = self._writers.popleft()
         return self._active, bool(self._readers)
 
-    def done(self, success: bool) -> UpdateWeights | None:
+    def done(self, success: bool) -> Writer | None:
         """The writer at work finished (None if none was); on success the version moves to
-        the one it asked for, or the next."""
+        the one it asked for, or the next (`next_version`), or the memory is released or
+        back."""
         writer = self._active
         if writer is None:
             return None
         self._active = None
-        if success:
+        if success and isinstance(writer, UpdateWeights):
             asked = writer.weight_version
-            self._version = asked if asked is not None else self._version + 1
+            self._version = asked if asked is not None else next_version(self._version)
+        elif isinstance(writer, ChangeMemory) and writer.release:
+            # a failed release may have freed part of it: counted released until a resume
+            self._released.update(writer.tags)
+        elif isinstance(writer, ChangeMemory) and success:
+            self._released.difference_update(writer.tags)
         return writer
 
     # ---- pause -----------------------------------------------------------------------------
@@ -129,14 +142,16 @@ class UpdateLock:
         self._paused = paused
 
     def may_resume(self) -> bool:
-        """The scheduler may run unpaused now: no pause is asked, and no writer is at work. A
-        writer at work may have parked the requests it found; they stay parked until its load
-        and flush are done (test_continue_during_a_paused_update_waits_for_the_new_weights)."""
-        return not self._paused and self._active is None
+        """The scheduler may run unpaused now: no pause is asked, no writer is at work and no
+        memory is released. A writer at work may have parked the requests it found; they stay
+        parked until its load and flush are done
+        (test_continue_during_a_paused_update_waits_for_the_new_weights), or, after a release,
+        until the memory is back."""
+        return not self._paused and self._active is None and not self._released
 
     # ---- the end ---------------------------------------------------------------------------
 
-    def abandon(self) -> tuple[list[Generate], list[UpdateWeights]]:
+    def abandon(self) -> tuple[list[Generate], list[Writer]]:
         """The engine stops: every queued request and every writer, at work or waiting, leave
         the lock for their owner to fail."""
         queued = list(self._queued)
@@ -145,3 +160,11 @@ class UpdateLock:
         self._writers.clear()
         self._active = None
         return queued, writers
+
+
+def next_version(version: str) -> str:
+    """The version an update that names none moves to: the next number after a number ("3"
+    then "4"); a name ("rl-step-7") stays, as SGLang keeps it."""
+    if version.isascii() and version.isdigit():
+        return str(int(version) + 1)
+    return version

@@ -79,7 +79,7 @@ class SendRooms:
         mailbox: Mailbox[TransferMsg],
         scheduler: Mailbox[SchedulerMsg],
         timeout_s: float,
-        weight_version: Callable[[], int],
+        weight_version: Callable[[], str],
         weights_digest: Callable[[], str],
     ) -> None:
         self.backend = backend

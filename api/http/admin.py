@@ -6,6 +6,8 @@
                             and while paused: 200 {"status": "paused"} (alive, by intent
                             not generating; a liveness probe must not restart it)
     GET  /get_model_info    model_path, served name, weight_version, context length, vocab
+                            (also GET /model_info, SGLang's newer name)
+    GET  /get_weight_version {"weight_version": "<the weights' version, a string>"} (slime's)
     GET  /get_server_info   resolved config plus live accounting (running, waiting, pages, ...)
     POST /abort_request     {"rid": "..."} or {"abort_all": true} -> {"aborted": N}
     GET  /metrics           Prometheus text format
@@ -22,6 +24,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from shoal import __name__ as package_name
@@ -33,6 +36,13 @@ from shoal.api.http.metrics import CONTENT_TYPE, Metrics
 from shoal.api.http.native_protocol import AbortRequest
 from shoal.models.registry import family_of
 from shoal.params import SamplingParams
+
+
+class WeightVersion(msgspec.Struct, frozen=True):
+    """GET /get_weight_version's answer (slime polls it after an update)."""
+
+    weight_version: str
+
 
 HEALTH_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
 INPUT_IDS = FieldNames("input_ids")  # the health generation's prompt
@@ -57,7 +67,7 @@ class AdminRoutes:
         self.recent_s = recent_s
 
     @property
-    def weight_version(self) -> int:
+    def weight_version(self) -> str:
         try:
             return self.engine.weight_version
         except Exception as exc:
@@ -114,6 +124,9 @@ class AdminRoutes:
                 "is_generation": True,
             }
         )
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return json_response(WeightVersion(str(self.weight_version)))
 
     async def server_info(self, request: web.Request) -> web.Response:
         engine = self.engine

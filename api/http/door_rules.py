@@ -11,16 +11,13 @@ from __future__ import annotations
 
 from shoal.api.http.field_rules import (
     ADAPTER,
-    ANSWER,
     CACHE_SALT,
     INPUTS,
     LOGITS,
     NOT_OUTPUT,
     PRIORITY,
     PROMPT,
-    PROMPT_LOGPROBS,
     REPETITION,
-    STOP_REGEX,
     STRUCTURED,
     THINKING,
     TOOLS,
@@ -79,7 +76,6 @@ _OPENAI: dict[str, Refused | Accepted] = {
         "structured_outputs",
     ),
     "response_format": Refused(STRUCTURED.why, ({"type": "text"},)),
-    "stop_regex": STOP_REGEX,
     "logits_processors": Refused(LOGITS, ([],)),
     "custom_logit_processor": Refused(LOGITS),
     "custom_params": Refused(LOGITS, ({},)),
@@ -87,7 +83,6 @@ _OPENAI: dict[str, Refused | Accepted] = {
     "allowed_token_ids": Refused(LOGITS),
     "use_beam_search": Refused(": shoal samples; it does not search beams", (False,)),
     "truncate_prompt_tokens": Refused(": a prompt that does not fit is refused, never cut"),
-    "prompt_logprobs": Refused(PROMPT_LOGPROBS),
     **_refused(
         NOT_OUTPUT,
         "return_hidden_states",
@@ -162,7 +157,6 @@ CHAT: Rules = {
 
 COMPLETIONS: Rules = {
     **_OPENAI,
-    "echo": Refused(ANSWER, (False,)),
     "suffix": Refused(": shoal completes after the prompt only", ("",)),
     "prompt_embeds": Refused(INPUTS),
     "add_special_tokens": Refused(": a text prompt is encoded with its special tokens", (True,)),
@@ -179,8 +173,6 @@ STREAM_OPTIONS: Rules = {
 
 SAMPLING: Rules = {  # SGLang's sampling_params beyond SamplingParams' fields
     **_refused(STRUCTURED, "json_schema", "regex", "ebnf", "structural_tag"),
-    "stop_regex": STOP_REGEX,
-    "n": Refused(": send the prompt n times, as a batch", (1,)),
     "custom_params": Refused(LOGITS, ({},)),
     "spaces_between_special_tokens": Accepted("fast tokenizers ignore it, as shoal's do"),
     "stream_interval": Accepted("it batches streamed chunks; each is sent when it is ready"),
@@ -188,6 +180,7 @@ SAMPLING: Rules = {  # SGLang's sampling_params beyond SamplingParams' fields
 
 TURN: Rules = {
     **SAMPLING,
+    "n": Refused(": a session turn has one choice", (1,)),
     "sampling_seed": Refused(": the websocket names it seed"),
     "no_stop_trim": Refused(": the websocket names it include_stop_str_in_output", (False,)),
 }
@@ -202,7 +195,6 @@ GENERATE: Rules = {
         "audio_data",
     ),
     **_refused(Refused(INPUTS), "input_embeds", "positional_embed_overrides", "mm_data_mooncake"),
-    "token_ids_logprob": Refused(PROMPT_LOGPROBS, ([],)),
     **_refused(
         NOT_OUTPUT,
         "return_sampling_mask",

@@ -95,10 +95,8 @@ STRUCTURED = Refused(
 TOOLS = " yet: shoal does not call tools, so the answer would be plain text"
 LOGITS = " yet: shoal biases logits per request (logit_bias) but does not mask or process them"
 PROMPT = ": shoal renders the prompt from the messages alone, with the model's chat template"
-PROMPT_LOGPROBS = " yet: only the generated tokens' logprobs are reported"
 ANSWER = ": the answer does not carry it"
 INPUTS = ": only text and token ids are taken as input"
-STOP_REGEX = Refused(" yet: only stop strings and stop token ids end generation", ([],))
 ADAPTER = Refused(": shoal serves the model's own weights, without adapters")
 CACHE_SALT = Refused(
     ": the prefix cache is shared by every request, so a salt would isolate nothing", ("",)

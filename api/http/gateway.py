@@ -76,14 +76,19 @@ class Gateway:
             raise api_error(exc, param) from None
 
     def check_stops(
-        self, stop: str | list[str] | None, stop_token_ids: list[int] | None, prefix: str = ""
+        self,
+        stop: str | list[str] | None,
+        stop_token_ids: list[int] | None,
+        prefix: str = "",
+        stop_regex: str | list[str] | None = None,
     ) -> None:
-        """400 for too many or too long stop strings, or too many stop ids, before anything
-        else reads them (SamplingParams.validate checks the same, later). prefix: where the
-        fields are ("sampling_params.")."""
+        """400 for too many or too long stop strings or stop_regex patterns, or too many stop
+        ids, before anything else reads them (SamplingParams.validate checks the same, later).
+        prefix: where the fields are ("sampling_params.")."""
         stops = [stop] if isinstance(stop, str) else stop or []
+        patterns = [stop_regex] if isinstance(stop_regex, str) else stop_regex or []
         try:
-            check_stops(self.input_limits, stops, stop_token_ids or [])
+            check_stops(self.input_limits, stops, stop_token_ids or [], patterns)
         except LimitExceeded as exc:
             raise api_error(exc, prefix + exc.field) from None
 

@@ -14,6 +14,15 @@ all, comma-separated); shoal answers the core fields for each, as it has no othe
 figures; a section SGLang does not know is a 400. `format=prometheus` is a 400 that names
 `GET /metrics`. Running counts every request that holds a row (prefilling, decoding,
 retracting, finishing); waiting those queued for one.
+
+    GET /get_load
+      -> [{"dp_rank": 0, "num_reqs", "num_waiting_reqs", "num_tokens"}]
+
+SGLang's older route, one entry per data-parallel rank: what sglang-router reads of each
+worker (its `GET /get_loads` sums `num_tokens` over the ranks, and its power_of_two policy
+routes by it; without this route the router reports a shoal worker's load as -1).
+`num_reqs` counts running and waiting, `num_tokens` the KV positions the live requests hold
+(SGLang adds the waiting prompts' lengths, which shoal's snapshot does not carry).
 """
 
 from __future__ import annotations
@@ -49,6 +58,15 @@ class Loads(msgspec.Struct, frozen=True):
     loads: list[Load]
 
 
+class RankLoad(msgspec.Struct, frozen=True):
+    """One data-parallel rank's load in `GET /get_load`'s shape (SGLang's GetLoadReqOutput)."""
+
+    dp_rank: int
+    num_reqs: int  # running and waiting
+    num_waiting_reqs: int
+    num_tokens: int  # KV positions the live requests' pages hold
+
+
 class LoadRoutes:
     def __init__(self, engine: Engine, version: str) -> None:
         self.engine = engine
@@ -70,15 +88,7 @@ class LoadRoutes:
         stamp = datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat()
         if rank is not None and int(rank) != 0:
             return json_response(Loads(stamp, self.version, []))
-        try:
-            snapshot = await self.engine.snapshot()
-            cache = await self.engine.cache_stats()
-        except Exception as exc:
-            raise from_engine(exc, FieldNames()) from None
-        running, waiting = len(snapshot.rows), len(snapshot.waiting)
-        page_size = self.engine.options.page_size
-        used = (cache.request_pages + cache.locked_pages) * page_size
-        total = cache.total_pages * page_size
+        running, waiting, used, total = await self._core()
         load = Load(
             timestamp=now,
             dp_rank=0,
@@ -91,3 +101,18 @@ class LoadRoutes:
             token_usage=round(used / total, 4) if total else 0.0,
         )
         return json_response(Loads(stamp, self.version, [load]))
+
+    async def rank_loads(self, request: web.Request) -> web.Response:
+        running, waiting, used, _ = await self._core()
+        return json_response([RankLoad(0, running + waiting, waiting, used)])
+
+    async def _core(self) -> tuple[int, int, int, int]:
+        """Requests running and waiting, KV positions the live requests hold, and the pool's."""
+        try:
+            snapshot = await self.engine.snapshot()
+            cache = await self.engine.cache_stats()
+        except Exception as exc:
+            raise from_engine(exc, FieldNames()) from None
+        page_size = self.engine.options.page_size
+        used = (cache.request_pages + cache.locked_pages) * page_size
+        return len(snapshot.rows), len(snapshot.waiting), used, cache.total_pages * page_size

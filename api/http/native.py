@@ -6,6 +6,13 @@ finish_reason, then `data: [DONE]`: native_answers.py); a batch of prompts
 answers a list, in order. The engine request id is the caller's `rid` when given, so
 `/abort_request {"rid": ...}` reaches it. With `session_params` the one prompt is the new
 input of an open session's next turn (see http_sessions).
+
+`sampling_params.n` > 1 (at most --max-n, as the OpenAI routes' n) makes each prompt n
+samples, answered as a list prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]), as SGLang orders
+them; sample i is its own engine request `<rid>-<i>` (the prefix cache shares the prompt),
+seeded seed + i when a seed is given (openai_params.for_choice), so the samples differ yet
+are reproducible. A batch's sampling_params must all give the same n; n > 1 does not stream,
+as a batch does not.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from shoal.api.http.native_protocol import (
     GenerateRequest,
     NativeSampling,
 )
+from shoal.api.http.openai_params import for_choice
 from shoal.api.http.relay import stream_sse
 from shoal.api.http.sessions import session_turn
 from shoal.api.http.submission import Choice, PromptInput, Submission
@@ -45,9 +53,12 @@ NAMES = FieldNames(
 
 
 class NativeRoutes:
-    def __init__(self, gateway: Gateway, incremental_streaming_output: bool = False) -> None:
+    def __init__(
+        self, gateway: Gateway, incremental_streaming_output: bool = False, max_n: int = 16
+    ) -> None:
         self.gateway = gateway
         self.incremental = incremental_streaming_output  # stream events carry only what is new
+        self.max_n = max_n  # sampling_params.n: the OpenAI routes' limit (ServerOptions.max_n)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrived_at = time.monotonic()
@@ -56,7 +67,8 @@ class NativeRoutes:
         if (body.text is None) == (body.input_ids is None):
             raise bad_request("give exactly one of text or input_ids", "text")
         batch = isinstance(body.text, list) or _nested(body.input_ids)
-        session_id = self._turn(body, batch)  # its session checks it against the history
+        n = self._n(body)
+        session_id = self._turn(body, batch, n)  # its session checks it against the history
         prompts = self._prompts(body)
         rids = self._rids(body, len(prompts), batch)
         settings = self._settings(body, len(prompts))
@@ -64,8 +76,11 @@ class NativeRoutes:
             self._choice(body, rid, prompt, native, session_id is not None)
             for prompt, rid, native in zip(prompts, rids, settings, strict=True)
         ]
-        if body.stream and batch:
-            raise bad_request("stream is supported for one prompt, not a batch", "stream")
+        if n > 1:  # prompt-major, as SGLang answers
+            choices = [_sample(choice, i) for choice in choices for i in range(n)]
+        if body.stream and (batch or n > 1):
+            message = "stream is supported for one prompt and one sample (n 1), not a batch"
+            raise bad_request(message, "stream")
         public_id = rids[0] if not batch else f"batch-{uuid.uuid4().hex}"
         submission = Submission(public_id, choices, arrived_at, NAMES, session_id, rooms=body)
         async with self.gateway.submit(submission) as job:
@@ -81,7 +96,7 @@ class NativeRoutes:
             completions = await job.finished()
         wanted = _wanted(body)
         answers = [whole(c, arrived_at, wanted) for c in completions]
-        return json_response(answers if batch else answers[0])
+        return json_response(answers if batch or n > 1 else answers[0])
 
     # ---- request ---------------------------------------------------------------------------
 
@@ -106,8 +121,9 @@ class NativeRoutes:
         one = isinstance(given, NativeSampling)
         for i, native in enumerate(settings):
             where = "sampling_params." if one else f"sampling_params[{i}]."
-            stops = wire_values(native, "native", ("stop", "stop_token_ids"))
-            gateway.check_stops(stops.get("stop"), stops.get("stop_token_ids"), where)
+            stops = wire_values(native, "native", ("stop", "stop_token_ids", "stop_regex"))
+            regex = stops.get("stop_regex")
+            gateway.check_stops(stops.get("stop"), stops.get("stop_token_ids"), where, regex)
         texts = [body.text] if isinstance(body.text, str) else body.text or []
         for i, text in enumerate(texts):
             name = "text" if isinstance(body.text, str) else f"text[{i}]"
@@ -135,12 +151,28 @@ class NativeRoutes:
             raise bad_request("input_ids must be a list of ids or a list of id lists", "input_ids")
         return [PromptInput(name=f"input_ids[{i}]", input_ids=t) for i, t in enumerate(nested)]
 
-    def _turn(self, body: GenerateRequest, batch: bool) -> str | None:
+    def _n(self, body: GenerateRequest) -> int:
+        """Samples per prompt: sampling_params' n (every entry's the same), 1 by default."""
+        given = body.sampling_params
+        settings = [given] if isinstance(given, NativeSampling) else given or []
+        counts = {1 if native.n is None else native.n for native in settings} or {1}
+        if len(counts) > 1:
+            message = f"sampling_params must all give the same n, got {sorted(counts)}"
+            raise bad_request(message, "sampling_params.n")
+        [n] = counts
+        if not 1 <= n <= self.max_n:
+            raise bad_request(f"n must be in [1, {self.max_n}], got {n}", "sampling_params.n")
+        return n
+
+    def _turn(self, body: GenerateRequest, batch: bool, n: int) -> str | None:
         """The session the one prompt is the next turn of, if any."""
         if body.session_params is None:
             return None
         if batch:
             raise bad_request("a session turn is one prompt, not a batch", "session_params")
+        if n != 1:
+            message = f"a session turn has one choice: n must be 1, got {n}"
+            raise bad_request(message, "sampling_params.n")
         if isinstance(body.text, str) and not body.text:
             raise bad_request("text must not be empty", "text")
         if body.input_ids is not None and not body.input_ids:
@@ -176,11 +208,14 @@ class NativeRoutes:
         native: NativeSampling,
         turn: bool,
     ) -> Choice:
-        """The fields of sampling_params, and the logprob pair beside it (api/sampling_wire.py).
+        """The fields of sampling_params, and the logprob fields beside it (sampling_wire.py).
         max_new_tokens not given: the declared default, capped at the room the prompt leaves
         (as SGLang's), sized where the engine measures it (RoomLeft); a session turn's: the
         declared default."""
         values = wire_values(native, "native", NOT_LOGPROBS) | wire_values(body, "native", LOGPROBS)
+        if not values.get("logprobs"):  # SGLang's: the prompt's only with return_logprob
+            values.pop("logprob_start_len", None)
+            values.pop("token_ids_logprob", None)
         if native.sampling_seed is not None:
             values.setdefault("seed", native.sampling_seed)
         room = None
@@ -189,9 +224,16 @@ class NativeRoutes:
         return Choice(rid, prompt, sampling_from(values), room)
 
 
+def _sample(choice: Choice, index: int) -> Choice:
+    """Sample `index` of a prompt's n: its own engine request, seeded seed + index."""
+    sampling = for_choice(choice.sampling, index)
+    return Choice(f"{choice.rid}-{index}", choice.prompt, sampling, choice.room)
+
+
 def _wanted(body: GenerateRequest) -> Wanted:
-    values = wire_values(body, "native", LOGPROBS)  # return_logprob, top_logprobs_num
-    return Wanted(bool(values.get("logprobs")), bool(values.get("top_logprobs")))
+    values = wire_values(body, "native", LOGPROBS)  # return_logprob, top_logprobs_num, ...
+    listed = tuple(values.get("token_ids_logprob") or ())
+    return Wanted(bool(values.get("logprobs")), bool(values.get("top_logprobs")), listed)
 
 
 def _nested(input_ids: list[int | list[int]] | None) -> bool:

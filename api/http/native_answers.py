@@ -25,16 +25,48 @@ import time
 from typing import Any, NamedTuple
 
 from shoal.api.http.native_protocol import GenerateResponse, MetaInfo
-from shoal.results import Completion, Delta, TokenLogprob
+from shoal.results import Completion, Delta, PromptLogprobs, TokenLogprob
 
 TokenRow = tuple[float, int, None]  # [logprob, token_id, null], as SGLang reports them
+PromptRow = tuple[float | None, int, None]  # position 0's logprob is null
 
 
 class Wanted(NamedTuple):
-    """The logprobs a request asked for: return_logprob, top_logprobs_num > 0."""
+    """The logprobs a request asked for: return_logprob, top_logprobs_num > 0, the
+    token_ids_logprob ids."""
 
     logprobs: bool
     top: bool
+    ids: tuple[int, ...] = ()
+
+
+class PromptRows(NamedTuple):
+    """meta_info's input_* lists of one request, made once (a stream repeats them)."""
+
+    tokens: list[PromptRow]
+    top: list[list[TokenRow] | None]
+    ids: list[list[TokenRow] | None]
+
+    @classmethod
+    def of(cls, prompt: PromptLogprobs | None, wanted: Wanted) -> PromptRows:
+        """SGLang's lists from logprob_start_len: [] when none were asked; position 0 (when
+        the start is 0) with a null logprob, a null top list and null listed ids."""
+        if prompt is None:
+            return cls([], [], [])
+        first = prompt.first_token_id
+        tokens: list[PromptRow] = [] if first is None else [(None, first, None)]
+        nulls: list[list[TokenRow] | None] = [] if first is None else [None]
+        tokens += _token_rows(prompt.items)
+        top = nulls + list(_top_rows(prompt.items)) if wanted.top else []
+        ids = nulls + list(_listed_rows(prompt.items, wanted.ids)) if wanted.ids else []
+        return cls(tokens, top, ids)
+
+    def into(self, meta: MetaInfo, wanted: Wanted) -> None:
+        meta.input_token_logprobs = self.tokens
+        if wanted.top:
+            meta.input_top_logprobs = self.top
+        if wanted.ids:
+            meta.input_token_ids_logprobs = self.ids
 
 
 def finish_reason(c: Completion) -> dict[str, object]:
@@ -54,6 +86,9 @@ def whole(c: Completion, arrived_at: float, wanted: Wanted) -> GenerateResponse:
         meta.output_token_logprobs = _token_rows(items)
         if wanted.top:
             meta.output_top_logprobs = _top_rows(items)
+        if wanted.ids:
+            meta.output_token_ids_logprobs = _listed_rows(items, wanted.ids)
+        PromptRows.of(c.prompt_logprobs, wanted).into(meta, wanted)
     return GenerateResponse(c.text, list(c.token_ids), meta)
 
 
@@ -64,7 +99,7 @@ class StreamChunks:
         self,
         rid: str,
         num_prompt: int,
-        weight_version: int,
+        weight_version: str,
         arrived_at: float,
         wanted: Wanted,
         incremental: bool,
@@ -82,6 +117,9 @@ class StreamChunks:
         self.ids: list[int] = []
         self.token_rows: list[TokenRow] = []
         self.top_rows: list[list[TokenRow]] = []
+        self.ids_rows: list[list[TokenRow]] = []
+        # The prompt's, from the first delta: every cumulative event, the first incremental one
+        self.prompt: PromptRows | None = None
 
     def first(self, index: int) -> None:
         return None
@@ -92,18 +130,26 @@ class StreamChunks:
     def delta(self, index: int, d: Delta) -> GenerateResponse:
         items = d.logprobs or ()
         new_ids = list(d.token_ids)
-        token_rows = _token_rows(items) if self.wanted.logprobs else []
-        top_rows = _top_rows(items) if self.wanted.logprobs and self.wanted.top else []
+        wanted = self.wanted
+        token_rows = _token_rows(items) if wanted.logprobs else []
+        top_rows = _top_rows(items) if wanted.logprobs and wanted.top else []
+        ids_rows = _listed_rows(items, wanted.ids) if wanted.logprobs and wanted.ids else []
         self.num_text_chars += len(d.text)
         self.num_logprobs += len(items)
+        first = self.prompt is None
+        if first:
+            self.prompt = PromptRows.of(d.prompt_logprobs, wanted)
         if self.incremental:
             self.ids += new_ids
-            return self._chunk(d.text, new_ids, token_rows, top_rows)
+            chunk = self._chunk(d.text, new_ids, token_rows, top_rows, ids_rows, first)
+            return chunk
         self.text += d.text
         self.ids += new_ids
         self.token_rows += token_rows
         self.top_rows += top_rows
-        return self._chunk(self.text, self.ids, self.token_rows, self.top_rows)
+        self.ids_rows += ids_rows
+        rows = (self.token_rows, self.top_rows, self.ids_rows)
+        return self._chunk(self.text, self.ids, *rows, True)
 
     def finish(self, index: int, c: Completion) -> GenerateResponse:
         """The last event: with its finish_reason and the Completion's own counts. The
@@ -117,10 +163,15 @@ class StreamChunks:
             list(c.token_ids[len(self.ids) :]),
             _meta(c.rid, finish_reason(c), c, self.arrived_at),
         )
-        if self.wanted.logprobs:
+        wanted = self.wanted
+        if wanted.logprobs:
             rest.meta_info.output_token_logprobs = _token_rows(items)
-            if self.wanted.top:
+            if wanted.top:
                 rest.meta_info.output_top_logprobs = _top_rows(items)
+            if wanted.ids:
+                rest.meta_info.output_token_ids_logprobs = _listed_rows(items, wanted.ids)
+            if self.prompt is None:  # no delta came (max_new_tokens 0): the prompt's here
+                PromptRows.of(c.prompt_logprobs, wanted).into(rest.meta_info, wanted)
         return rest
 
     def _chunk(
@@ -129,6 +180,8 @@ class StreamChunks:
         ids: list[int],
         token_rows: list[TokenRow],
         top_rows: list[list[TokenRow]],
+        ids_rows: list[list[TokenRow]],
+        with_prompt: bool,
     ) -> GenerateResponse:
         meta = MetaInfo(
             self.rid,
@@ -139,10 +192,15 @@ class StreamChunks:
             self.weight_version,
             time.monotonic() - self.arrived_at,
         )
-        if self.wanted.logprobs:
+        wanted = self.wanted
+        if wanted.logprobs:
             meta.output_token_logprobs = token_rows
-            if self.wanted.top:
+            if wanted.top:
                 meta.output_top_logprobs = top_rows
+            if wanted.ids:
+                meta.output_token_ids_logprobs = ids_rows
+            if with_prompt and self.prompt is not None:
+                self.prompt.into(meta, wanted)
         return GenerateResponse(text, ids, meta)
 
 
@@ -161,6 +219,11 @@ def _meta(rid: str, reason: dict[str, Any], c: Completion, arrived_at: float) ->
 
 def _token_rows(items: tuple[TokenLogprob, ...]) -> list[TokenRow]:
     return [(t.logprob, t.token_id, None) for t in items]
+
+
+def _listed_rows(items: tuple[TokenLogprob, ...], ids: tuple[int, ...]) -> list[list[TokenRow]]:
+    """Each position's token_ids_logprob rows, in the order the ids were given."""
+    return [[(lp, i, None) for i, lp in zip(ids, t.listed, strict=True)] for t in items]
 
 
 def _top_rows(items: tuple[TokenLogprob, ...]) -> list[list[TokenRow]]:

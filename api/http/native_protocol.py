@@ -3,6 +3,7 @@
     POST /generate {"text": "..." | ["...", ...], "input_ids": [..] | [[..], ..],
                     "sampling_params": {...} | [{...}, ...], "rid": "..." | [...],
                     "stream": false, "return_logprob": false, "top_logprobs_num": 0,
+                    "logprob_start_len": -1, "token_ids_logprob": [..],
                     "session_params": {"id": "<an id from POST /open_session>"}}
       -> {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
           "completion_tokens", "cached_tokens", "weight_version", "e2e_latency", ...}}
@@ -10,6 +11,13 @@
 
 finish_reason is {"type": "stop", "matched": <stop string or token id>},
 {"type": "length", "length": N} or {"type": "abort", "message": "..."}.
+
+With return_logprob, meta_info also has output_token_logprobs ([logprob, token_id, null] per
+output token), output_top_logprobs (with top_logprobs_num), the prompt's input_token_logprobs
+and input_top_logprobs from logprob_start_len (-1, the default: [] as SGLang; position 0's
+logprob and top list null: nothing precedes it), and with token_ids_logprob
+input_token_ids_logprobs and output_token_ids_logprobs (each position: those ids' rows).
+max_new_tokens 0 answers the prefill alone (scoring a sequence).
 
 Every other field of SGLang's GenerateReqInput, sampling_params and session_params is
 accepted because it cannot change the answer, or refused with a 400 naming it unless its
@@ -25,9 +33,8 @@ import msgspec
 
 from shoal.api.http.bootstrap_fields import RoomFields
 from shoal.api.http.door_rules import GENERATE, SAMPLING, SESSION
-from shoal.api.http.errors import bad_request
-from shoal.api.http.field_rules import PROMPT_LOGPROBS, refuse, with_rules
-from shoal.api.sampling_wire import LOGPROBS, NOT_LOGPROBS, wire_struct, wire_values
+from shoal.api.http.field_rules import refuse, with_rules
+from shoal.api.sampling_wire import LOGPROBS, NOT_LOGPROBS, wire_struct
 
 
 class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -50,6 +57,7 @@ class NativeExtras(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     spaces_between_special_tokens: bool | None = None  # accepted; the detokenizer decides
     sampling_seed: int | None = None  # seed's other name; seed wins
+    n: int | None = None  # samples per prompt: the same in every sampling_params of a batch
 
 
 class GenerateFields(RoomFields, kw_only=True):
@@ -57,12 +65,12 @@ class GenerateFields(RoomFields, kw_only=True):
     input_ids: list[int | list[int]] | None = None
     rid: str | list[str] | None = None
     stream: bool | None = None
-    logprob_start_len: int | None = None  # with return_logprob: refused unless null or -1
     session_params: SessionParams | None = None
 
 
-# The SamplingParams fields (api/sampling_wire.py): the logprob pair beside sampling_params
-# (return_logprob, top_logprobs_num), every other one in it; then SGLang's other fields
+# The SamplingParams fields (api/sampling_wire.py): the logprob fields beside sampling_params
+# (return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob), every other one in
+# it; then SGLang's other fields
 # (door_rules). mypy sees the bases alone.
 if TYPE_CHECKING:
     _NativeSampling = NativeExtras
@@ -94,10 +102,6 @@ class GenerateRequest(_Generate, kw_only=True, forbid_unknown_fields=True):
             refuse(given, SAMPLING, "sampling_params.")
         for i, native in enumerate(given if isinstance(given, list) else ()):
             refuse(native, SAMPLING, f"sampling_params[{i}].")
-        start = self.logprob_start_len
-        if wire_values(self, "native", LOGPROBS).get("logprobs") and start not in (None, -1):
-            message = f"logprob_start_len (prompt logprobs) is not supported{PROMPT_LOGPROBS}"
-            raise bad_request(message, "logprob_start_len")
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):
@@ -111,11 +115,17 @@ class MetaInfo(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    weight_version: int
+    weight_version: str
     e2e_latency: float
     # [logprob, token_id, null] per output token; [[...] * top_logprobs_num] per token
     output_token_logprobs: list[tuple[float, int, None]] | None = None
     output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+    # The prompt's from logprob_start_len (empty without it), position 0's logprob null and
+    # its top list null; the token_ids_logprob lists per position (position 0's null)
+    input_token_logprobs: list[tuple[float | None, int, None]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, None]] | None] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int, None]] | None] | None = None
+    output_token_ids_logprobs: list[list[tuple[float, int, None]]] | None = None
 
 
 class GenerateResponse(msgspec.Struct):

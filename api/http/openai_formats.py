@@ -18,7 +18,13 @@ from typing import Protocol
 
 import msgspec
 
-from shoal.api.http.openai_logprobs import TokenBytes, chat_logprobs, completion_logprobs
+from shoal.api.http.openai_logprobs import (
+    TokenBytes,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
+)
 from shoal.api.http.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -32,14 +38,15 @@ from shoal.api.http.openai_protocol import (
     TextCompletion,
     UsageInfo,
 )
-from shoal.results import Completion, Delta, TokenLogprob
+from shoal.results import Completion, Delta, PromptLogprobs, TokenLogprob
 
 
 @dataclass(frozen=True)
 class Answer:
     """What every chunk and body of one OpenAI answer says the same: its id, creation time,
     model name, the logprobs asked for (whether, how many alternatives), the choices per
-    prompt, and whether a stream ends with the usage chunk."""
+    prompt, whether a stream ends with the usage chunk; completions' echo (each prompt's text,
+    choice i's prompt i // n) and vLLM's prompt_logprobs (how many alternatives)."""
 
     rid: str
     created: int
@@ -48,6 +55,8 @@ class Answer:
     tokens: TokenBytes
     n: int
     include_usage: bool
+    echo: tuple[str, ...] | None = None
+    prompt_top: int | None = None
 
 
 class Format(Protocol):
@@ -75,6 +84,7 @@ class ChatFormat:
         self.want_logprobs, self.top = answer.logprobs
         self.tokens = answer.tokens
         self.n, self.include_usage = answer.n, answer.include_usage
+        self.prompt_top = answer.prompt_top
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.rid, self.created, self.model, [choice])
@@ -108,7 +118,11 @@ class ChatFormat:
             for i, c in enumerate(completions)
         ]
         total = usage(completions, self.n)
-        return ChatCompletion(self.rid, self.created, self.model, choices, total)
+        whole = ChatCompletion(self.rid, self.created, self.model, choices, total)
+        if self.prompt_top is not None and completions:  # vLLM's: the one prompt's
+            prompt = completions[0].prompt_logprobs
+            whole.prompt_logprobs = vllm_prompt_logprobs(prompt, self.tokens, self.prompt_top)
+        return whole
 
     def _logprobs(self, items: tuple[TokenLogprob, ...] | None) -> ChatLogprobs | None:
         if not self.want_logprobs or not items:
@@ -122,7 +136,8 @@ class TextFormat:
         self.want_logprobs, self.top = answer.logprobs
         self.tokens = answer.tokens
         self.n, self.include_usage = answer.n, answer.include_usage
-        self.offsets: dict[int, int] = {}
+        self.echo, self.prompt_top = answer.echo, answer.prompt_top
+        self.offsets: dict[int, int] = {}  # a choice's text streamed so far; absent: none yet
 
     def _chunk(self, choice: CompletionChoice) -> TextCompletion:
         return TextCompletion(self.rid, self.created, self.model, [choice])
@@ -131,6 +146,8 @@ class TextFormat:
         return None
 
     def delta(self, index: int, delta: Delta) -> TextCompletion | None:
+        if self.echo is not None and index not in self.offsets:  # the prompt first
+            return self._echoed(index, delta.text, delta.logprobs, delta.prompt_logprobs)
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + len(delta.text)
         logprobs = None
@@ -141,7 +158,27 @@ class TextFormat:
         return self._chunk(CompletionChoice(index, delta.text, logprobs))
 
     def finish(self, index: int, completion: Completion) -> TextCompletion:
+        if self.echo is not None and index not in self.offsets:  # no delta came (max_tokens 0)
+            chunk = self._echoed(index, "", None, completion.prompt_logprobs)
+            chunk.choices[0].finish_reason = completion.finish_reason
+            return chunk
         return self._chunk(CompletionChoice(index, "", None, completion.finish_reason))
+
+    def _echoed(
+        self,
+        index: int,
+        text: str,
+        logprobs: tuple[TokenLogprob, ...] | None,
+        prompt: PromptLogprobs | None,
+    ) -> TextCompletion:
+        """Choice `index`'s first chunk with echo: its prompt, then what it generated so far."""
+        assert self.echo is not None
+        echoed = self.echo[index // self.n]
+        self.offsets[index] = len(echoed) + len(text)
+        out = None
+        if self.want_logprobs:
+            out = echo_logprobs(prompt, logprobs, self.tokens, self.top, len(echoed))
+        return self._chunk(CompletionChoice(index, echoed + text, out))
 
     def last(self, completions: list[Completion]) -> TextCompletion | None:
         if not self.include_usage:
@@ -153,8 +190,20 @@ class TextFormat:
         choices = []
         for i, c in enumerate(completions):
             logprobs = None
-            if self.want_logprobs and c.logprobs:
+            text = c.text
+            if self.echo is not None:  # the prompt's text and tokens first
+                echoed = self.echo[i // self.n]
+                text = echoed + c.text
+                if self.want_logprobs:
+                    prompt = c.prompt_logprobs
+                    logprobs = echo_logprobs(prompt, c.logprobs, self.tokens, self.top, len(echoed))
+            elif self.want_logprobs and c.logprobs:
                 logprobs = completion_logprobs(c.logprobs, self.tokens, self.top, 0)
-            choices.append(CompletionChoice(i, c.text, logprobs, c.finish_reason))
+            choice = CompletionChoice(i, text, logprobs, c.finish_reason)
+            if self.prompt_top is not None:
+                choice.prompt_logprobs = vllm_prompt_logprobs(
+                    c.prompt_logprobs, self.tokens, self.prompt_top
+                )
+            choices.append(choice)
         total = usage(completions, self.n)
         return TextCompletion(self.rid, self.created, self.model, choices, total)

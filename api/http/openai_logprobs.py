@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from shoal.api.http.openai_protocol import (
     ChatLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobsOut,
     TokenLogprobOut,
     TopLogprob,
 )
 from shoal.loading.hf_tokenizer import HFTokenizer
-from shoal.results import TokenLogprob
+from shoal.results import PromptLogprobs, TokenLogprob
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -81,8 +83,10 @@ def completion_logprobs(
 ) -> CompletionLogprobs | None:
     if items is None:
         return None
-    tokens, values, offsets = [], [], []
-    tops: list[dict[str, float]] = []
+    tokens: list[str] = []
+    values: list[float | None] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float] | None] = []
     for item in items:
         token, _ = token_bytes(item.token_id)
         tokens.append(token)
@@ -91,3 +95,54 @@ def completion_logprobs(
         text_offset += len(token)
         tops.append({token_bytes(t)[0]: lp for t, lp in item.top[:top]})
     return CompletionLogprobs(tokens, values, tops if top > 0 else None, offsets)
+
+
+def echo_logprobs(
+    prompt: PromptLogprobs | None,
+    outputs: Sequence[TokenLogprob] | None,
+    token_bytes: TokenBytes,
+    top: int,
+    output_offset: int,
+) -> CompletionLogprobs:
+    """Completions' logprobs with echo: the prompt's tokens first (the first one's logprob and
+    top dict null, nothing precedes it), then the outputs', whose text offsets start at
+    `output_offset` (the echoed prompt's length)."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float] | None] = []
+    offset = 0
+    if prompt is not None and prompt.first_token_id is not None:
+        token, _ = token_bytes(prompt.first_token_id)
+        tokens, values, offsets, tops = [token], [None], [0], [None]
+        offset = len(token)
+    parts = [
+        completion_logprobs(prompt.items if prompt else (), token_bytes, top, offset),
+        completion_logprobs(outputs or (), token_bytes, top, output_offset),
+    ]
+    for part in parts:
+        assert part is not None
+        tokens += part.tokens
+        values += part.token_logprobs
+        offsets += part.text_offset
+        tops += part.top_logprobs or []
+    return CompletionLogprobs(tokens, values, tops if top > 0 else None, offsets)
+
+
+def vllm_prompt_logprobs(
+    prompt: PromptLogprobs | None, token_bytes: TokenBytes, top: int
+) -> PromptLogprobsOut | None:
+    """vLLM's prompt_logprobs: null for position 0, then each position's prompt token and its
+    `top` most likely alternatives, keyed by token id, each with its rank and text."""
+    if prompt is None:
+        return None
+    out: PromptLogprobsOut = [None] if prompt.first_token_id is not None else []
+    for item in prompt.items:
+        ranked = [(item.token_id, item.logprob, item.rank)]
+        ranked += [(t, lp, rank) for rank, (t, lp) in enumerate(item.top[:top], start=1)]
+        entry: dict[str, PromptLogprob] = {}
+        for token_id, logprob, rank in ranked:
+            if str(token_id) not in entry:  # the prompt's token first, as vLLM has it
+                entry[str(token_id)] = PromptLogprob(logprob, rank, token_bytes(token_id)[0])
+        out.append(entry)
+    return out

@@ -26,7 +26,7 @@ from shoal.api.http.openai_protocol import (
 )
 from shoal.api.http.submission import Choice, PromptInput
 from shoal.api.sampling_wire import sampling_from, wire_names, wire_values
-from shoal.params import RoomLeft, SamplingParams
+from shoal.params import MAX_TOP_LOGPROBS, RoomLeft, SamplingParams
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 SEED_LIMIT = 2**63
@@ -55,12 +55,12 @@ def check_sizes(gateway: Gateway, body: OpenAIFields) -> None:
     """Every counted dimension of the body, before anything reads or encodes it: 400 naming
     the field past its limit (docs/limits.md)."""
     limits = gateway.limits
-    stops = wire_values(body, "chat", ("stop", "stop_token_ids"))  # named alike on both routes
+    stops = wire_values(body, "chat", ("stop", "stop_token_ids", "stop_regex"))  # alike on both
     check_id(body.model, limits, "model")
     check_id(body.user, limits, "user")
     if body.session_params is not None:
         check_id(body.session_params.id, limits, "session_params.id")
-    gateway.check_stops(stops.get("stop"), stops.get("stop_token_ids"))
+    gateway.check_stops(stops.get("stop"), stops.get("stop_token_ids"), "", stops.get("stop_regex"))
 
 
 def refuse_unsupported(body: OpenAIFields) -> None:
@@ -174,6 +174,28 @@ class OpenAISampling:
         if not chat and "top_logprobs" in self.values:  # any completions logprobs asks for them
             self.values["logprobs"] = True
         self.logprobs = (bool(self.values.get("logprobs")), self.values.get("top_logprobs", 0))
+        self.echo = isinstance(body, CompletionRequest) and bool(body.echo)
+        self.prompt_top = self._prompt_logprobs(body)
+        if self.values.get("max_new_tokens") == 0 and not self.echo:  # 0: only to score
+            name = self.names["max_new_tokens"]
+            raise bad_request(f"{name} must be >= 1 (0 only with echo), got 0", name)
+
+    def _prompt_logprobs(self, body: OpenAIFields) -> int | None:
+        """The prompt's logprobs the answer reports (vLLM's prompt_logprobs: its top k; None:
+        not asked), asked of the engine from position 0 (also by echo with logprobs, which
+        reports them with the completion's). Both take the most alternatives either wants."""
+        top = body.prompt_logprobs
+        if top is not None:
+            if not 0 <= top <= MAX_TOP_LOGPROBS:
+                message = f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}"
+                raise bad_request(message, "prompt_logprobs")
+            if body.stream:
+                message = "prompt_logprobs is not available with stream (as vLLM answers)"
+                raise bad_request(message, "prompt_logprobs")
+            self.values["top_logprobs"] = max(top, self.values.get("top_logprobs", 0))
+        if top is not None or (self.echo and self.logprobs[0]):
+            self.values["logprob_start_len"] = 0
+        return top
 
     @property
     def field_names(self) -> FieldNames:

@@ -58,6 +58,7 @@ class OpenAIFields(RoomFields, kw_only=True):
     response_format: ResponseFormat | None = None  # refused unless {"type": "text"}
     no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
     session_params: SessionParams | None = None  # chat: the messages are the turn's new ones
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, with this many top
 
 
 class _ChatFields(OpenAIFields, kw_only=True):
@@ -128,10 +129,27 @@ class ChatLogprobs(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
+    """OpenAI's legacy shape; with echo the prompt's tokens come first, the first one's
+    logprob and top dict null."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's prompt_logprobs entry: one token's logprob, its rank (1: the most likely) and
+    its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: null for the first position, then per position the prompt token's
+# and the top alternatives' entries, keyed by token id
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
 
 
 class AssistantMessage(msgspec.Struct):
@@ -153,6 +171,7 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobsOut | None = None  # vLLM's: the one prompt's, with it
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -181,6 +200,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None  # vLLM's, when asked
 
 
 class TextCompletion(msgspec.Struct):

@@ -12,6 +12,7 @@ messages are only the new ones (see http_sessions).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
@@ -101,7 +102,11 @@ class OpenAIRoutes:
         rid = f"cmpl-{uuid.uuid4().hex}"
         choices = wire.choices(rid, given, n)
         submission = Submission(rid, choices, arrived_at, wire.field_names, rooms=body)
-        fmt = TextFormat(self._answer_of(rid, model, wire, n, body))
+        answer = self._answer_of(rid, model, wire, n, body)
+        if wire.echo:  # each prompt's text as given (ids: decoded)
+            echo = tuple(self._text_of(prompt) for prompt in given)
+            answer = dataclasses.replace(answer, echo=echo)
+        fmt = TextFormat(answer)
         return await self._answer(request, bool(body.stream), submission, fmt)
 
     # ---- answering ---------------------------------------------------------------------------
@@ -110,7 +115,21 @@ class OpenAIRoutes:
         self, rid: str, model: str, wire: OpenAISampling, n: int, body: OpenAIFields
     ) -> Answer:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Answer(rid, int(time.time()), model, wire.logprobs, self.tokens, n, include_usage)
+        return Answer(
+            rid,
+            int(time.time()),
+            model,
+            wire.logprobs,
+            self.tokens,
+            n,
+            include_usage,
+            prompt_top=wire.prompt_top,
+        )
+
+    def _text_of(self, prompt: PromptInput) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return str(self.gateway.engine.tokenizer.decode(list(prompt.input_ids or ())))
 
     async def _answer(
         self, request: web.Request, stream: bool, submission: Submission, fmt: Format

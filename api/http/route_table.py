@@ -14,15 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.api.http.admin import AdminRoutes
-from shoal.api.http.errors import ErrorEnvelope
-from shoal.api.http.lifecycle import (
-    LifecycleRoutes,
-    Outcome,
-    PauseRequest,
-    UpdateWeightsRequest,
-)
-from shoal.api.http.loads import LoadRoutes, Loads
+from shoal.api.http.admin import AdminRoutes, WeightVersion
+from shoal.api.http.lifecycle import LifecycleRoutes, Outcome, PauseRequest
+from shoal.api.http.loads import LoadRoutes, Loads, RankLoad
 from shoal.api.http.native import NativeRoutes
 from shoal.api.http.native_protocol import AbortRequest, GenerateRequest, GenerateResponse
 from shoal.api.http.openai_protocol import (
@@ -43,6 +37,14 @@ from shoal.api.http.sessions import (
     OpenSessionResponse,
     SessionRoutes,
 )
+from shoal.api.http.tokenize_routes import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizeRoutes,
+)
+from shoal.api.http.weight_route_table import WEIGHT_ROUTES
 from shoal.api.http.ws_sessions import SessionSockets
 
 _STREAMED = (
@@ -104,6 +106,36 @@ ROUTES: tuple[Route, ...] = (
         "incremental_streaming_output: only what is new since the previous event).",
         tags=("native",),
     ),
+    # ---- the tokenizer (tokenize_routes) ----
+    Route(
+        method="POST",
+        path="/tokenize",
+        handler=TokenizeRoutes.tokenize,
+        summary="Token ids of a prompt, prompts or chat messages (SGLang's and vLLM's)",
+        responses=ok(Body(TokenizeResponse)),
+        request=TokenizeRequest,
+        access="key",
+        example={"prompt": "Hello", "add_special_tokens": True},
+        description="One of prompt (a string, or a list of them: one id list each) or "
+        "messages (the chat template, add_generation_prompt true by default). "
+        "add_special_tokens: true for a prompt, false for messages unless given. Counted with "
+        "generation's limits; model, when given, must be the served name.",
+        tags=("native",),
+    ),
+    Route(
+        method="POST",
+        path="/detokenize",
+        handler=TokenizeRoutes.detokenize,
+        summary="The text of token ids (SGLang's and vLLM's)",
+        responses=ok(Body(DetokenizeResponse)),
+        request=DetokenizeRequest,
+        access="key",
+        example={"tokens": [1, 2, 3]},
+        description="The answer carries the text twice: `text` (SGLang's name) and `prompt` "
+        "(vLLM's). A list of id lists answers a list of texts. An id outside the "
+        "vocabulary, or more ids than the context length, is a 400.",
+        tags=("native",),
+    ),
     # ---- admin (admin) ----
     Route(
         method="GET",
@@ -137,10 +169,31 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route(
         method="GET",
-        path="/get_model_info",
-        handler=AdminRoutes.model_info,
-        summary="Model facts",
-        responses=ok(_OBJECT),
+        path="/get_load",
+        handler=LoadRoutes.rank_loads,
+        summary="Requests and KV tokens per data-parallel rank (SGLang's older load route)",
+        responses=ok(Body(list[RankLoad])),
+        description="What sglang-router's GET /get_loads and power_of_two policy read.",
+        tags=("admin",),
+    ),
+    *(
+        Route(
+            method="GET",
+            path=path,
+            handler=AdminRoutes.model_info,
+            summary="Model facts" + alias,
+            responses=ok(_OBJECT),
+            tags=("admin",),
+        )
+        for path, alias in (("/get_model_info", ""), ("/model_info", " (SGLang's newer name)"))
+    ),
+    Route(
+        method="GET",
+        path="/get_weight_version",
+        handler=AdminRoutes.get_weight_version,
+        summary="The serving weights' version, a string",
+        responses=ok(Body(WeightVersion)),
+        description="`weight_version` as /generate's meta_info reports it, as a string.",
         tags=("admin",),
     ),
     Route(
@@ -170,16 +223,7 @@ ROUTES: tuple[Route, ...] = (
         tags=("admin",),
     ),
     # ---- lifecycle (lifecycle) ----
-    Route(
-        method="POST",
-        path="/update_weights_from_disk",
-        handler=LifecycleRoutes.update_weights,
-        summary="Load a same-architecture checkpoint",
-        responses={"200": (Body(Outcome),), "400": (Body(Outcome), Body(ErrorEnvelope))},
-        request=UpdateWeightsRequest,
-        description="A refused checkpoint (400, success false) leaves the old weights serving.",
-        tags=("lifecycle",),
-    ),
+    *WEIGHT_ROUTES,
     # GET too, as SGLang serves it (verl and slime call GET); admin either way: it changes
     # the engine's state, whatever the method
     *(

@@ -49,6 +49,8 @@ from shoal.api.http.stream_writer import (
     STREAM_POLICY,
     StreamPolicy,
 )
+from shoal.api.http.tokenize_routes import TokenizeRoutes
+from shoal.api.http.weight_routes import WeightRoutes
 from shoal.api.http.ws_sessions import SessionSockets
 
 HTTP_LIMITS = HttpLimits()  # the defaults of the input-limit options below
@@ -67,6 +69,9 @@ class ServerOptions:
     shutdown_timeout_s: float = 10.0
     # what a request must show and how fast it must arrive (api/http/guard.py)
     admin_api_key: str | None = None  # then the lifecycle routes need it instead of api_key
+    # POST /update_weights_from_tensor: its body is a pickle (runs the sender's code), so it
+    # is off unless asked for, and then only with an admin key (api/http/weight_routes.py)
+    allow_pickled_weights: bool = False
     allowed_origins: tuple[str, ...] = ()  # browser origins besides the server's own; "*": any
     # Host names besides IP literals, localhost and the bound name (api/http/hosts.py); "*": any
     allowed_hosts: tuple[str, ...] = ()
@@ -108,6 +113,11 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.admin_api_key and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key")
+        if self.allow_pickled_weights and not self.admin_api_key:
+            raise ValueError(
+                "allow_pickled_weights needs an admin_api_key: unpickling a body runs code the "
+                "sender chooses, so only the admin key may send one"
+            )
         parse_origins(self.allowed_origins)
         parse_hosts(self.allowed_hosts)
 
@@ -175,7 +185,9 @@ class Server:
         )
         owners = (  # the route classes whose handlers the table names
             OpenAIRoutes(self.gateway, self.model_names, self.options.max_n),
-            NativeRoutes(self.gateway, self.options.incremental_streaming_output),
+            NativeRoutes(
+                self.gateway, self.options.incremental_streaming_output, self.options.max_n
+            ),
             AdminRoutes(
                 self.gateway,
                 self.metrics,
@@ -183,9 +195,11 @@ class Server:
                 self.options.public(),
                 self.options.health_timeout_s,
             ),
-            LifecycleRoutes(self.engine, self.gateway.limits),
+            LifecycleRoutes(self.engine),
+            WeightRoutes(self.engine, self.gateway.limits, self.options.allow_pickled_weights),
             LoadRoutes(self.engine, package_version()),
             SessionRoutes(self.gateway),
+            TokenizeRoutes(self.gateway, self.model_names),
             self.sockets,
             OpenAPIRoute(self.routes, self.options.api_key, self.options.admin_api_key),
         )

@@ -194,7 +194,8 @@ class SessionSocket:
             )
         arrived_at = time.monotonic()
         values = wire_values(message, "websocket")
-        self.gateway.check_stops(values.get("stop"), values.get("stop_token_ids"))
+        stops = (values.get("stop"), values.get("stop_token_ids"))
+        self.gateway.check_stops(*stops, "", values.get("stop_regex"))
         prompt = self.turn_input(message)
         names = self.sampling_names(message, values)
         rid = f"turn-{uuid.uuid4().hex}"

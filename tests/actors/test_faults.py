@@ -137,6 +137,8 @@ async def _workload(engine: Engine, folder: Path) -> dict[str, str]:
         "update": lambda: engine.update_weights_from_disk(folder),
         "update while paused": lambda: _first_token_then(engine, paused_update),
         "stepping": lambda: _stepping(engine),
+        "release memory": engine.release_memory_occupation,
+        "resume memory": engine.resume_memory_occupation,
     }
     for name, work in steps.items():
         await _step(name, work, outcomes)

@@ -20,6 +20,7 @@ from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     CacheMsg,
     CheckIntegrity,
+    DiskWeights,
     FlushWhenIdle,
     SchedulerMsg,
     Shutdown,
@@ -57,12 +58,12 @@ async def test_a_refused_checkpoint_raises_invalid_checkpoint_and_the_update_say
 ) -> None:
     engine = await make_engine()
     with pytest.raises(OperationRefused) as refused:
-        await ask(engine.actors.executor_box, partial(LoadWeights, str(tmp_path)))
+        await ask(engine.actors.executor_box, partial(LoadWeights, DiskWeights(str(tmp_path))))
     assert refused.value.code == "invalid_checkpoint"
-    update = partial(UpdateWeights, str(tmp_path), False, None)
+    update = partial(UpdateWeights, DiskWeights(str(tmp_path)), False, None)
     result = await ask(engine.actors.tokenizer_box, update)  # the one update result type
     assert isinstance(result, UpdateResult) and not result.success
-    assert result.message == str(refused.value) and result.weight_version == 0
+    assert result.message == str(refused.value) and result.weight_version == "0"
     assert await engine.update_weights_from_disk(tmp_path) == result
 
 

@@ -52,7 +52,7 @@ async def test_seeded_sampling_is_the_same_whatever_the_batch(make_engine: Engin
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": 0}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
-        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),  # 0: the prefill alone (prompt logprobs)
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"seed": -1}, "seed"),

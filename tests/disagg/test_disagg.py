@@ -276,7 +276,7 @@ async def test_the_weights_are_matched_by_their_digest_not_their_version(
     mismatch; another checkpoint is, on both halves, with code "weights_mismatch"."""
     pair = await make_pair()
     assert (await pair.decode.update_weights_from_disk(tiny_folder)).success
-    assert (pair.decode.weight_version, pair.prefill.weight_version) == (1, 0)
+    assert (pair.decode.weight_version, pair.prefill.weight_version) == ("1", "0")
     assert pair.decode.weights_digest == pair.prefill.weights_digest
     await served_after(pair, tiny_reference, tiny_model.config.vocab_size)
     assert (await pair.decode.update_weights_from_disk(other_folder)).success

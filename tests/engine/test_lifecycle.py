@@ -13,6 +13,7 @@ import pytest
 from engines import EngineFactory
 from reference import Reference
 from tiny_model import make_tiny_model_folder
+from weight_pushes import checkpoint
 from workload import idle_stats, prompt
 
 from shoal import Engine
@@ -53,11 +54,11 @@ async def test_update_right_after_each_response_100_times(
             input_ids=ids, max_new_tokens=6, **greedy(logit_bias=bias)
         ).result()
         assert list(done.token_ids) == refs[current].greedy(ids, 6, True, bias), f"round {i}"
-        assert done.weight_version == i
+        assert done.weight_version == str(i)
         current = other_folder if current == tiny_folder else tiny_folder
         result = await engine.update_weights_from_disk(current)
         assert result.success, result.message
-        assert result.weight_version == i + 1 == engine.weight_version
+        assert result.weight_version == str(i + 1) == engine.weight_version
 
 
 async def until_admitted(engine: Engine, rids: set[str]) -> None:
@@ -70,13 +71,17 @@ async def until_admitted(engine: Engine, rids: set[str]) -> None:
     raise AssertionError(f"not admitted: {sorted(rids - set(snap.rows))}")
 
 
+@pytest.mark.parametrize("source", ["disk", "tensors"])
 async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
     make_engine: EngineFactory,
     other_folder: Path,
     tiny_reference: Reference,
     other_reference: Reference,
+    source: str,
 ) -> None:
+    """From disk or pushed as tensors (api/weight_calls.py), an update is one writer."""
     engine = await make_engine(page_size=4, chunk_size=16)
+    pushed = sorted(checkpoint(other_folder).items())
     prompts = [prompt(5 + 3 * i, 100 + i) for i in range(16)]
     streams = [
         engine.generate(input_ids=p, max_new_tokens=40, **greedy(logit_bias=BIASES[i % 2]))
@@ -90,7 +95,11 @@ async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
     engine.testing.stages.hold(0)
     try:
         await until_admitted(engine, {s.rid for s in streams})
-        update = asyncio.create_task(engine.update_weights_from_disk(other_folder))
+        update = asyncio.create_task(
+            engine.update_weights_from_disk(other_folder)
+            if source == "disk"
+            else engine.update_weights_from_tensor(pushed)
+        )
         await asyncio.sleep(0)  # the update is posted first
         late_bias = greedy(logit_bias=BIASES[1])
         late = engine.generate(input_ids=prompts[0], max_new_tokens=8, **late_bias)  # waits
@@ -105,10 +114,10 @@ async def test_update_waits_for_in_flight_requests_which_keep_old_weights(
     for i, (d, p) in enumerate(zip(done, prompts, strict=True)):
         assert d.finish_reason == "length"
         assert list(d.token_ids) == tiny_reference.greedy(p, 40, True, BIASES[i % 2])
-        assert d.weight_version == 0
+        assert d.weight_version == "0"
     after = await late.result()
     assert list(after.token_ids) == other_reference.greedy(prompts[0], 8, True, BIASES[1])
-    assert after.weight_version == 1 and after.usage.cached_tokens == 0  # the cache was flushed
+    assert after.weight_version == "1" and after.usage.cached_tokens == 0  # the cache was flushed
 
 
 async def test_update_with_abort_all_ends_in_flight_requests_as_aborts(
@@ -147,7 +156,7 @@ async def test_bad_updates_change_nothing(
     ]:
         result = await engine.update_weights_from_disk(bad)
         assert not result.success and reason in result.message, result.message
-        assert result.weight_version == engine.weight_version == 0
+        assert result.weight_version == engine.weight_version == "0"
         done = await engine.generate(input_ids=ids, max_new_tokens=5, **greedy()).result()
         assert list(done.token_ids) == tiny_reference.greedy(ids, 5, True)
 

@@ -387,17 +387,17 @@ async def test_weight_update_waits_for_a_microbatch_in_the_last_stage(
         await stays_pending(update)
         late = engine.generate(input_ids=ids, **greedy(6))  # waits for the update
         assert engine.testing.stages.counts() == (0, 0, 1) and not late.ended
-        assert engine.weight_version == 0
+        assert engine.weight_version == "0"
     finally:
         engine.testing.stages.release(2)
     done = await stream.result()  # the request in flight keeps the old weights, every stage
     assert list(done.token_ids) == deep_reference.greedy(ids, 6, True)
-    assert done.weight_version == 0
+    assert done.weight_version == "0"
     result = await update
     assert result.success, result.message
     after = await late.result()
     assert list(after.token_ids) == second_reference.greedy(ids, 6, True)
-    assert after.weight_version == 1 and after.usage.cached_tokens == 0
+    assert after.weight_version == "1" and after.usage.cached_tokens == 0
     other = prompt(30, 11)
     fresh = await engine.generate(input_ids=other, **greedy(8)).result()
     assert list(fresh.token_ids) == second_reference.greedy(other, 8, True)

@@ -1,5 +1,6 @@
 """A seeded random stress against a running server: generate, stream, disconnect, abort,
-flush, update and pause/continue interleaved. It must end with no crash, nothing leaked, and
+flush, update (from disk, or tensors pushed in process), pause/continue and memory
+release/resume interleaved. It must end with no crash, nothing leaked, and
 every completed greedy request equal to its reference for the weights it ran on.
 
 Each seed runs with one executor stage and with two pipeline stages (actors/executor/stages.py).
@@ -16,9 +17,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
 from reference import Reference
 from served import ServeFactory
+from weight_pushes import checkpoint
 
+from shoal import Engine
 from shoal.actors.scheduler import decode_set
 
 OPERATIONS = 500
@@ -28,16 +32,19 @@ PROMPTS += [[*PROMPTS[7][:40], 100 + i, 200 + i, 300 + i] for i in range(3)]
 
 
 class Stress:
-    def __init__(self, url: str, http: aiohttp.ClientSession, seed: int) -> None:
+    def __init__(self, url: str, http: aiohttp.ClientSession, seed: int, engine: Engine) -> None:
         self.url = url
         self.http = http
+        self.engine = engine  # weight pushes and memory release, in process
         self.rng = random.Random(seed)
         self.control = asyncio.Lock()  # an update never lands inside a pause
         # prompt, max_new_tokens, logit_bias, output, weight version
         self.completed: list[tuple[list[int], int, dict[int, float], list[int], int]] = []
         self.partial: list[tuple[list[int], int, dict[int, float], list[int], int]] = []  # aborted
         self.counts: dict[str, int] = {}
-        self.folder_of_version: dict[int, Path] = {}
+        # prompt, logprob_start_len, the prompt's logprobs and ids answered, weight version
+        self.scored: list[tuple[list[int], int, list[float | None], list[int], Any]] = []
+        self.folder_of_version: dict[str, Path] = {}
         self.next_rid = 0
 
     def body(self, stream: bool, max_new: int, rid: str | None = None) -> dict[str, Any]:
@@ -52,6 +59,12 @@ class Stress:
         }
         if rid is not None:
             body["rid"] = rid
+        if self.rng.random() < 0.25:  # the prompt's logprobs from a random start
+            body["return_logprob"] = True
+            body["logprob_start_len"] = self.rng.randrange(len(body["input_ids"]))
+            body["top_logprobs_num"] = self.rng.choice([0, 2])
+            if max_new <= 12 and self.rng.random() < 0.3:  # the prefill alone (scoring)
+                sampling["max_new_tokens"] = 0
         return body
 
     def record(self, body: dict[str, Any], result: dict[str, Any]) -> None:
@@ -63,6 +76,12 @@ class Stress:
         done = (body["input_ids"], sampling["max_new_tokens"], bias, output, version)
         if finish == "length":
             self.completed.append(done)
+            if "logprob_start_len" in body:  # every position from the start, once
+                rows = meta["input_token_logprobs"]
+                values, ids = [row[0] for row in rows], [row[1] for row in rows]
+                self.scored.append(
+                    (body["input_ids"], body["logprob_start_len"], values, ids, version)
+                )
         elif finish == "abort" and output:  # what it generated before it was ended
             self.partial.append(done)
 
@@ -111,11 +130,32 @@ class Stress:
     async def update(self, folders: list[Path]) -> None:
         async with self.control:
             folder = self.rng.choice(folders)
-            body = {"model_path": str(folder), "abort_all_requests": self.rng.random() < 0.3}
+            abort_all = self.rng.random() < 0.3
+            if self.rng.random() < 0.5:  # pushed as tensors, under a version of its own name
+                version = f"push-{self.next_rid}"
+                self.next_rid += 1
+                pushed = await self.engine.update_weights_from_tensor(
+                    checkpoint(folder), weight_version=version, abort_all_requests=abort_all
+                )
+                assert pushed.success and pushed.weight_version == version, pushed
+                self.folder_of_version[version] = folder
+                return
+            body: dict[str, Any] = {"model_path": str(folder), "abort_all_requests": abort_all}
+            if not self.engine.weight_version.isdigit():  # a name stays unless one is given
+                body["weight_version"] = f"disk-{self.next_rid}"
+                self.next_rid += 1
             async with self.http.post(self.url + "/update_weights_from_disk", json=body) as resp:
                 assert resp.status == 200, await resp.text()
                 result = await resp.json()
             self.folder_of_version[result["weight_version"]] = folder
+
+    async def memory(self) -> None:
+        """Release and take back the KV cache or the weights or both, requests in flight."""
+        tags = self.rng.choice([["kv_cache"], ["weights"], None])
+        async with self.control:
+            assert (await self.engine.release_memory_occupation(tags)).success
+            await asyncio.sleep(self.rng.random() * 0.02)
+            assert (await self.engine.resume_memory_occupation(tags)).success
 
     async def pause(self) -> None:
         mode = self.rng.choice(["abort", "retract", "in_place", None])  # None: SGLang's default
@@ -129,8 +169,8 @@ class Stress:
 
     async def one(self, folders: list[Path]) -> None:
         kind = self.rng.choices(
-            ["generate", "stream", "disconnect", "abort", "flush", "update", "pause"],
-            weights=[30, 20, 10, 10, 10, 8, 7],
+            ["generate", "stream", "disconnect", "abort", "flush", "update", "pause", "memory"],
+            weights=[30, 20, 10, 10, 10, 8, 7, 4],
         )[0]
         self.counts[kind] = self.counts.get(kind, 0) + 1
         match kind:
@@ -148,6 +188,8 @@ class Stress:
                 await self.update(folders)
             case "pause":
                 await self.pause()
+            case "memory":
+                await self.memory()
 
 
 SEEDS = [int(os.environ["STRESS_SEED"])] if "STRESS_SEED" in os.environ else [2026, 7]
@@ -170,8 +212,8 @@ async def test_random_operations_against_a_running_server(
     monkeypatch.setattr(decode_set, "MIN_MEMBERS", 1)
     served = await serve(page_size=4, chunk_size=16, kv_cache_tokens=1024, pipeline_stages=stages)
     start = await served.engine.cache_stats()
-    stress = Stress(served.url, served.http, seed=seed)
-    stress.folder_of_version[0] = tiny_folder
+    stress = Stress(served.url, served.http, seed, served.engine)
+    stress.folder_of_version["0"] = tiny_folder
     folders = [tiny_folder, other_folder]
     running: set[asyncio.Task[None]] = set()
     for _ in range(OPERATIONS):
@@ -186,12 +228,28 @@ async def test_random_operations_against_a_running_server(
 
     assert sum(stress.counts.values()) == OPERATIONS
     assert all(stress.counts.get(k, 0) > 10 for k in ("generate", "update", "pause", "flush"))
+    assert stress.counts.get("memory", 0) > 3
+    assert any(v.startswith("push-") for v in stress.folder_of_version)
     references = {tiny_folder: tiny_reference, other_folder: Reference(other_folder, (2,))}
     assert len(stress.completed) > 60  # pauses in "abort" mode end some early
     assert sum(1 for c in stress.completed if c[2]) > 10  # biased rows among them
     for prompt, max_new, bias, output, version in stress.completed:
         reference = references[stress.folder_of_version[version]]
+        if max_new == 0:  # the prefill alone
+            assert output == []
+            continue
         assert output == reference.greedy(prompt, max_new, True, bias), f"version {version}"
+    assert len(stress.scored) > 10
+    for prompt, since, values, ids, version in stress.scored:  # the prompts' logprobs
+        reference = references[stress.folder_of_version[version]]
+        with torch.no_grad():
+            logits = reference.model(torch.tensor([prompt])).logits[0]
+        expected = torch.log_softmax(logits.float(), dim=-1)
+        assert ids == prompt[since:] and (values[0] is None) == (since == 0)
+        for position, value in zip(range(since, len(prompt)), values, strict=True):
+            if position:
+                want = float(expected[position - 1, prompt[position]])
+                assert abs(value - want) < 1e-4, f"version {version}, position {position}"
     assert stress.partial  # aborted by a call, a weight update or a pause, with some output
     for prompt, max_new, bias, output, version in stress.partial:
         reference = references[stress.folder_of_version[version]]

@@ -320,7 +320,7 @@ async def test_bad_checkpoint_is_refused_and_old_weights_serve(
     assert result.message.startswith("could not load the checkpoint: "), result.message
     assert_clean(result.message, tmp_path, tiny_folder)
     assert engine.dead_reason is None
-    assert result.weight_version == engine.weight_version == 0
+    assert result.weight_version == engine.weight_version == "0"
     assert await greedy_tokens(engine) == before
 
 
@@ -356,7 +356,7 @@ async def test_an_unexpected_failure_is_a_refusal_not_a_dead_engine(
     def broken(*args: object, **kwargs: object) -> None:
         raise AttributeError(f"'NoneType' object has no attribute 'x' in {tiny_folder}")
 
-    monkeypatch.setattr("shoal.actors.executor.device_state.load_weights", broken)
+    monkeypatch.setattr("shoal.actors.executor.weight_loads.load_weights", broken)
     with caplog.at_level("ERROR", logger="shoal.executor"):
         result = await engine.update_weights_from_disk(tiny_folder)
     assert not result.success and "could not be read" in result.message, result.message
@@ -404,7 +404,7 @@ async def test_a_stage_that_fails_to_build_leaves_the_old_weights_in_every_stage
     monkeypatch.setattr(DecoderModel, "stage", failing_second)
     result = await engine.update_weights_from_disk(folder)
     assert not result.success and "could not be read" in result.message, result.message
-    assert len(calls) == 2 and engine.dead_reason is None and engine.weight_version == 0
+    assert len(calls) == 2 and engine.dead_reason is None and engine.weight_version == "0"
     assert await greedy_tokens(engine) == before
     monkeypatch.undo()
     result = await engine.update_weights_from_disk(folder)

@@ -21,10 +21,13 @@ EXAMPLES: dict[str, Any] = {
     "seed": 7,
     "stop": ("zzqq",),
     "stop_token_ids": (3,),
+    "stop_regex": ("q{3}z",),
     "include_stop_str_in_output": True,
     "ignore_eos": True,
     "skip_special_tokens": False,
     "logprobs": True,
     "top_logprobs": 2,
     "logit_bias": {5: 1.5, 9: -2.0},
+    "logprob_start_len": 1,  # the prompts the doors test with are longer
+    "token_ids_logprob": (4, 8),
 }

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.actors.messages import Generate, UpdateWeights
-from shoal.actors.tokenizer.update_lock import UpdateLock
+from shoal.actors.messages import DiskWeights, Generate, UpdateWeights
+from shoal.actors.tokenizer.update_lock import UpdateLock, next_version
 from shoal.params import SamplingParams
 
 
@@ -16,9 +16,9 @@ def gen(rid: str) -> Generate:
     return Generate(rid, None, (5, 6), None, SamplingParams(), stream)
 
 
-def writer(path: str, version: int | None = None) -> UpdateWeights:
+def writer(path: str, version: str | None = None) -> UpdateWeights:
     reply: Any = None  # answered by the lock's owner, never by the lock
-    return UpdateWeights(path, False, version, reply)
+    return UpdateWeights(DiskWeights(path), False, version, reply)
 
 
 def test_a_writer_waits_for_every_reader_and_new_requests_queue_behind_it() -> None:
@@ -34,22 +34,22 @@ def test_a_writer_waits_for_every_reader_and_new_requests_queue_behind_it() -> N
     assert lock.next_writer() == (update, False)
     assert lock.next_writer() is None  # one at a time
     assert lock.defer(gen("d"))  # still queued while it works
-    assert lock.done(True) is update and lock.version == 1
+    assert lock.done(True) is update and lock.version == "1"
     assert [g.rid for g in lock.release_queue()] == ["b", "c", "d"]
     assert lock.release_queue() == [] and not lock.writing
 
 
 def test_the_queue_waits_for_the_last_writer_and_versions_follow_each() -> None:
     lock = UpdateLock()
-    first, second = writer("/first", 7), writer("/second")
+    first, second = writer("/first", "7"), writer("/second")
     lock.request(first)
     lock.request(second)
     assert lock.defer(gen("a"))
     assert lock.next_writer() == (first, False)
-    assert lock.done(True) is first and lock.version == 7
+    assert lock.done(True) is first and lock.version == "7"
     assert lock.release_queue() == []  # the second still waits
     assert lock.next_writer() == (second, False)
-    assert lock.done(False) is second and lock.version == 7  # a failed load keeps it
+    assert lock.done(False) is second and lock.version == "7"  # a failed load keeps it
     assert [g.rid for g in lock.release_queue()] == ["a"]
     assert lock.done(True) is None  # no writer at work: nothing to finish
 
@@ -102,3 +102,18 @@ def test_abandon_hands_back_every_queued_request_and_writer() -> None:
     queued, writers = lock.abandon()
     assert [g.rid for g in queued] == ["a"] and writers == [working, waiting]
     assert not lock.writing and lock.abandon() == ([], [])
+
+
+def test_an_update_without_a_version_moves_a_number_on_and_keeps_a_name() -> None:
+    assert [next_version(v) for v in ("0", "41", "rl-step-7", "٣")] == ["1", "42", "rl-step-7", "٣"]
+    lock = UpdateLock()
+    for version, expected in (
+        ("rl-step-7", "rl-step-7"),
+        (None, "rl-step-7"),
+        ("9", "9"),
+        (None, "10"),
+    ):
+        lock.request(writer("/w", version))
+        assert lock.next_writer() is not None
+        lock.done(True)
+        assert lock.version == expected

@@ -108,7 +108,10 @@ CASES: list[Case] = [
     case("prompt-number", COMPLETIONS, {"prompt": 5}, "prompt"),
     case("prompt-lone-surrogate", COMPLETIONS, b'{"prompt": ["ok", "\\udc00"]}', "prompt[1]"),
     case("completion-logprobs-high", COMPLETIONS, {"prompt": "a", "logprobs": 50}, "logprobs"),
-    case("echo", COMPLETIONS, {"prompt": "a", "echo": True}, "echo"),
+    case("echo", CHAT, chat("hi", echo=True), "echo"),  # completions' is honoured
+    case(
+        "max-tokens-zero-without-echo", COMPLETIONS, {"prompt": "a", "max_tokens": 0}, "max_tokens"
+    ),
     case("generate-no-prompt", GENERATE, {"sampling_params": {}}, "text"),
     case("generate-both-prompts", GENERATE, {"text": "a", "input_ids": [5]}, "text"),
     case(
@@ -118,9 +121,9 @@ CASES: list[Case] = [
         "sampling_params.temprature",
     ),
     case(
-        "generate-max-new-tokens-zero",
+        "generate-max-new-tokens-negative",  # 0: the prefill alone (prompt logprobs)
         GENERATE,
-        {"text": "a", "sampling_params": {"max_new_tokens": 0}},
+        {"text": "a", "sampling_params": {"max_new_tokens": -1}},
         "sampling_params.max_new_tokens",
     ),
     case("generate-ids-out-of-vocab", GENERATE, {"input_ids": [5, 99999]}, "input_ids"),

@@ -263,7 +263,7 @@ KINDS: dict[str, Kind] = {
     **{"json_schema": R('{"type": "object"}', None), "structural_tag": R('{"a": 1}', None)},
     **{"guided_json": R({"type": "object"}, None), "guided_choice": R(["a", "b"], None)},
     **{"guided_decoding_backend": R("xgrammar", None), "guided_whitespace_pattern": R(" ", None)},
-    **{"structured_outputs": R({"regex": "a+"}, None), "stop_regex": R(["a+"], None, [])},
+    **{"structured_outputs": R({"regex": "a+"}, None), "stop_regex": H(["zz+"])},
     "response_format": R({"type": "json_object"}, None, {"type": "text"}),
     "tools": R([{"type": "function", "function": {"name": "f"}}], None, []),
     "tool_choice": R("required", None, "none", "auto"),
@@ -285,7 +285,7 @@ KINDS: dict[str, Kind] = {
     **{"input_ids": R([5, 6], None), "truncate_prompt_tokens": R(5, None)},
     # the answer: what it carries
     **{name: H(True) for name in ("no_stop_trim", "include_stop_str_in_output")},
-    **{"prompt_logprobs": R(1, None), "use_beam_search": R(True, None, False)},
+    **{"prompt_logprobs": H(1), "use_beam_search": R(True, None, False)},
     **{"best_of": R(2, None, 1), "suffix": R("x", None, ""), "prompt_embeds": R("AAAA", None)},
     **{
         name: R(True, None, False)
@@ -337,7 +337,6 @@ VLLM_ONLY_SAMPLING: dict[str, Kind] = {
     **{"max_tokens": R(2), "min_tokens": R(1), "logprobs": R(2)},
 }
 SGLANG_SAMPLING_EXTRAS: dict[str, Kind] = {
-    "n": R(2, None, 1),
     **{name: R("a+", None) for name in ("json_schema", "regex", "ebnf", "structural_tag")},
 }
 
@@ -345,6 +344,7 @@ BY_DOOR: dict[str, dict[str, Kind]] = {
     "completions": {
         "logprobs": H(2),
         "prompt": H(PROMPT),
+        "echo": H(True),  # the prompt before the completion (chat's echo is vLLM's other one)
         "session_params": R({"id": "x"}, None),  # sessions are chat's and /generate's
         "best_of": R(3, None, 1),
         "add_special_tokens": R(False, None, True),  # a text prompt gets its special tokens
@@ -357,10 +357,11 @@ BY_DOOR: dict[str, dict[str, Kind]] = {
         "sampling_params": H({"max_new_tokens": 1}),
         "return_logprob": H(True),
         "top_logprobs_num": H(2, return_logprob=True),
-        "logprob_start_len": R(0, None, -1, return_logprob=True),  # prompt logprobs
+        "logprob_start_len": H(0, return_logprob=True),  # prompt logprobs
+        "token_ids_logprob": H([5], return_logprob=True),
         **{name: R("data", None, []) for name in ("image_data", "video_data", "audio_data")},
         **{"input_embeds": R([[0.0]], None), "positional_embed_overrides": R({"a": 1}, None)},
-        **{"mm_data_mooncake": R([1], None), "token_ids_logprob": R([5], None, [])},
+        "mm_data_mooncake": R([1], None),
         **{"require_reasoning": R(True, None, False), "max_thinking_tokens": R(5, None)},
         **{"background": R(True, None, False), "multi_item_delimiter_indices": R([1], None)},
         **{"modalities": N(["image"]), "mm_hashes": N(["h"]), "mm_content_hashes": N(["h"])},
@@ -379,6 +380,7 @@ BY_DOOR: dict[str, dict[str, Kind]] = {
     "turn": {
         **VLLM_ONLY_SAMPLING,
         **SGLANG_SAMPLING_EXTRAS,
+        "n": R(2, None, 1),  # a session turn has one choice
         "sampling_seed": R(7, None),  # the websocket names it seed
         "include_stop_str_in_output": H(True),  # the websocket names it so, as Python does
         "no_stop_trim": R(True, None, False),
@@ -609,7 +611,7 @@ ISSUE: list[tuple[str, dict[str, Any], str]] = [  # door, field, what the messag
         for name, value in (
             *(("regex", "a+"), ("ebnf", 'root ::= "a"'), ("json_schema", '{"type": "object"}')),
             *(("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"])),
-            *(("prompt_logprobs", 1), ("response_format", {"type": "json_object"})),
+            ("response_format", {"type": "json_object"}),
         )
     ],
     ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "not supported yet"),

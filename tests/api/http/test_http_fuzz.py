@@ -25,11 +25,22 @@ CHECKS = (
     "response_schema_conformance,negative_data_rejection"
 )
 RUN_TIMEOUT_S = 240.0  # a hung run fails the test rather than the suite
-PAUSING = ("/pause_generation", "/continue_generation")
+# Pause and a memory release make later generations wait by design: they get their own pass.
+PAUSING = (
+    "/pause_generation",
+    "/continue_generation",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+)
+# A valid body joins a trainer's rendezvous at the address it names and waits for it up to its
+# timeout_s, by design (tests/engine/test_weight_push.py tests its refusals and its timeout).
+JOINING = ("/init_weights_update_group",)
 LIFECYCLE = (
     *PAUSING,
     "/flush_cache",
     "/update_weights_from_disk",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
     "/abort_request",
 )
 GREEDY = {
@@ -91,15 +102,15 @@ async def test_fuzz_every_route(serve: ServeFactory, tmp_path: Path) -> None:
     s = await serve(max_n=4, context_length=64)  # bounds what one request can cost
     before = await greedy(s)
     started = time.monotonic()
-    # Pause makes later generations wait by design: it and continue get their own pass.
-    general = [f"--exclude-path={p}" for p in PAUSING]
+    general = [f"--exclude-path={p}" for p in (*PAUSING, *JOINING)]
     await schemathesis(s.url, 25, general, tmp_path)
     lifecycle = [f"--include-path={p}" for p in LIFECYCLE]
     try:
         await schemathesis(s.url, 10, lifecycle, tmp_path)
     finally:
-        async with s.http.post(s.url + "/continue_generation") as response:
-            assert response.status == 200
+        for path in ("/continue_generation", "/resume_memory_occupation"):
+            async with s.http.post(s.url + path) as response:
+                assert response.status == 200
     elapsed_s = time.monotonic() - started
     engine = s.engine
     assert engine.dead_reason is None

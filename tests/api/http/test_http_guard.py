@@ -81,7 +81,7 @@ async def test_form_and_text_posts_are_refused_and_change_nothing(serve: ServeFa
     done = await bystander.result()  # not aborted, not paused
     assert done.finish_reason == "length" and len(done.token_ids) == 40
     await generates(s)
-    assert s.engine.weight_version == 0
+    assert s.engine.weight_version == "0"
     assert await cached_tokens(s) >= cached  # not flushed
     assert not s.server.gateway.jobs
 
@@ -203,7 +203,7 @@ async def test_a_refused_weight_update_says_nothing_about_the_path(
                 answers.append((r.status, shown, await r.read()))
         assert answers[0] == answers[1], answers
         assert answers[0][0] in (401, 403)
-        assert server.engine.weight_version == 0
+        assert server.engine.weight_version == "0"
 
 
 # ---- Retry-After -------------------------------------------------------------------------

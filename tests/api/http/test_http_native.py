@@ -25,7 +25,7 @@ async def test_generate_text_and_ids_match_the_engine(serve: ServeFactory) -> No
     meta = got["meta_info"]
     assert meta["id"] and meta["finish_reason"] == {"type": "length", "length": 10}
     assert meta["prompt_tokens"] == direct.usage.prompt_tokens
-    assert meta["completion_tokens"] == 10 and meta["weight_version"] == 0
+    assert meta["completion_tokens"] == 10 and meta["weight_version"] == "0"
     assert meta["cached_tokens"] >= 0 and meta["e2e_latency"] > 0
     assert "output_token_logprobs" not in meta
     ids = s.engine.tokenizer.encode("The sea is")
@@ -137,7 +137,7 @@ async def test_health_and_info_routes(serve: ServeFactory) -> None:
     async with s.http.get(s.url + "/get_model_info") as resp:
         info = await resp.json()
     assert info["model_path"] == str(s.engine.loaded.path)  # type: ignore[union-attr]
-    assert info["weight_version"] == 0 and info["context_length"] == 300
+    assert info["weight_version"] == "0" and info["context_length"] == 300
     assert (info["family"], info["model_type"], info["sliding_window"]) == ("llama", "llama", None)
     async with s.http.get(s.url + "/get_server_info") as resp:
         server = await resp.json()
@@ -199,30 +199,41 @@ async def test_lifecycle_routes_are_served_and_weight_version_shows(
     assert status == 200 and flushed["success"] is True
     async with s.http.get(s.url + "/flush_cache") as resp:  # verl and slime send GET
         assert resp.status == 200 and (await resp.json())["success"] is True
-    body = {"model_path": str(tiny_folder), "weight_version": 7}
+    body = {"model_path": str(tiny_folder), "weight_version": 7}  # a number: its digits
     status, updated = await post(s, "/update_weights_from_disk", body)
-    assert status == 200 and updated["success"] is True and updated["weight_version"] == 7
+    assert status == 200 and updated["success"] is True and updated["weight_version"] == "7"
     _, got = await post(s, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
-    assert got["meta_info"]["weight_version"] == 7
+    assert got["meta_info"]["weight_version"] == "7"
     async with s.http.get(s.url + "/get_model_info") as resp:
-        assert (await resp.json())["weight_version"] == 7
+        assert (await resp.json())["weight_version"] == "7"
     status, refused = await post(s, "/update_weights_from_disk", {"model_path": "/nonexistent"})
     assert status == 400 and refused["success"] is False and refused["error"]["param"]
-    # as slime sends it: the version a string of digits, SGLang's load_format and flush_cache
+    # as slime sends it: the version a string, SGLang's load_format and flush_cache
     body = {"model_path": str(tiny_folder), "weight_version": "8", "load_format": "auto"}
     status, updated = await post(s, "/update_weights_from_disk", {**body, "flush_cache": True})
-    assert status == 200 and updated["weight_version"] == 8
+    assert status == 200 and updated["weight_version"] == "8"
+    status, updated = await post(s, "/update_weights_from_disk", {"model_path": str(tiny_folder)})
+    assert status == 200 and updated["weight_version"] == "9"  # a number's next
+    for version in ("rl-step-10", 2**63):
+        status, updated = await post(
+            s, "/update_weights_from_disk", {**body, "weight_version": version}
+        )
+        assert status == 200 and updated["weight_version"] == str(version), updated
+    status, updated = await post(s, "/update_weights_from_disk", {"model_path": str(tiny_folder)})
+    assert status == 200 and updated["weight_version"] == str(2**63 + 1)
+    # flush_cache false is taken, and the answer says the cache went all the same
+    status, updated = await post(s, "/update_weights_from_disk", {**body, "flush_cache": False})
+    assert status == 200 and "flushed all the same" in updated["message"], updated
     for wrong, param in (
-        ({"weight_version": "v9"}, "weight_version"),
-        ({"weight_version": "9" * 30}, "weight_version"),
-        ({"weight_version": 2**63}, "weight_version"),
+        ({"weight_version": "9" * 257}, "weight_version"),
+        ({"weight_version": ""}, "weight_version"),
         ({"load_format": "pt"}, "load_format"),
-        ({"flush_cache": False}, "flush_cache"),
+        ({"is_async": True}, "is_async"),
     ):
         status, refused = await post(s, "/update_weights_from_disk", {**body, **wrong})
         assert status == 400 and refused["error"]["param"] == param, refused
     async with s.http.get(s.url + "/get_model_info") as resp:
-        assert (await resp.json())["weight_version"] == 8  # the refusals changed nothing
+        assert (await resp.json())["weight_version"] == "8"  # the refusals changed nothing
 
 
 async def test_pause_generation_aborts_by_default_with_the_partial_output(

@@ -41,6 +41,12 @@ def test_the_table_guards_and_generates_as_the_server_always_has() -> None:
     assert by_access["open"] == {"/health"}
     assert by_access["admin"] == {
         "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
         "/flush_cache",
         "/pause_generation",
         "/continue_generation",
