@@ -40,6 +40,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_regex (SGLang's) ends the request when the output's text matches a pattern (Python
     regular expressions, searched over the text's tail: actors/tokenizer/stop_regex.py); the
     text ends with the match, which stays in it whatever include_stop_str_in_output says.
+    return_routed_experts (SGLang's, mixture-of-experts models only) answers every layer's
+    top-k expert ids at positions [routed_experts_start_len, prompt + output - 1), a start
+    in [0, the prompt's length] (docs/architecture.md, "Routed experts").
 
     This struct is the per-request spec: it travels whole from the door to the request's row
     (Generate, the scheduler's Request, RowInit, RowState), and every door takes every field
@@ -68,6 +71,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] = {}
     logprob_start_len: int = -1
     token_ids_logprob: tuple[int, ...] = ()
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     @property
     def wants_logprobs(self) -> bool:
@@ -145,6 +150,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             "logprob_start_len",
             "must be -1 (no prompt logprobs) or a prompt position >= 0",
             self.logprob_start_len,
+        )
+        _check(
+            self.routed_experts_start_len >= 0,
+            "routed_experts_start_len",
+            "must be a prompt position >= 0",
+            self.routed_experts_start_len,
         )
         for name in ("stop_token_ids", "token_ids_logprob"):
             for token_id in getattr(self, name):

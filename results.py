@@ -100,6 +100,7 @@ class Completion(msgspec.Struct, frozen=True):
     weight_version: str = "0"  # the weights its last token came from (see docs/architecture.md)
     code: ErrorCode | None = None  # an "error" that was the caller's mistake, and which
     prompt_logprobs: PromptLogprobs | None = None  # when asked for (logprob_start_len)
+    routed_experts: bytes | None = None  # int32 LE [rows, layers, top_k] (return_routed_experts)
 
 
 class RequestError(ValueError):

@@ -75,6 +75,17 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
     keep_outputs: int | None = None  # "stop": outputs the caller kept (a session's history)
 
 
+class ExpertRows(msgspec.Struct, frozen=True):
+    """The routed experts (SamplingParams.return_routed_experts) of one request's positions
+    first .. first + count - 1, as one forward chose them: int32 little-endian, C order
+    [count, num_layers, top_k] (kernels/routed_experts.py). The tokenizer places each by its
+    first position, so a retracted request's recomputed positions overwrite their rows."""
+
+    first: int
+    count: int
+    ids: bytes
+
+
 class Output(msgspec.Struct, frozen=True):
     rid: str
     token_ids: tuple[int, ...]
@@ -87,6 +98,9 @@ class Output(msgspec.Struct, frozen=True):
     # The next prompt positions' logprobs (logprob_start_len), in order, as a chunk computed
     # them: always before the request's first token
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # The routed experts of the positions a batch computed (return_routed_experts): before,
+    # or with, the token their last position sampled
+    routed_experts: ExpertRows | None = None
 
 
 class Outputs(msgspec.Struct, frozen=True, tag=True):
@@ -240,6 +254,9 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
     # One per prompt chunk of the launch that asked for prompt logprobs (SeqChunk.logprob_targets),
     # in batch order: its positions' logprobs
     prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    # (place of the sequence in batch order, its rows) for each sequence of a request asking
+    # for its routed experts (SamplingParams.return_routed_experts) that recorded positions
+    routed_experts: tuple[tuple[int, ExpertRows], ...] = ()
 
 
 class TransferEnded(msgspec.Struct, frozen=True, tag=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
 import signal
 import sys
@@ -166,6 +167,9 @@ async def generate(args: argparse.Namespace) -> int:
                 f"[{what} {item.token_id}: {item.logprob:.4f}; top {list(item.top)}{listed}]",
                 file=sys.stderr,
             )
+        if done.routed_experts is not None:  # --return-routed-experts: SGLang's base64
+            routed = base64.b64encode(done.routed_experts).decode("ascii")
+            print(f"[routed experts, int32 [positions, layers, top_k]: {routed}]", file=sys.stderr)
         print(
             f"[{done.finish_reason}; {done.usage.completion_tokens} tokens in {took:.2f}s "
             f"({done.usage.completion_tokens / max(took, 1e-9):.1f} tok/s); "

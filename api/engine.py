@@ -208,6 +208,8 @@ class Engine(WeightCalls, MemoryCalls):
         if bootstrap is not None and sampling.wants_prompt_logprobs:  # no server has them all
             why = " (prompt logprobs) is not supported for a disaggregated request"
             raise RequestError(why, "logprob_start_len", named=True)
+        if sampling.return_routed_experts:
+            self._check_routed_experts(bootstrap)
         self.rooms.check_peer(bootstrap)
         actors = self.actors
         rid = rid if rid is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -219,6 +221,20 @@ class Engine(WeightCalls, MemoryCalls):
             stream.on_end = partial(self.rooms.end, rid, bootstrap)
         actors.tokenizer_box.put(gen)
         return stream
+
+    def _check_routed_experts(self, bootstrap: Bootstrap | None) -> None:
+        """RequestError unless this engine can answer return_routed_experts: a mixture-of-
+        experts model, one pipeline stage (each stage would hold a part of the recorder), not
+        a disaggregated request (no server runs every position)."""
+        why = None
+        if self.loaded is not None and self.loaded.config.moe is None:
+            why = " is not available: the model has no mixture-of-experts layers"
+        elif self.options.pipeline_stages > 1:
+            why = " is not supported with pipeline_stages > 1"
+        elif bootstrap is not None:
+            why = " is not supported for a disaggregated request"
+        if why is not None:
+            raise RequestError(why, "return_routed_experts", named=True)
 
     def abort(self, rid: str, message: str = "aborted by the caller") -> None:
         if self._actors is not None and not self._actors.stopping:

@@ -1,9 +1,10 @@
 """Every door's spelling of the sampling vocabulary, and the one way back into SamplingParams.
 
 SamplingParams (params.py) declares the sampling fields and their defaults once. Every door
-takes every field (but the prompt logprobs' two, NATIVE_ONLY): its wire struct gets them from
-the declaration (`wire_struct`), each as `T | None = None` (None: not given, so the declared
-default, unless the door has a rule of its own), under the name the door gives it.
+takes every field (but the prompt logprobs' two and the routed experts' two, NATIVE_ONLY,
+/generate's alone): its wire struct gets them from the declaration (`wire_struct`), each as
+`T | None = None` (None: not given, so the declared default, unless the door has a rule of
+its own), under the name the door gives it.
 WIRE_NAMES lists only the names that differ:
 
     door            where the fields are                 names that differ
@@ -13,7 +14,8 @@ WIRE_NAMES lists only the names that differ:
                                                          int: top_logprobs; logprobs implied;
                                                          prompt logprobs: echo, prompt_logprobs)
     native          /generate's sampling_params; the     return_logprob, top_logprobs_num,
-                    logprob fields beside it, as SGLang  no_stop_trim
+                    logprob and routed experts fields    no_stop_trim
+                    beside it, as SGLang
     websocket       the turn message                     none (and no prompt logprobs)
     CLI             `generate` flags (add_sampling_flags) --max-new-tokens, --no-ignore-eos, ...
                     (greedy unless --temperature is given)
@@ -44,13 +46,23 @@ DEFAULT_SAMPLING = SamplingParams()
 # The logprob fields. OpenAI: per endpoint (the prompt's: the doors' rules, echo and vLLM's
 # prompt_logprobs); /generate: beside sampling_params, as SGLang has them.
 LOGPROBS = ("logprobs", "top_logprobs", "logprob_start_len", "token_ids_logprob")
-NOT_LOGPROBS = tuple(field for field in SAMPLING_FIELDS if field not in LOGPROBS)
+# A mixture-of-experts model's routing (SamplingParams.return_routed_experts): /generate only,
+# beside sampling_params, as SGLang has them.
+ROUTED_EXPERTS = ("return_routed_experts", "routed_experts_start_len")
+BESIDE_SAMPLING = LOGPROBS + ROUTED_EXPERTS  # /generate's fields outside sampling_params
+IN_SAMPLING = tuple(field for field in SAMPLING_FIELDS if field not in BESIDE_SAMPLING)
 ONE_OR_MORE = ("stop", "stop_regex")  # a list, or one string for a list of one
 
 # The prompt's logprobs (SamplingParams.logprob_start_len, token_ids_logprob): SGLang's names
 # on /generate; the OpenAI doors ask with their own fields (echo, vLLM's prompt_logprobs:
-# openai_params.py), the websocket with none.
-NATIVE_ONLY = {"logprob_start_len": None, "token_ids_logprob": None}
+# openai_params.py), the websocket with none. The routed experts: /generate alone (the OpenAI
+# doors refuse return_routed_experts: api/http/door_rules.py).
+NATIVE_ONLY = {
+    "logprob_start_len": None,
+    "token_ids_logprob": None,
+    "return_routed_experts": None,
+    "routed_experts_start_len": None,
+}
 
 # door -> {SamplingParams field: the door's name for it}, only where it differs. None: the
 # door has no name of its own for the field; a rule of the door sets it, or it keeps its

@@ -27,6 +27,7 @@ import torch
 
 from shoal.actors.executor.pending_step import PendingStep, RowState, sampling_rows
 from shoal.actors.executor.prompt_asks import PromptAsks, prompt_asks
+from shoal.actors.executor.routed_asks import RoutedAsks, routed_asks
 from shoal.actors.executor.sampling_slots import RowStart, SamplingSlots
 from shoal.actors.executor.stages import Microbatch, Stage, StageMonitor, StagePipeline
 from shoal.actors.executor.step_inputs import StepInputs, step_inputs
@@ -96,6 +97,8 @@ class DeviceState:
         self.last_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.counting = torch.arange(num_rows, dtype=torch.int64, device=device)
         self.rows: dict[int, RowState] = {}
+        # rows whose request asks for its routed experts (routed_asks.py); empty: none records
+        self.routed_rows: set[int] = set()
         # read only without pipeline stages
         self.slots = SamplingSlots(num_rows, model.config.vocab_size, device)
         self.arrived = threading.Condition()
@@ -197,17 +200,29 @@ class DeviceState:
         self._start_rows(launch)
         step = step_inputs(launch, self.last_token, self.counting)
         asks = prompt_asks(launch, self.rows, self.models[-1].device)
+        routed = routed_asks(launch, self.rows, self.routed_rows, self.model.device)
         if self.pipeline is not None:
+            assert routed is None, "the engine refuses return_routed_experts over stages"
             return self._launch_stages(step, asks)
         self.monitor.gate(0)  # the tests' hold of stage 0 holds a one-stage engine too
         num_sampling = len(step.sample_rows_host)
         prompt = None
-        if asks is not None:  # the prompt positions' logits too, from the same hidden states
+        experts = None
+        if asks is not None or routed is not None:
+            # eager: the prompt positions' logits from the same hidden states, the routed
+            # experts recorded by the layer loop (never a CUDA graph, never the fused decode)
             attention = self.attention.prepare(self.page_table, step.shape)
             model = self.model
-            h = model.run_layers(model.embed(step.ids), step.positions, attention, self.kv)
+            recorder = None
+            if routed is not None:
+                assert model.config.moe is not None
+                recorder = routed.recorder(model.config.num_layers, model.config.moe.top_k)
+            h = model.embed(step.ids)
+            h = model.run_layers(h, step.positions, attention, self.kv, recorder)
             logits = model.head(h, step.sample_index)
-            prompt = self._prompt_logprobs(model, h, asks)
+            if asks is not None:
+                prompt = self._prompt_logprobs(model, h, asks)
+            experts = recorder.ids() if recorder is not None else None
         elif self.graphs is not None and self.graphs.fits(step.shape, num_sampling):
             logits = self.graphs.run(step.ids, step.positions, step.sample_rows)
         else:
@@ -215,7 +230,7 @@ class DeviceState:
             logits = self.model.forward(
                 step.ids, step.positions, attention, self.kv, step.sample_index
             )
-        return self._sample(logits, step, asks, prompt)
+        return self._sample(logits, step, asks, prompt, routed, experts)
 
     def _prompt_logprobs(
         self, model: DecoderModel, h: torch.Tensor, asks: PromptAsks
@@ -238,9 +253,12 @@ class DeviceState:
         step: StepInputs,
         asks: PromptAsks | None,
         prompt: LogprobColumns | None,
+        routed: RoutedAsks | None = None,
+        experts: torch.Tensor | None = None,
     ) -> PendingStep:
         """Sample the step's rows from their columns (SamplingSlots); only tracked rows cost
-        Python, each (their edits, their tokens' way back)."""
+        Python, each (their edits, their tokens' way back). `experts`: the `routed` places'
+        ids (routed_asks.py), copied to the host last."""
         rows_host, rows = step.sample_rows_host, step.sample_rows
         tracked_at = self.slots.tracked_at(rows_host)
         states = [self.rows[int(rows_host[i])] for i in tracked_at]
@@ -257,8 +275,10 @@ class DeviceState:
             to_copy += _output_logprobs(logits, next_tokens, want, lists)
         if prompt is not None:
             to_copy += prompt
+        if experts is not None:
+            to_copy += (experts,)
         host = self.streams.to_host(to_copy)
-        pending = PendingStep(states, host, want, self.arrived, tracked_at, asks)
+        pending = PendingStep(states, host, want, self.arrived, tracked_at, asks, routed)
         # last: a launch that raised above sampled nothing
         self.slots.advance(rows)
         for state, i in zip(states, tracked_at, strict=True):
@@ -329,6 +349,10 @@ class DeviceState:
                 init.sampling, init.seed, init.prompt_ids, outputs, len(outputs), constraints
             )
             self.rows[seq.row] = state
+            if init.sampling.return_routed_experts:
+                self.routed_rows.add(seq.row)
+            else:
+                self.routed_rows.discard(seq.row)
             starts.append(
                 RowStart(seq.row, init.sampling, init.seed, len(outputs), self._tracks(state))
             )

@@ -142,6 +142,7 @@ class Executor:
                     result.next_tokens,
                     logprobs=result.logprobs,
                     prompt_logprobs=result.prompt_logprobs,
+                    routed_experts=result.routed_experts,
                 )
             )
 

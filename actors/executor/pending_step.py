@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from shoal.actors.executor.prompt_asks import PromptAsks
+from shoal.actors.executor.routed_asks import RoutedAsks
 from shoal.actors.executor.streams import HostResult
+from shoal.actors.messages import ExpertRows
 from shoal.kernels.constraints import RowConstraint
 from shoal.kernels.sampling import SamplingRow, has_penalty
 from shoal.params import SamplingParams
@@ -39,6 +41,8 @@ class StepResult(NamedTuple):
     logprobs: tuple[TokenLogprob | None, ...]  # empty when no row asked for logprobs
     # one per prompt chunk that asked for prompt logprobs, in batch order (prompt_asks.py)
     prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    # (place in batch order, rows) per sequence that recorded its routed experts
+    routed_experts: tuple[tuple[int, ExpertRows], ...] = ()
 
 
 @dataclass
@@ -67,9 +71,10 @@ class PendingStep:
 
     `states` are the step's tracked rows, states[i] at place at[i] of the batch (default i);
     `logprob_rows` the (place, top_logprobs, number of token_ids_logprob) of each row that
-    asked for logprobs, in order; `prompt` the step's asked prompt positions, if any. The host
-    tensors are the tokens, then the logprob rows' five columns (logprob_gather.py) if any,
-    then the prompt positions' five."""
+    asked for logprobs, in order; `prompt` the step's asked prompt positions, if any;
+    `routed` its positions recording their routed experts, if any. The host tensors are the
+    tokens, then the logprob rows' five columns (logprob_gather.py) if any, then the prompt
+    positions' five, then the routed experts' ids."""
 
     def __init__(
         self,
@@ -79,6 +84,7 @@ class PendingStep:
         arrived: threading.Condition,
         at: list[int] | None = None,
         prompt: PromptAsks | None = None,
+        routed: RoutedAsks | None = None,
     ) -> None:
         self.states = states
         self.at = list(range(len(states))) if at is None else at
@@ -86,6 +92,7 @@ class PendingStep:
         self.logprob_rows = logprob_rows
         self.arrived = arrived
         self.prompt = prompt
+        self.routed = routed
 
     def result(self) -> StepResult:
         try:
@@ -98,18 +105,22 @@ class PendingStep:
         if self.states:
             self._arrive(tokens)
         rest = tensors[1:]
+        routed: tuple[tuple[int, ExpertRows], ...] = ()
+        if self.routed is not None:
+            routed = self.routed.unpack(rest[-1])
+            rest = rest[:-1]
         prompt: tuple[tuple[TokenLogprob, ...], ...] = ()
         if self.prompt is not None:
             prompt = self.prompt.unpack(rest[-5:])
             rest = rest[:-5]
         if not self.logprob_rows:
-            return StepResult(tokens, (), prompt)
+            return StepResult(tokens, (), prompt, routed)
         chosen, rank, values, ids, listed = (t.tolist() for t in rest)
         out: list[TokenLogprob | None] = [None] * len(tokens)
         for j, (i, k, n) in enumerate(self.logprob_rows):
             top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
             out[i] = TokenLogprob(tokens[i], float(chosen[j]), top, tuple(listed[j][:n]), rank[j])
-        return StepResult(tokens, tuple(out), prompt)
+        return StepResult(tokens, tuple(out), prompt, routed)
 
     def _arrive(self, tokens: tuple[int, ...]) -> None:
         """The tracked rows' tokens: appended, their constraints advanced, waiters woken."""

@@ -81,14 +81,17 @@ class DecodeSet:
         """A set of every live request if each is a running decoder holding its row, or a
         finished one whose batches are all back (it waits for its release), and at least
         `MIN_MEMBERS` run; else None.
-        Logprobs come back one by one (`LaunchedBatches.result`): a request that asks for
-        them keeps the per-request code."""
+        Logprobs and routed experts come back one by one (`LaunchedBatches.result`): a
+        request that asks for them keeps the per-request code."""
         running: list[Req] = []
         dying: list[Req] = []
         if len(reqs) < MIN_MEMBERS:
             return None
         for req in reqs:
-            if req.row is None or req.role == "send" or req.sampling.wants_logprobs:
+            sampling = req.sampling
+            if req.row is None or req.role == "send" or sampling.wants_logprobs:
+                return None
+            if sampling.return_routed_experts:
                 return None
             if req.phase is Phase.RUNNING:
                 running.append(req)

@@ -14,7 +14,8 @@ counters go up in `form` and down in `result` or `forget`, and nowhere else (whi
 sampled token), then prompt chunks up to `chunk_size` each within the step's prefill budget;
 a row's first chunk carries its `RowInit`, and the launch carries every table write the plans
 made since the last launch. `result` appends each sampling member's token, decides its finish
-(`finish_reason`) and discards a token sampled for a request that finished meanwhile.
+(`finish_reason`) and discards a token sampled for a request that finished meanwhile; a
+sequence's routed experts (StepDone.routed_experts) go out with its token, or alone before it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shoal.actors.executor_messages import Launch, RowInit, RowWriteMsg, SeqChunk
-from shoal.actors.messages import Output, StepDone
+from shoal.actors.messages import ExpertRows, Output, StepDone
 from shoal.actors.scheduler import planner_transfers as transfers
 from shoal.actors.scheduler.decode_set import DecodeSet, Ints
 from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, finish_reason
@@ -164,7 +165,7 @@ class LaunchedBatches:
         batch = self.by_id.pop(done.batch_id)
         if decode_set is not None:
             assert batch.slots is not None and batch.starts is not None
-            assert not done.logprobs and not batch.chunks
+            assert not done.logprobs and not done.routed_experts and not batch.chunks
             columns = np.array(done.next_tokens, dtype=np.int64)
             ended, steady = decode_set.result(batch.slots, batch.starts, columns, self.config)
             if steady[0]:
@@ -173,17 +174,19 @@ class LaunchedBatches:
         outputs: list[Output] = []
         tokens = done.next_tokens
         logprobs = done.logprobs or (None,) * len(tokens)
+        routed = dict(done.routed_experts)  # place in batch order -> rows
         decoded = zip(batch.decodes, batch.decode_starts, tokens, logprobs, strict=False)
-        for req, start, token, logprob in decoded:
+        for place, (req, start, token, logprob) in enumerate(decoded):
             req.inflight -= 1
             req.pending -= 1
             if start >= req.num_computed:
                 req.num_computed = start + 1
-            self._sampled(req, token, logprob, outputs)
+            self._sampled(req, token, logprob, outputs, routed.get(place))
         i = len(batch.decodes)
         prompt_logprobs = iter(done.prompt_logprobs)
-        for rid, samples, end, start, asks_logprobs in batch.chunks:
+        for place, (rid, samples, end, start, asks_logprobs) in enumerate(batch.chunks, i):
             req = reqs[rid]
+            experts = routed.get(place)
             req.inflight -= 1
             if end > req.num_computed:
                 req.num_computed = end
@@ -195,14 +198,22 @@ class LaunchedBatches:
                     outputs.append(Output(rid, (), prompt_logprobs=items))
             if samples:
                 req.pending -= 1
-                self._sampled(req, tokens[i], logprobs[i], outputs)
+                self._sampled(req, tokens[i], logprobs[i], outputs, experts)
                 i += 1
+            elif experts is not None and req.phase is not Phase.FINISHING:
+                outputs.append(Output(rid, (), routed_experts=experts))
         return outputs
 
     def _sampled(
-        self, req: Req, token: int, logprob: TokenLogprob | None, outputs: list[Output]
+        self,
+        req: Req,
+        token: int,
+        logprob: TokenLogprob | None,
+        outputs: list[Output],
+        experts: ExpertRows | None = None,
     ) -> None:
-        """A token sampled for `req` came back: its output, unless it is to be discarded."""
+        """A token sampled for `req` came back: its output (with `experts`, the routed
+        experts of the positions that computed it), unless it is to be discarded."""
         if req.phase is Phase.FINISHING:
             return  # launched before its finish was known: discard
         if req.role == "send":  # held back until its KV has landed
@@ -211,13 +222,14 @@ class LaunchedBatches:
             return
         if req.sampling.max_new_tokens == 0:  # its prefill alone was asked: no output token
             cached = req.num_cached_tokens
-            outputs.append(Output(req.rid, (), "length", num_cached_tokens=cached))
+            ended = Output(req.rid, (), "length", num_cached_tokens=cached, routed_experts=experts)
+            outputs.append(ended)
             req.phase, req.finish = Phase.FINISHING, "length"
             return
         req.tokens.append(token)
         finish = finish_reason(req, token, self.config.eos_token_ids)
         first = len(req.tokens) - req.num_prompt == 1
-        if finish is None and logprob is None and not first:
+        if finish is None and logprob is None and experts is None and not first:
             outputs.append(Output(req.rid, (token,)))  # the steady step's output
             return
         outputs.append(
@@ -228,6 +240,7 @@ class LaunchedBatches:
                 num_cached_tokens=req.num_cached_tokens if first else None,
                 matched_token=token if finish == "stop" else None,
                 logprobs=None if logprob is None else (logprob,),
+                routed_experts=experts,
             )
         )
         if finish is not None:

@@ -276,8 +276,8 @@ class Planner:
     def process(self, done: StepDone) -> list[Output]:
         """A batch's result: its tokens out, or every request failed with the step."""
         self.stalled = False
-        if done.error is not None or done.logprobs:
-            self._dissolve()  # a failure ends every request; logprobs go one by one
+        if done.error is not None or done.logprobs or done.routed_experts:
+            self._dissolve()  # a failure ends every request; logprobs, experts go one by one
         if done.error is not None:
             self.launched.forget(done.batch_id, self.requests.reqs)
             return self.fail_all(f"forward failed: {done.error}")

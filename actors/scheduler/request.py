@@ -107,8 +107,12 @@ class Req:
     @property
     def reuse_limit(self) -> int | None:
         """The most cached positions an admission may reuse (None: any): the positions from
-        `logprobs_next` on must be computed for their logits (AdmitReq.reuse_limit)."""
-        return self.logprobs_next if self.logprobs_next < self.num_prompt - 1 else None
+        `logprobs_next` on must be computed for their logits, and those from
+        routed_experts_start_len on for their routing, when asked (AdmitReq.reuse_limit)."""
+        limit = self.logprobs_next
+        if self.sampling.return_routed_experts:
+            limit = min(limit, self.sampling.routed_experts_start_len)
+        return limit if limit < self.num_prompt - 1 else None
 
     def logprob_targets(self, start: int, num_tokens: int) -> tuple[int, tuple[int, ...]]:
         """A chunk of positions start .. start + num_tokens - 1 is launched: the first of them

@@ -101,9 +101,9 @@ def checked(
 ) -> SamplingParams:
     """The sampling this prompt runs with, once the prompt is checked: not empty, no longer
     than the context leaves room for, inside the vocabulary (but its first `num_checked` ids,
-    a session's history, checked before), logprob_start_len inside it, and max_new_tokens
-    within the room left; `room`: max_new_tokens was not given, and is sized here
-    (RoomLeft). RequestError otherwise."""
+    a session's history, checked before), logprob_start_len and (when asked)
+    routed_experts_start_len inside it, and max_new_tokens within the room left; `room`:
+    max_new_tokens was not given, and is sized here (RoomLeft). RequestError otherwise."""
     num_prompt = len(ids)
     if not num_prompt:
         raise RequestError(" must not be empty", "prompt", named=True)
@@ -127,6 +127,13 @@ def checked(
             f" must be below the prompt's length {num_prompt} (or -1: no prompt logprobs), "
             f"got {sampling.logprob_start_len}",
             "logprob_start_len",
+            named=True,
+        )
+    start = sampling.routed_experts_start_len
+    if sampling.return_routed_experts and start > num_prompt:  # SGLang's: [0, prompt_tokens]
+        raise RequestError(
+            f" must be in [0, the prompt's length {num_prompt}], got {start}",
+            "routed_experts_start_len",
             named=True,
         )
     left = context_length - num_prompt

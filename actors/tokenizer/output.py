@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Abort, Generate, Output, SchedulerMsg
 from shoal.actors.tokenizer.detokenizers import Detokenizer, Detokenizers
+from shoal.actors.tokenizer.routed_rows import RoutedRows
 from shoal.actors.tokenizer.sessions import SessionBook, SessionState
 from shoal.actors.tokenizer.stop_regex import StopPatterns, StopRegexTimeout
 from shoal.actors.tokenizer.stops import StopMatcher
@@ -60,6 +61,7 @@ class Live:
     first_prompt_id: int | None = None
     prompt_items: list[TokenLogprob] = field(default_factory=list)
     prompt_sent: bool = False
+    routed: RoutedRows | None = None  # return_routed_experts: with the Completion alone
 
     def prompt_logprobs(self) -> PromptLogprobs | None:
         if self.prompt_start < 0:
@@ -114,6 +116,8 @@ class RequestStreams:
         live.logprobs = [] if sampling.wants_logprobs else None
         live.prompt_start = sampling.logprob_start_len
         live.first_prompt_id = ids[0] if sampling.logprob_start_len == 0 else None
+        if sampling.return_routed_experts:
+            live.routed = RoutedRows(sampling.routed_experts_start_len)
         live.weight_version = weight_version
         live.session = session
         self.live[gen.rid] = live
@@ -151,7 +155,8 @@ class RequestStreams:
             if live is None:
                 continue  # its stream already ended on a stop string; late tokens are dropped
             ids = item.token_ids
-            steady = item.finish is None and item.logprobs is None and ids
+            bare = item.logprobs is None and item.routed_experts is None
+            steady = item.finish is None and bare and ids
             if steady and live.plain and item.num_cached_tokens is None:
                 live.output_ids += ids
                 text = live.detok.push(ids)
@@ -166,6 +171,8 @@ class RequestStreams:
             return  # its stream already ended on a stop string; late tokens are dropped
         if item.num_cached_tokens is not None:
             live.num_cached_tokens = item.num_cached_tokens
+        if item.routed_experts is not None and live.routed is not None:
+            live.routed.place(item.routed_experts)
         live.output_ids.extend(item.token_ids)
         text = live.detok.push(item.token_ids) if item.token_ids else ""
         if item.finish in ("stop", "length"):
@@ -214,6 +221,9 @@ class RequestStreams:
             self.sessions.ended(live.session, "".join(live.text), live.output_ids, reason)
         usage = Usage(live.num_prompt, len(live.output_ids), live.num_cached_tokens)
         logprobs = tuple(live.logprobs) if live.logprobs is not None else None
+        routed = None
+        if live.routed is not None and reason != "error":
+            routed = live.routed.answer(live.num_prompt + len(live.output_ids))
         completion = Completion(
             rid,
             "".join(live.text),
@@ -226,6 +236,7 @@ class RequestStreams:
             live.weight_version,
             code,
             live.prompt_logprobs(),
+            routed,
         )
         live.stream.finish(completion)
 

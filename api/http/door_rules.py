@@ -1,6 +1,7 @@
 """Each door's rules for the fields it knows but does not honour (api/http/field_rules.py):
 `Refused` unless the value asks for nothing, or `Accepted` because it cannot change the
-answer. A field a door honours has no rule: its wire struct maps it.
+answer. A field a door honours has no rule: its wire struct maps it (/generate's
+return_routed_experts and routed_experts_start_len, which the OpenAI doors do not honour).
 
     CHAT, COMPLETIONS, STREAM_OPTIONS   the OpenAI routes (openai_params.refuse_unsupported)
     GENERATE, SAMPLING, SESSION         /generate, its sampling_params, session_params
@@ -202,7 +203,6 @@ GENERATE: Rules = {
         "return_flat_raw_top_logprobs",
         "return_flat_raw_top_logprobs_b64",
         "return_hidden_states",
-        "return_routed_experts",
         "return_indexer_topk",
         "return_bytes",
         "return_entropy",
@@ -245,7 +245,6 @@ GENERATE: Rules = {
         "bootstrap_pair_key",
         "decode_tp_size",
     ),
-    "routed_experts_start_len": Accepted("only return_routed_experts reads it"),
 }
 
 SESSION: Rules = {  # SGLang's session_params beyond the id

@@ -36,19 +36,21 @@ from shoal.api.http.relay import stream_sse
 from shoal.api.http.sessions import session_turn
 from shoal.api.http.submission import Choice, PromptInput, Submission
 from shoal.api.sampling_wire import (
+    BESIDE_SAMPLING,
     DEFAULT_SAMPLING,
+    IN_SAMPLING,
     LOGPROBS,
-    NOT_LOGPROBS,
+    ROUTED_EXPERTS,
     sampling_from,
     wire_names,
     wire_values,
 )
 from shoal.params import RoomLeft
 
-LOGPROB_NAMES = wire_names("native", fields=LOGPROBS)  # beside sampling_params
+BESIDE_NAMES = wire_names("native", fields=BESIDE_SAMPLING)  # beside sampling_params
 NAMES = FieldNames(
     session="session_params.id",
-    sampling={**wire_names("native", "sampling_params.", NOT_LOGPROBS), **LOGPROB_NAMES},
+    sampling={**wire_names("native", "sampling_params.", IN_SAMPLING), **BESIDE_NAMES},
 )
 
 
@@ -208,11 +210,13 @@ class NativeRoutes:
         native: NativeSampling,
         turn: bool,
     ) -> Choice:
-        """The fields of sampling_params, and the logprob fields beside it (sampling_wire.py).
+        """The fields of sampling_params, and the logprob and routed experts fields beside it
+        (sampling_wire.py).
         max_new_tokens not given: the declared default, capped at the room the prompt leaves
         (as SGLang's), sized where the engine measures it (RoomLeft); a session turn's: the
         declared default."""
-        values = wire_values(native, "native", NOT_LOGPROBS) | wire_values(body, "native", LOGPROBS)
+        beside = wire_values(body, "native", BESIDE_SAMPLING)
+        values = wire_values(native, "native", IN_SAMPLING) | beside
         if not values.get("logprobs"):  # SGLang's: the prompt's only with return_logprob
             values.pop("logprob_start_len", None)
             values.pop("token_ids_logprob", None)
@@ -233,7 +237,9 @@ def _sample(choice: Choice, index: int) -> Choice:
 def _wanted(body: GenerateRequest) -> Wanted:
     values = wire_values(body, "native", LOGPROBS)  # return_logprob, top_logprobs_num, ...
     listed = tuple(values.get("token_ids_logprob") or ())
-    return Wanted(bool(values.get("logprobs")), bool(values.get("top_logprobs")), listed)
+    routed = wire_values(body, "native", ROUTED_EXPERTS)
+    start = routed.get("routed_experts_start_len", 0) if routed.get("return_routed_experts") else 0
+    return Wanted(bool(values.get("logprobs")), bool(values.get("top_logprobs")), listed, start)
 
 
 def _nested(input_ids: list[int | list[int]] | None) -> bool:

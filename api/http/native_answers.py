@@ -21,6 +21,7 @@ rebuilt, so an event must be encoded before the next delta arrives (SseStream.ev
 
 from __future__ import annotations
 
+import base64
 import time
 from typing import Any, NamedTuple
 
@@ -33,11 +34,12 @@ PromptRow = tuple[float | None, int, None]  # position 0's logprob is null
 
 class Wanted(NamedTuple):
     """The logprobs a request asked for: return_logprob, top_logprobs_num > 0, the
-    token_ids_logprob ids."""
+    token_ids_logprob ids; and its routed_experts_start_len (echoed when not 0)."""
 
     logprobs: bool
     top: bool
     ids: tuple[int, ...] = ()
+    routed_start: int = 0
 
 
 class PromptRows(NamedTuple):
@@ -89,6 +91,7 @@ def whole(c: Completion, arrived_at: float, wanted: Wanted) -> GenerateResponse:
         if wanted.ids:
             meta.output_token_ids_logprobs = _listed_rows(items, wanted.ids)
         PromptRows.of(c.prompt_logprobs, wanted).into(meta, wanted)
+    _routed_experts(meta, c, wanted)
     return GenerateResponse(c.text, list(c.token_ids), meta)
 
 
@@ -172,6 +175,7 @@ class StreamChunks:
                 rest.meta_info.output_token_ids_logprobs = _listed_rows(items, wanted.ids)
             if self.prompt is None:  # no delta came (max_new_tokens 0): the prompt's here
                 PromptRows.of(c.prompt_logprobs, wanted).into(rest.meta_info, wanted)
+        _routed_experts(rest.meta_info, c, wanted)
         return rest
 
     def _chunk(
@@ -215,6 +219,15 @@ def _meta(rid: str, reason: dict[str, Any], c: Completion, arrived_at: float) ->
         c.weight_version,
         time.monotonic() - arrived_at,
     )
+
+
+def _routed_experts(meta: MetaInfo, c: Completion, wanted: Wanted) -> None:
+    """SGLang's routed_experts (the finished answer's only): base64 of the int32 rows, and
+    routed_experts_start_len when not 0 (slime reads it with a default of 0)."""
+    if c.routed_experts is not None:
+        meta.routed_experts = base64.b64encode(c.routed_experts).decode("ascii")
+        if wanted.routed_start:
+            meta.routed_experts_start_len = wanted.routed_start
 
 
 def _token_rows(items: tuple[TokenLogprob, ...]) -> list[TokenRow]:

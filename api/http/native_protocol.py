@@ -4,6 +4,7 @@
                     "sampling_params": {...} | [{...}, ...], "rid": "..." | [...],
                     "stream": false, "return_logprob": false, "top_logprobs_num": 0,
                     "logprob_start_len": -1, "token_ids_logprob": [..],
+                    "return_routed_experts": false, "routed_experts_start_len": 0,
                     "session_params": {"id": "<an id from POST /open_session>"}}
       -> {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
           "completion_tokens", "cached_tokens", "weight_version", "e2e_latency", ...}}
@@ -17,7 +18,8 @@ output token), output_top_logprobs (with top_logprobs_num), the prompt's input_t
 and input_top_logprobs from logprob_start_len (-1, the default: [] as SGLang; position 0's
 logprob and top list null: nothing precedes it), and with token_ids_logprob
 input_token_ids_logprobs and output_token_ids_logprobs (each position: those ids' rows).
-max_new_tokens 0 answers the prefill alone (scoring a sequence).
+max_new_tokens 0 answers the prefill alone (scoring a sequence). With return_routed_experts (a
+mixture-of-experts model), the finished answer's meta_info has routed_experts (MetaInfo).
 
 Every other field of SGLang's GenerateReqInput, sampling_params and session_params is
 accepted because it cannot change the answer, or refused with a 400 naming it unless its
@@ -34,7 +36,7 @@ import msgspec
 from shoal.api.http.bootstrap_fields import RoomFields
 from shoal.api.http.door_rules import GENERATE, SAMPLING, SESSION
 from shoal.api.http.field_rules import refuse, with_rules
-from shoal.api.sampling_wire import LOGPROBS, NOT_LOGPROBS, wire_struct
+from shoal.api.sampling_wire import BESIDE_SAMPLING, IN_SAMPLING, wire_struct
 
 
 class SessionParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -68,9 +70,10 @@ class GenerateFields(RoomFields, kw_only=True):
     session_params: SessionParams | None = None
 
 
-# The SamplingParams fields (api/sampling_wire.py): the logprob fields beside sampling_params
-# (return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob), every other one in
-# it; then SGLang's other fields
+# The SamplingParams fields (api/sampling_wire.py): the logprob and routed experts fields
+# beside sampling_params (return_logprob, top_logprobs_num, logprob_start_len,
+# token_ids_logprob, return_routed_experts, routed_experts_start_len), every other one in it;
+# then SGLang's other fields
 # (door_rules). mypy sees the bases alone.
 if TYPE_CHECKING:
     _NativeSampling = NativeExtras
@@ -78,12 +81,12 @@ if TYPE_CHECKING:
 else:
     _NativeSampling = with_rules(
         "NativeSamplingRules",
-        wire_struct("NativeSamplingFields", "native", NativeExtras, NOT_LOGPROBS),
+        wire_struct("NativeSamplingFields", "native", NativeExtras, IN_SAMPLING),
         SAMPLING,
     )
     _Generate = with_rules(
         "GenerateRules",
-        wire_struct("GenerateLogprobs", "native", GenerateFields, LOGPROBS),
+        wire_struct("GenerateBeside", "native", GenerateFields, BESIDE_SAMPLING),
         GENERATE,
     )
 
@@ -126,6 +129,11 @@ class MetaInfo(msgspec.Struct, omit_defaults=True):
     input_top_logprobs: list[list[tuple[float, int, None]] | None] | None = None
     input_token_ids_logprobs: list[list[tuple[float, int, None]] | None] | None = None
     output_token_ids_logprobs: list[list[tuple[float, int, None]]] | None = None
+    # return_routed_experts, the last event only: base64 of little-endian int32 [positions
+    # routed_experts_start_len .. prompt + output - 2, num_hidden_layers, num_experts_per_tok]
+    # (a dense layer's ids 0), and the start when it is not 0 (as SGLang answers)
+    routed_experts: str | None = None
+    routed_experts_start_len: int | None = None
 
 
 class GenerateResponse(msgspec.Struct):

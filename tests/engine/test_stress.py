@@ -111,6 +111,9 @@ class Stress:
     async def abort(self) -> None:
         rid = f"stress-{self.next_rid}"
         self.next_rid += 1
+        if self.rng.random() < 0.5:  # once its first tokens are out: an abort with output
+            await self.abort_streamed(rid)
+            return
         body = self.body(False, 300, rid)
         request = asyncio.create_task(self.http.post(self.url + "/generate", json=body))
         await asyncio.sleep(self.rng.random() * 0.02)
@@ -121,6 +124,22 @@ class Stress:
             result = await resp.json()
         assert result["meta_info"]["finish_reason"]["type"] in ("abort", "length")
         self.record(body, result)
+
+    async def abort_streamed(self, rid: str) -> None:
+        body = self.body(True, 300, rid)
+        last = None
+        async with self.http.post(self.url + "/generate", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                if last is None:
+                    url = self.url + "/abort_request"
+                    async with self.http.post(url, json={"rid": rid}) as aborted:
+                        assert aborted.status == 200, await aborted.text()
+                last = json.loads(line[6:])
+        assert last is not None and last["meta_info"]["finish_reason"]["type"] == "abort"
+        self.record(body, last)
 
     async def flush(self) -> None:
         async with self.http.post(self.url + "/flush_cache?timeout=0.5") as resp:

@@ -30,4 +30,7 @@ EXAMPLES: dict[str, Any] = {
     "logit_bias": {5: 1.5, 9: -2.0},
     "logprob_start_len": 1,  # the prompts the doors test with are longer
     "token_ids_logprob": (4, 8),
+    # a mixture-of-experts model's alone: the doors' test (dense) sends them as their default
+    "return_routed_experts": True,
+    "routed_experts_start_len": 1,
 }

@@ -359,6 +359,10 @@ BY_DOOR: dict[str, dict[str, Kind]] = {
         "top_logprobs_num": H(2, return_logprob=True),
         "logprob_start_len": H(0, return_logprob=True),  # prompt logprobs
         "token_ids_logprob": H([5], return_logprob=True),
+        # honoured on a mixture-of-experts model (tests/api/http/test_http_routed_experts.py);
+        # this server's model is dense, so asking is refused (false asks for nothing)
+        "return_routed_experts": R(True, None, False),
+        "routed_experts_start_len": H(3),  # read only with return_routed_experts
         **{name: R("data", None, []) for name in ("image_data", "video_data", "audio_data")},
         **{"input_embeds": R([[0.0]], None), "positional_embed_overrides": R({"a": 1}, None)},
         "mm_data_mooncake": R([1], None),
