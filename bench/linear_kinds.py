@@ -1,0 +1,102 @@
+"""The CPU's matmuls at a model's shapes, each way shoal could run them (issue 32): shoal's
+float32 panels (`f32_linear`, csrc/linear.cpp), oneDNN's packed float32 (what PackedLinear
+falls back to), `F.linear` (MKL's sgemm), and oneDNN's packed bfloat16 (AMX where the CPU has
+it). One line per row count: a whole decoder's projections (each layer's qkv, o, gate_up and
+down, times the layer count) and the lm_head, in milliseconds.
+
+    python bench/linear_kinds.py                          # SmolLM2-135M's shapes, 1 16 64 256
+    python bench/linear_kinds.py --rows 1 16 --repeats 20 --out bench/linear_kinds.jsonl
+
+    linear_kinds part=<layers|lm_head> rows=<M> panels_ms=<x> onednn_ms=<x> f_linear_ms=<x>
+        onednn_bf16_ms=<x> isa=<flags> machine=<desc>
+
+The weights are random (the time does not depend on their values); the panels need the
+compiled CPU kernels (without them that column is absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from bench_format import emit, machine
+
+from shoal.kernels.cpu_kernels import KernelUnavailable, load_cpu_kernels
+from shoal.kernels.linear import pack_panels
+from shoal.loading.loader import default_cache_dir
+
+# SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, intermediate 1536, 30 layers
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
+LAYERS = 30
+HEAD_SHAPE = (49152, 576)
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def isa() -> str:
+    """The CPU's vector and matrix features among those the kernels could use."""
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    return "+".join(flag for flag in ISA_FLAGS if flag in words) or "none"
+
+
+def runner(kind: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], object] | None:
+    rows = int(x.shape[0])
+    if kind == "panels":
+        if not hasattr(torch.ops.shoal_cpu, "f32_linear"):
+            return None
+        panels, y = pack_panels(weight), torch.empty(rows, weight.shape[0])
+        return lambda: torch.ops.shoal_cpu.f32_linear(x, panels, None, y)
+    if kind == "f_linear":
+        return lambda: torch.nn.functional.linear(x, weight)
+    if kind == "onednn_bf16":
+        weight, x = weight.to(torch.bfloat16), x.to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def seconds(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm: first-call setup out of the timing
+    began = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - began) / repeats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
+    args = parser.parse_args(argv)
+    with contextlib.suppress(KernelUnavailable):  # no compiler: no panels column
+        load_cpu_kernels(default_cache_dir())
+    parts = {"layers": (LAYER_SHAPES, LAYERS), "lm_head": ([HEAD_SHAPE], 1)}
+    for part, (shapes, times) in parts.items():
+        for rows in args.rows:
+            line: dict[str, object] = {"part": part, "rows": rows}
+            for kind in ("panels", "onednn", "f_linear", "onednn_bf16"):
+                total, ran = 0.0, True
+                for out_features, in_features in shapes:
+                    run = runner(
+                        kind, torch.randn(out_features, in_features), torch.randn(rows, in_features)
+                    )
+                    if run is None:
+                        ran = False
+                        break
+                    total += seconds(run, args.repeats) * times
+                if ran:
+                    line[f"{kind}_ms"] = round(total * 1e3, 2)
+            line["isa"], line["machine"] = isa(), machine()
+            emit("linear_kinds", line, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

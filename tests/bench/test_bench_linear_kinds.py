@@ -1,0 +1,20 @@
+"""bench/linear_kinds.py runs (one row count, two repeats) and prints its fixed format: both
+parts, a positive time for each kind it measured, the CPU's features named."""
+
+from __future__ import annotations
+
+import pytest
+from bench_scripts import fields, load_bench
+
+
+def test_linear_kinds_smoke(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = load_bench("linear_kinds", monkeypatch)
+    assert bench.main(["--rows", "2", "--repeats", "2"]) == 0
+    lines = [fields(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["part"], int(line["rows"])) for line in lines] == [("layers", 2), ("lm_head", 2)]
+    for line in lines:
+        for kind in ("onednn", "f_linear", "onednn_bf16"):
+            assert float(line[f"{kind}_ms"]) > 0
+        assert line["isa"] and line["machine"]
