@@ -9,7 +9,8 @@ import asyncio
 
 import msgspec
 
-from shoal.actors.messages import MemoryTag, Shutdown, WeightSource
+from shoal.actors.messages import Shutdown
+from shoal.actors.writer_messages import MemoryTag, WeightSource
 from shoal.params import SamplingParams
 
 

@@ -31,12 +31,11 @@ from shoal.actors.messages import (
     FlushWhenIdle,
     Generate,
     OpenSession,
-    Pause,
-    PauseMode,
     Snapshot,
 )
 from shoal.actors.replies import SchedulerSnapshot, TransferStats, ask
 from shoal.actors.wiring import Actors
+from shoal.actors.writer_messages import Pause, PauseMode
 from shoal.api.memory_calls import MemoryCalls
 from shoal.api.request_sampling import request_sampling
 from shoal.api.rooms import Rooms

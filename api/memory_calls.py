@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, get_args
 
-from shoal.actors.messages import ChangeMemory, MemoryTag
 from shoal.actors.replies import ask
+from shoal.actors.writer_messages import ChangeMemory, MemoryTag
 from shoal.results import InternalError, UpdateResult
 
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shoal.actors.messages import DiskWeights, TensorWeights, UpdateWeights, WeightSource
 from shoal.actors.replies import ask
+from shoal.actors.writer_messages import DiskWeights, TensorWeights, UpdateWeights, WeightSource
 from shoal.api.weight_groups import GroupResult, WeightGroups, WeightSyncError
 from shoal.results import InternalError, UpdateResult
 

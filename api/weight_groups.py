@@ -124,7 +124,7 @@ class WeightGroups:
                 )
             return await self._run(partial(receive, joined, specs, src_rank))
         except WeightSyncError as exc:
-            await self._close(name, f"{exc}; the group {name!r} was closed")
+            await self._close(name, str(exc))
             raise WeightSyncError(f"{exc}; the group {name!r} was closed") from None
         except Exception as exc:  # a broadcast: the trainer died, or the timeout passed
             why = f"receiving from the group {name!r} failed: {_first_line(exc)}"

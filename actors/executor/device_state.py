@@ -35,7 +35,7 @@ from shoal.actors.executor.streams import HostResult, StepStreams
 from shoal.actors.executor.table_writes import write_tables
 from shoal.actors.executor.weight_loads import ServingWeights
 from shoal.actors.executor_messages import Launch
-from shoal.actors.messages import MemoryTag, WeightSource
+from shoal.actors.writer_messages import MemoryTag, WeightSource
 from shoal.heap import trim_host_heap
 from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.constraints import advance_all, row_constraints

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shoal.actors.executor.streams import StepStreams
-from shoal.actors.messages import DiskWeights, WeightSource
+from shoal.actors.writer_messages import DiskWeights, WeightSource
 from shoal.loading.checkpoint import CheckpointError
 from shoal.loading.identity import weights_digest
 from shoal.loading.loader import checkpoint_folder

@@ -29,7 +29,6 @@ from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import (
     Abort,
     CacheMsg,
-    ChangeMemory,
     Encoded,
     EndSession,
     FlushWhenIdle,
@@ -38,16 +37,12 @@ from shoal.actors.messages import (
     Outputs,
     Pace,
     Park,
-    Pause,
     Released,
     SchedulerMsg,
     SetPaused,
     Shutdown,
     Snapshot,
     TokenizerMsg,
-    UpdateWeights,
-    WriteDone,
-    Writer,
 )
 from shoal.actors.replies import answer, unread
 from shoal.actors.supervise import FaultInjector, fail_replies, serve
@@ -57,6 +52,7 @@ from shoal.actors.tokenizer.output import RequestStreams
 from shoal.actors.tokenizer.sessions import SessionBook
 from shoal.actors.tokenizer.update_lock import UpdateLock
 from shoal.actors.tokenizer.weight_writer import WeightWriter
+from shoal.actors.writer_messages import ChangeMemory, Pause, UpdateWeights, WriteDone, Writer
 from shoal.loading.hf_tokenizer import HFTokenizer
 from shoal.results import InternalError, OperationRefused, UpdateResult
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from shoal.actors.messages import ChangeMemory, Generate, MemoryTag, UpdateWeights, Writer
+from shoal.actors.messages import Generate
+from shoal.actors.writer_messages import ChangeMemory, MemoryTag, UpdateWeights, Writer
 
 
 class UpdateLock:

@@ -13,17 +13,9 @@ from functools import partial
 
 from shoal.actors.executor_messages import ExecutorMsg, LoadWeights, SetMemory
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import (
-    CacheMsg,
-    FlushCache,
-    Park,
-    SchedulerMsg,
-    TokenizerMsg,
-    UpdateWeights,
-    WriteDone,
-    Writer,
-)
+from shoal.actors.messages import CacheMsg, FlushCache, Park, SchedulerMsg, TokenizerMsg
 from shoal.actors.replies import ask
+from shoal.actors.writer_messages import UpdateWeights, WriteDone, Writer
 from shoal.results import InternalError, OperationRefused
 
 

@@ -21,7 +21,7 @@ import math
 import msgspec
 from aiohttp import web
 
-from shoal.actors.messages import PauseMode
+from shoal.actors.writer_messages import PauseMode
 from shoal.api.engine import Engine
 from shoal.api.http.body import decode_body, json_response
 from shoal.api.http.errors import ErrorBody, bad_request

@@ -17,16 +17,9 @@ import shoal
 from shoal.actors.cache_manager.cache_manager import CacheManager
 from shoal.actors.executor_messages import LoadWeights
 from shoal.actors.mailbox import Mailbox
-from shoal.actors.messages import (
-    CacheMsg,
-    CheckIntegrity,
-    DiskWeights,
-    FlushWhenIdle,
-    SchedulerMsg,
-    Shutdown,
-    UpdateWeights,
-)
+from shoal.actors.messages import CacheMsg, CheckIntegrity, FlushWhenIdle, SchedulerMsg, Shutdown
 from shoal.actors.replies import ask
+from shoal.actors.writer_messages import DiskWeights, UpdateWeights
 from shoal.api.engine import Engine
 from shoal.cache.kv import KVCache
 from shoal.loading.hf_tokenizer import HFTokenizer

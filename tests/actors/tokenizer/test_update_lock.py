@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.actors.messages import DiskWeights, Generate, UpdateWeights
+from shoal.actors.messages import Generate
 from shoal.actors.tokenizer.update_lock import UpdateLock, next_version
+from shoal.actors.writer_messages import DiskWeights, UpdateWeights
 from shoal.params import SamplingParams
 
 
