@@ -11,6 +11,7 @@ from typing import Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 import torch
 
 from shoal.disagg.peers import PrefillPeers
+from shoal.kernels.cpu_features import bf16_by_default, read_cpu_features
 from shoal.kernels.linear import LinearKind, packing_available
 from shoal.limits import InputLimits
 from shoal.memory import DeviceMemory, kv_cache_tokens
@@ -70,7 +71,10 @@ class EngineOptions:
         None, "tokens a request may hold, prompt and output (unset: the model's)"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", "weights and KV (auto: bfloat16 on CUDA, float32 on CPU)"
+        "auto",
+        "weights and KV (auto: bfloat16 on CUDA and on a CPU with AMX, else float32); on the "
+        "CPU bfloat16 is the weights' only: the matmuls run on the matrix units, the rest and "
+        "the KV stay float32 (kernels/bf16_linear.py)",
     )
     device: Literal["auto", "cpu", "cuda"] = option(
         "auto", "where the model runs (auto: CUDA when torch sees a device)"
@@ -254,7 +258,10 @@ def resolve(
     context = min(context, (num_pages - 1) * page_size)
     if context < 2:
         raise ValueError("kv_cache_tokens is too small for even one request")
-    device, dtype = resolve_device(options)
+    device, weights_dtype = resolve_device(options)
+    linear = resolve_linear(options, device, weights_dtype)
+    # bfloat16 weights on the CPU: the activations and the KV stay float32 (bf16_linear.py)
+    dtype = torch.float32 if linear == "bf16" else weights_dtype
     attention = resolve_attention(options, device, dtype)
     graphs = 0
     one_forward = not has_experts and options.pipeline_stages == 1
@@ -262,7 +269,6 @@ def resolve(
         graphs = min(options.cuda_graph_max_batch, options.max_running_requests)
     max_pages_per_row = -(-context // page_size) + 1
     layout = CacheLayout(page_size, num_pages, options.max_running_requests, max_pages_per_row)
-    linear = resolve_linear(options, device, dtype)
     mixed = options.max_mixed_prefill_tokens
     if mixed is None:
         mixed = CPU_MIXED_PREFILL_TOKENS if device.type == "cpu" else 0
@@ -270,16 +276,20 @@ def resolve(
 
 
 def resolve_linear(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> LinearKind:
-    """int8 when asked for (CPU only); else packed float32 on the CPU; else dense."""
+    """int8 when asked for (CPU only); else bfloat16 weights on the CPU when its dtype is
+    bfloat16; packed float32 on the CPU; else dense."""
     if options.quantization == "int8":
         if device.type != "cpu":
             raise ValueError("quantization int8 runs on the CPU only")
         return "int8"
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return "bf16"
     return "packed" if packing_available(device, dtype) else "dense"
 
 
 def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
-    """The device (auto: CUDA when available) and the weights' dtype (auto: bf16 on CUDA)."""
+    """The device (auto: CUDA when available) and the weights' dtype (auto: bf16 on CUDA and
+    on a CPU with AMX)."""
     name = options.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -287,8 +297,14 @@ def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
         raise ValueError("device cuda was asked for, but torch sees no CUDA device")
     dtype_name = options.dtype
     if dtype_name == "auto":
-        dtype_name = "bfloat16" if name == "cuda" else "float32"
+        dtype_name = "bfloat16" if name == "cuda" or cpu_takes_bf16(options) else "float32"
     return torch.device(name), DTYPES[dtype_name]
+
+
+def cpu_takes_bf16(options: EngineOptions) -> bool:
+    """dtype auto on the CPU: bfloat16 weights where the CPU has the matrix units for them
+    (kernels/cpu_features.py), unless int8 was asked for (its own weights, float32 around)."""
+    return options.quantization is None and bf16_by_default(read_cpu_features())
 
 
 def resolve_attention(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> str:

@@ -22,6 +22,7 @@ from shoal.api.http.server import Server, ServerOptions
 from shoal.api.port_check import check_can_listen
 from shoal.api.sampling_wire import add_sampling_flags, sampling_from_args
 from shoal.kernels.cache_files import StartCancelled
+from shoal.kernels.cpu_features import kernel_report
 
 HTTP_LIMITS = HttpLimits.__struct_fields__  # --max-json-depth ... on serve
 # What stops `serve`, during the start-up (cancelled) and after (open streams ended cleanly).
@@ -218,6 +219,10 @@ async def serve(args: argparse.Namespace) -> int:
                 f"(engine ready in {engine.startup_s:.1f}s)",
                 flush=True,
             )
+            resolved = engine.resolved
+            assert resolved is not None  # started
+            report = kernel_report(resolved.device, resolved.linear_kind, engine.attention)
+            print(f"shoal kernels: {report}", flush=True)
             await stop.wait()
             print("shoal: shutting down", file=sys.stderr, flush=True)
     except StartCancelled:

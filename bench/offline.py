@@ -31,8 +31,10 @@ and one line per decode batch size (roofline and fraction "unknown" without a ba
     decode batch=<B> prompt_tokens=<n> output_tokens=<n> steps=<n> context_tokens=<x>
            step_ms=<x> roofline_ms=<y> fraction_of_roofline=<y/x> hbm_gbps=<x>
            weight_mb=<x> kv_mb=<x> setup=<desc> machine=<desc>
-setup: shoal's <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>
-[-stages<n>], as the engine resolved them (linear: dense, packed or int8 weights); vLLM's
+setup: shoal's <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>:<how>
+[-stages<n>], as the engine resolved them (dtype: the activations'; linear: dense, packed, bf16
+or int8 weights, and how they multiply, e.g. bf16:onednn-amx, packed:panels-avx512_vnni,
+int8:blocks-avx2); machine: the CPU's model and features first; vLLM's
 <device>-<dtype>-vllm<version>; generate's <device>-<dtype>-hf.
 """
 

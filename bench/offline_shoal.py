@@ -1,7 +1,8 @@
 """shoal as bench/offline.py measures it: an Engine on the loaded model, warmed up, then the
 timed work, the decode steps at each batch size (bench/roofline.py) and the page-accounting
 line (bench/window_pages.py); and its setup string,
-<device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>[-stages<n>]."""
+<device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>:<how>[-stages<n>]
+(dtype: the activations'; linear and how as kernels/cpu_features.kernel_choice names them)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,18 @@ from roofline import DecodePlan, decode_line, measure_decode
 from tqdm import tqdm
 from window_pages import window_pages
 
+from shoal.kernels.cpu_features import kernel_choice
+
 
 def engine_setup(engine: Any) -> str:
     r, o = engine.resolved, engine.options
     stages = o.pipeline_stages
     inflight = stages + o.pipeline_depth if stages > 1 else o.max_inflight  # actors/wiring.py
+    # the linears as kernel_choice names them: bf16:onednn-amx, packed:panels-avx512_vnni, ...
+    picked = kernel_choice(r.device, r.linear_kind, engine.attention).split()[0]
     return (
         f"{r.device.type}-{dtype_name(r.dtype)}-{engine.attention}"
-        f"-graphs{r.cuda_graph_max_batch}-inflight{inflight}-{r.linear_kind}"
+        f"-graphs{r.cuda_graph_max_batch}-inflight{inflight}-{picked.removeprefix('linear=')}"
         + (f"-stages{stages}" if stages > 1 else "")
     )
 

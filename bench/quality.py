@@ -3,6 +3,7 @@ fixed English text (bench/quality_text.txt, 2,714 tokens), bundled SmolLM2, CPU.
 
     python bench/quality.py                       # int8 against packed float32, the whole text
     python bench/quality.py --linear packed       # packed against dense float32 (~1 expected)
+    python bench/quality.py --linear bf16         # bfloat16 weights against packed float32
     python bench/quality.py --tokens 512          # the first 512 tokens only
 
 The text is cut into windows of --window tokens, each run from position 0 on an empty KV cache,
@@ -16,7 +17,8 @@ Prints one line:
     quality linear=<kind> baseline=<kind> tokens=<n> predictions=<n> top1_agreement=<x>
             ppl=<x> baseline_ppl=<x> ppl_ratio=<x> seconds=<s> baseline_seconds=<s>
             verdict=<pass|fail> machine=<desc>
-verdict: pass when top1_agreement >= 0.97 and ppl within 3% of the baseline's.
+verdict: pass when top1_agreement >= 0.97 and ppl within 3% of the baseline's (bf16, bfloat16
+weights on the matrix units: 0.99 and 1%).
 """
 
 from __future__ import annotations
@@ -46,7 +48,14 @@ TEXT = Path(__file__).resolve().parent / "quality_text.txt"
 PAGE_SIZE = 16
 MIN_AGREEMENT = 0.97
 PPL_TOLERANCE = 0.03  # |ppl / baseline_ppl - 1|
-KINDS = ["int8", "packed", "dense"]
+# bfloat16 weights are held to tighter bounds than int8 (issue 32): top-1 99%, perplexity 1%
+BOUNDS = {"bf16": (0.99, 0.01)}
+KINDS = ["int8", "bf16", "packed", "dense"]
+
+
+def bounds(kind: LinearKind) -> tuple[float, float]:
+    """(the least top-1 agreement, the most |ppl ratio - 1|) a kind passes with."""
+    return BOUNDS.get(kind, (MIN_AGREEMENT, PPL_TOLERANCE))
 
 
 def machine() -> str:
@@ -118,7 +127,8 @@ def compare(
     test = score(build(loaded, kind), ids, window, chunk)
     agreement = float((test.argmax == base.argmax).double().mean())
     ratio = test.perplexity / base.perplexity
-    passed = agreement >= MIN_AGREEMENT and abs(ratio - 1) <= PPL_TOLERANCE
+    least, most = bounds(kind)
+    passed = agreement >= least and abs(ratio - 1) <= most
     return {
         "linear": kind,
         "baseline": baseline,

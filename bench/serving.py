@@ -67,6 +67,18 @@ async def amain(argv: list[str] | None = None) -> int:
         help="python of an environment with vLLM (default: $SHOAL_BENCH_VLLM_PYTHON, else "
         "this one if it imports vllm)",
     )
+    parser.add_argument(
+        "--vllm-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="vLLM's dtype (bfloat16: its default on a CPU with bfloat16; lines say vllm-bfloat16)",
+    )
+    parser.add_argument(
+        "--llamacpp-python",
+        default=None,
+        help="python of an environment with llama-cpp-python (default: "
+        "$SHOAL_BENCH_LLAMACPP_PYTHON, else this one)",
+    )
     loads = parser.add_mutually_exclusive_group()
     loads.add_argument("--concurrency", type=int, nargs="+", default=None)
     loads.add_argument("--rate", type=float, nargs="+", default=None, help="requests/s")
@@ -116,6 +128,8 @@ async def amain(argv: list[str] | None = None) -> int:
         args.quantization,
         tuple(shlex.split(args.shoal_args)),
         args.vllm_python,
+        args.vllm_dtype,
+        args.llamacpp_python,
     )
     for system in args.launch:
         reason = missing(system, config)
@@ -124,6 +138,9 @@ async def amain(argv: list[str] | None = None) -> int:
             continue
         async with launch(system, config) as server:
             print(f"# {system} ready at {server.base_url} in {server.startup_s:.1f}s", flush=True)
+            for said in server.log:  # the kernels shoal picked for this CPU (its serve log)
+                if said.startswith("shoal kernels:"):
+                    print(f"# {said}", flush=True)
             await runs(system, config.label(system), server.base_url)
     return 0
 

@@ -26,10 +26,11 @@ The sources are compiled by torch's extension builder (a C++ compiler and ninja 
 once per key into `<cache_dir>/kernels/shoal_cpu_kernels_<capability>_<key>/` (kernel_build.py:
 the key hashes the sources and headers, the flags, torch's version and location and Python's, so
 two environments never rebuild each other's; the capability is the CPU's vector capability as
-torch reports it, so a cache shared by machines of different CPUs never loads code built for
-another). The build takes 1-2 minutes on 2 cores (AVX512, g++ 12, -O3: 55 s on idle cores, 116 s
-beside other work), in a child process that a cancelled start stops; a later start only loads
-the built library. The ops are `torch.ops.shoal_cpu.*`, registered once per process.
+torch reports it, `avx512_vnni` where an AVX-512 CPU has VNNI (cpu_features.py), so a cache
+shared by machines of different CPUs never loads code built for another). The build takes 1-2
+minutes on 2 cores (AVX512, g++ 12, -O3: 55 s on idle cores, 116 s beside other work), in a
+child process that a cancelled start stops; a later start only loads the built library. The
+ops are `torch.ops.shoal_cpu.*`, registered once per process.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from typing import Any, Protocol
 
 import torch
 
+from shoal.kernels.cpu_features import read_cpu_features
 from shoal.kernels.kernel_build import ExtensionSpec, KernelUnavailable, load_extension
 
-__all__ = ["CpuKernels", "KernelUnavailable", "capability", "load_cpu_kernels"]
+__all__ = ["CpuKernels", "KernelUnavailable", "build_isa", "capability", "load_cpu_kernels"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
@@ -66,6 +68,10 @@ CAPABILITY_FLAGS: dict[str, list[str]] = {
     "DEFAULT": ["-DCPU_CAPABILITY=DEFAULT"],
 }  # fmt: skip
 COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+# On an AVX-512 CPU with VNNI (cpu_features.py): the int8 blocks' dot products in one
+# instruction (vpdpwssd, csrc/block_linear.cpp). A build of its own: a CPU without VNNI never
+# loads it.
+VNNI_FLAGS = ["-mavx512vnni", "-DSHOAL_VNNI"]
 
 
 class StoreKernel(Protocol):
@@ -117,13 +123,24 @@ def capability() -> str:
     return reported if reported in CAPABILITY_FLAGS else "DEFAULT"
 
 
+def with_vnni() -> bool:
+    """Whether the build for this CPU takes VNNI's dot products (AVX-512 builds only)."""
+    return capability() == "AVX512" and read_cpu_features().vnni
+
+
+def build_isa() -> str:
+    """The build's name for this CPU: its capability, `_vnni` where it has those."""
+    return capability().lower() + ("_vnni" if with_vnni() else "")
+
+
 def spec() -> ExtensionSpec:
     """The kernels for this CPU's capability, as kernel_build builds them."""
+    extra = VNNI_FLAGS if with_vnni() else []
     return ExtensionSpec(
-        name=f"shoal_cpu_kernels_{capability().lower()}",
+        name=f"shoal_cpu_kernels_{build_isa()}",
         sources=SOURCES,
         depends=tuple(sorted(CSRC.glob("*.h"))),
-        cflags=(*COMMON_FLAGS, *CAPABILITY_FLAGS[capability()]),
+        cflags=(*COMMON_FLAGS, *CAPABILITY_FLAGS[capability()], *extra),
         ldflags=("-fopenmp",),
         takes="about 2 minutes on 2 cores",
     )

@@ -7,6 +7,9 @@
                                                   kernels: oneDNN's matmul on its own layout)
              GatedPanels                          a SiLU-gated MLP's gate_up, with the kernels:
                                                   `silu_mul(x)` multiplies and activates at once
+    bf16     Bf16Linear     CPU, bfloat16    weights in bfloat16, oneDNN's matmul on the matrix
+             (bf16_linear.py)                     units (AMX); x rounded to bfloat16, the product
+                                                  given back in float32
     int8     Int8Linear     CPU, opt-in           weights in 4-bit or int8 blocks of 32 along K,
              (quant.py)                           activations rounded to int16, compiled kernels
                                                   (csrc/block_linear.cpp); from many rows on,
@@ -27,7 +30,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-LinearKind = Literal["dense", "packed", "int8"]
+LinearKind = Literal["dense", "packed", "int8", "bf16"]
 
 PANEL = 16  # output channels a panel (csrc/panels.h's kWidth)
 # oneDNN's packing takes the expected number of rows as a hint; any number works at call time.
@@ -160,20 +163,29 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def make_linear(
-    kind: LinearKind, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+    kind: LinearKind,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool = False,
+    head: bool = False,
 ) -> Linear:
     """A linear of that kind over a weight the caller hands over (it may be kept). `gated`:
-    the weight is a SiLU-gated MLP's fused gate_up, packed as `GatedPanels` where it can be."""
+    the weight is a SiLU-gated MLP's fused gate_up, packed as `GatedPanels` where it can be.
+    `head`: the lm_head, whose bf16 form computes each row's top logits again in float32."""
     if kind == "dense":
         return DenseLinear(weight, bias)
     if kind == "packed":
         if gated and bias is None and hasattr(torch.ops.shoal_cpu, "f32_silu_mul"):
             return GatedPanels(weight, bias)
         return PackedLinear(weight, bias)
+    if kind == "bf16":
+        from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear
+
+        return Bf16Head(weight, bias) if head else Bf16Linear(weight, bias)
     if kind == "int8":
         from shoal.kernels.quant import GatedInt8Linear, Int8Linear
 
         if gated and bias is None:
             return GatedInt8Linear(weight, bias)
-        return Int8Linear(weight, bias)
+        return Int8Linear(weight, bias, head=head)
     raise ValueError(f"unknown linear kind {kind!r}")

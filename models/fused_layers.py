@@ -10,8 +10,8 @@ has a compiled form:
 
     the model   standard layers (no q/k norm, no sandwich norms, RoPE over the whole head, no
                 sliding window or soft-cap, a SiLU-gated dense MLP), the compiled element-wise
-                ops, every linear packed float32 (in panels, gate_up in gated ones) or int8
-                (a gate_up's float32 panels gated too)
+                ops, every linear packed float32 (in panels, gate_up in gated ones), int8
+                (a gate_up's float32 panels gated too) or bfloat16 in oneDNN's layout
     the step    every token a decode, attended by the compiled kernel (`attention="cpu"`)
 
 Anything else takes the Python forward, which stays the reference.
@@ -23,6 +23,7 @@ import torch
 
 from shoal.kernels.attention import AttentionMetadata
 from shoal.kernels.batch import Attention
+from shoal.kernels.bf16_linear import Bf16Linear
 from shoal.kernels.elementwise import CompiledElementwise, Elementwise
 from shoal.kernels.linear import GatedPanels, Linear, PackedLinear
 from shoal.kernels.quant import MANY_ROWS, GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks
@@ -30,8 +31,9 @@ from shoal.loading.config import ModelConfig
 from shoal.models.kv_pool import KVPool
 from shoal.models.weights import DenseWeights, LayerWeights
 
-# A linear's kind as decoder_layers.cpp numbers them.
-FLOAT32, Q8, Q4 = 0, 1, 2
+# A linear's kind as decoder_layers.cpp numbers them, and the form of its last part.
+FLOAT32, Q8, Q4, BF16 = 0, 1, 2, 3
+PANELS, GATED, ONEDNN_BF16 = 0, 1, 2
 
 
 class FusedLayers:
@@ -96,9 +98,9 @@ def fused_layers(
             form = kernel_form(linear)
             if form is None:
                 return None
-            kind, parts, bias, gated = form
+            kind, parts, bias, last = form
             tensors += parts if bias is None else [*parts, bias]
-            layout += [kind, linear.out_features, int(bias is not None), int(gated)]
+            layout += [kind, linear.out_features, int(bias is not None), last]
     built = torch.classes.shoal_cpu.DecoderLayers(
         tensors, layout, config.num_heads, config.num_kv_heads, config.head_dim,
         config.rms_norm_eps, scale, MANY_ROWS,
@@ -129,18 +131,28 @@ def standard(config: ModelConfig, windows: tuple[int | None, ...]) -> bool:
 
 def kernel_form(
     linear: Linear,
-) -> tuple[int, list[torch.Tensor], torch.Tensor | None, bool] | None:
-    """(kind, parts, bias, gated panels) as decoder_layers.cpp takes a linear, or None
-    without one."""
+) -> tuple[int, list[torch.Tensor], torch.Tensor | None, int] | None:
+    """(kind, parts, bias, the last part's form) as decoder_layers.cpp takes a linear, or None
+    without one. The last part is what the linear multiplies by at every row count (float32,
+    bf16) or from MANY_ROWS rows on (int8): float32 panels, gated panels, or a bfloat16
+    weight in oneDNN's layout."""
     if isinstance(linear, PackedLinear) and linear.panels is not None:
-        return FLOAT32, [linear.panels], linear.bias, False
+        return FLOAT32, [linear.panels], linear.bias, PANELS
     if isinstance(linear, GatedPanels):
-        return FLOAT32, [linear.panels], None, True
+        return FLOAT32, [linear.panels], None, GATED
+    if isinstance(linear, Bf16Linear):
+        return (BF16, [linear.weight], linear.bias, ONEDNN_BF16) if linear.onednn else None
     if isinstance(linear, Int8Linear):
-        gated = isinstance(linear, GatedInt8Linear)
+        if linear.tiles is not None:
+            if not linear.tiles.onednn:
+                return None
+            many, last = linear.tiles.weight, ONEDNN_BF16
+        else:
+            assert linear.panels is not None
+            many, last = linear.panels, GATED if isinstance(linear, GatedInt8Linear) else PANELS
         blocks = linear.blocks
         if isinstance(blocks, Q4Blocks):
-            return Q4, [blocks.q, blocks.d, blocks.m, linear.panels], linear.bias, gated
+            return Q4, [blocks.q, blocks.d, blocks.m, many], linear.bias, last
         if isinstance(blocks, Q8Blocks):
-            return Q8, [blocks.q, blocks.d, linear.panels], linear.bias, gated
+            return Q8, [blocks.q, blocks.d, many], linear.bias, last
     return None

@@ -106,14 +106,17 @@ def build_weights(
     layers = []
     gated = config.activation == "silu"  # a dense MLP's gate_up is SiLU-gated
 
-    def linear(weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool = False) -> Linear:
+    def linear(
+        weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool = False, head: bool = False
+    ) -> Linear:
         # In the order of `linear_weights`, which a reload walks.
-        if kind == "dense" and embed is not None and weight is source.embed:
-            return make_linear(kind, embed, None)  # tied: the embedding itself
+        if embed is not None and weight is source.embed and kind in ("dense", "bf16"):
+            # tied: the embedding itself (bf16: its float32 rows, the head's exact top logits)
+            return make_linear(kind, embed, None, head=head)
         own_bias = None if bias is None else own(bias)
-        return make_linear(kind, own(weight), own_bias, gated=gate_up and gated)
+        return make_linear(kind, own(weight), own_bias, gated=gate_up and gated, head=head)
 
-    lm_head = None if source.lm_head is None else linear(source.lm_head, None)
+    lm_head = None if source.lm_head is None else linear(source.lm_head, None, head=True)
     for layer in source.layers:
         n = layer.norms
         input_norm, post_attention = next(plain), next(plain)

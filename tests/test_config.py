@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shoal.config import CHOICES, CPU_MIXED_PREFILL_TOKENS, EngineOptions, resolve
+from shoal.kernels.cpu_features import CpuFeatures
 
 
 @pytest.mark.parametrize(
@@ -38,14 +39,20 @@ def test_a_closed_set_is_its_fields_literal() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the resolution without CUDA")
-def test_auto_on_a_machine_without_cuda() -> None:
+def test_auto_on_a_machine_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a CPU without AMX (auto on one with it: tests/kernels/test_bf16.py)
+    epyc = CpuFeatures("AMD EPYC 7B13", frozenset({"avx2"}))
+    monkeypatch.setattr("shoal.config.read_cpu_features", lambda: epyc)
     resolved = resolve(EngineOptions(), model_context=8192)
     assert resolved.device == torch.device("cpu") and resolved.dtype == torch.float32
     assert resolved.attention == "cpu" and resolved.cuda_graph_max_batch == 0  # the C++ kernel
+    # bfloat16 on the CPU is the weights': the activations and the kernels stay float32's
     bf16 = resolve(EngineOptions(dtype="bfloat16"), model_context=8192)
-    assert bf16.attention == "torch"  # the kernel is float32 only
+    assert (bf16.linear_kind, bf16.dtype, bf16.attention) == ("bf16", torch.float32, "cpu")
+    half = resolve(EngineOptions(dtype="float16"), model_context=8192)
+    assert half.attention == "torch"  # the kernel is float32 only
     with pytest.raises(ValueError, match="float32 only"):
-        resolve(EngineOptions(dtype="bfloat16", attention="cpu"), model_context=8192)
+        resolve(EngineOptions(dtype="float16", attention="cpu"), model_context=8192)
     with pytest.raises(ValueError, match="no CUDA device"):
         resolve(EngineOptions(device="cuda"), model_context=8192)
 

@@ -12,7 +12,8 @@
 // x is quantized per row and block of 32 to int16 (scale = the block's max |x| / 32767,
 // rounded to nearest): 15 bits, an error of at most 1.5e-5 of the block's largest value, where
 // 8 bits cost SmolLM2 3% of its top-1 agreement (bench/README.md). Each block's product is
-// summed exactly in int32 (vpmaddwd), then scaled by both scales in float32:
+// summed exactly in int32 (vpmaddwd; with VNNI, AVX-512 builds, the second half of a block
+// added by vpdpwssd: the same sums), then scaled by both scales in float32:
 //   y[m, n] = sum_b d[n, b] * dx[m, b] * sum_k q[n, k] * xq[m, k]   (+ m[n, b] * sum_k x[m, k])
 // Q4_1's minimum multiplies the block's sum of the float x. Weights are prefetched 2 KB ahead.
 // The tiles and threads are tiles.h's.
@@ -74,7 +75,12 @@ struct BlockTile {
           const int16_t* p = xq + (r * blocks + b) * kBlock;
           const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
           const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+#ifdef SHOAL_VNNI
+          // VNNI: the second half's products summed into the first's in one instruction
+          const __m256i dot = _mm256_dpwssd_epi32(_mm256_madd_epi16(low, x0), high, x1);
+#else
           const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(low, x0), _mm256_madd_epi16(high, x1));
+#endif
           const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dw);
           acc[r][c] = _mm256_fmadd_ps(scaled, _mm256_broadcast_ss(dx + r * blocks + b), acc[r][c]);
         }

@@ -16,10 +16,15 @@
 //             o, gate_up, down), each as its parts and then its bias when it has one:
 //               kFloat32  the float32 weight in panels (f32_linear, linear.cpp)
 //               kQ8       q, d, panels      (q8_linear, block_linear.cpp; from `many_rows`
-//                                           rows on f32_linear on the dequantized panels)
+//                                           rows on f32_linear on the dequantized panels, or
+//                                           bf16_linear on them in bfloat16)
 //               kQ4       q, d, m, panels   (q4_linear; likewise)
+//               kBf16     the bfloat16 weight in oneDNN's layout (bf16_linear.py: oneDNN's
+//                         matmul, through the dispatcher as torch.ops.mkldnn calls it)
 //   layout    per layer and linear: its kind, its output channels, 1 if it has a bias else 0,
-//             then 1 if its panels are gated else 0 (16 a layer). Gated panels (gate_up only,
+//             then its last part's form (16 a layer): 0 float32 panels, 1 gated panels, 2 a
+//             bfloat16 weight in oneDNN's layout (kBf16's, and int8's on a CPU with AMX,
+//             quant.py: its many-row steps on the matrix tiles). Gated panels (gate_up only,
 //             without a bias) hold 8 gate channels and their 8 up channels each, and their
 //             product is the activation itself (f32_silu_mul, linear.cpp); an int8 gate_up's
 //             blocks stay as they are, for steps of fewer than `many_rows` rows
@@ -34,12 +39,15 @@
 // memory.
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "ops.h"
@@ -49,13 +57,33 @@ namespace {
 constexpr int64_t kFloat32 = 0;
 constexpr int64_t kQ8 = 1;
 constexpr int64_t kQ4 = 2;
+constexpr int64_t kBf16 = 3;
+// The form of a linear's last part: what it multiplies by at every row count (float32, bf16)
+// or from `many_rows` rows on (int8).
+constexpr int64_t kPanels = 0;
+constexpr int64_t kGatedPanels = 1;
+constexpr int64_t kOneDnnBf16 = 2;
 constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kLayoutPerLinear = 4;
 
 int64_t parts_of(int64_t kind) {
-  TORCH_CHECK(kind == kFloat32 || kind == kQ8 || kind == kQ4, "DecoderLayers: unknown kind ",
-              kind);
+  TORCH_CHECK(kind == kFloat32 || kind == kQ8 || kind == kQ4 || kind == kBf16,
+              "DecoderLayers: unknown kind ", kind);
   return kind == kQ4 ? 4 : kind == kQ8 ? 3 : 1;
+}
+
+// x [M, K] float32 times a bfloat16 weight in oneDNN's layout (bf16_linear.py's Bf16Linear):
+// x rounded to bfloat16, oneDNN's matmul (AMX where the CPU has it), the product in float32
+// and the bias added in float32, as the Python linear computes it.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x.to(at::kBFloat16), weight, c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  const at::Tensor product = stack[0].toTensor();
+  return bias.has_value() ? at::add(*bias, product) : product.to(at::kFloat);
 }
 
 // Runs f as torch's profiler would see the op `name` (nothing to record when it is off), so
@@ -69,18 +97,26 @@ void traced(const char* name, F&& f) {
 struct Linear {
   int64_t kind;
   int64_t out_features;
-  bool gated;  // the panels (the last part) are gated ones: silu_mul, not operator()
+  int64_t last;  // the last part's form: kPanels, kGatedPanels (silu_mul, not operator()),
+                 // kOneDnnBf16
   std::vector<at::Tensor> parts;
   std::optional<at::Tensor> bias;
 
-  // Whether a step of `rows` rows multiplies by the float32 panels (the last part).
-  bool on_panels(int64_t rows, int64_t many_rows) const {
-    return kind == kFloat32 || rows >= many_rows;
+  bool gated() const { return last == kGatedPanels; }
+
+  // Whether a step of `rows` rows multiplies by the last part (not by int8 blocks).
+  bool on_last(int64_t rows, int64_t many_rows) const {
+    return kind == kFloat32 || kind == kBf16 || rows >= many_rows;
   }
 
   at::Tensor operator()(const at::Tensor& x, int64_t many_rows) const {
-    const bool panels = on_panels(x.size(0), many_rows);
-    TORCH_CHECK(!(gated && panels),
+    const bool panels = on_last(x.size(0), many_rows);
+    if (panels && last == kOneDnnBf16) {
+      at::Tensor out;
+      traced("bf16_linear", [&] { out = bf16_linear(x, parts.back(), bias); });
+      return out;
+    }
+    TORCH_CHECK(!(gated() && panels),
                 "DecoderLayers: gated panels give an activation, not a product");
     at::Tensor out = at::empty({x.size(0), out_features}, x.options());
     if (panels) {
@@ -97,7 +133,7 @@ struct Linear {
   // silu(gate) * up of a gate_up: [T, out_features / 2].
   at::Tensor silu_mul(const at::Tensor& x, int64_t many_rows) const {
     at::Tensor act = at::empty({x.size(0), out_features / 2}, x.options());
-    if (gated && on_panels(x.size(0), many_rows)) {
+    if (gated() && on_last(x.size(0), many_rows)) {
       traced("f32_silu_mul", [&] { shoal_ops::f32_silu_mul(x, parts.back(), act); });
     } else {
       const at::Tensor product = (*this)(x, many_rows);
@@ -130,7 +166,13 @@ struct DecoderLayers : torch::CustomClassHolder {
       return tensors[next++];
     };
     auto linear = [&]() {
-      Linear l{layout[entry], layout[entry + 1], layout[entry + 3] != 0, {}, std::nullopt};
+      Linear l{layout[entry], layout[entry + 1], layout[entry + 3], {}, std::nullopt};
+      TORCH_CHECK(l.last == kPanels || l.last == kGatedPanels || l.last == kOneDnnBf16,
+                  "DecoderLayers: unknown form ", l.last);
+      TORCH_CHECK((l.kind == kBf16) == (l.last == kOneDnnBf16) || l.kind == kQ8 ||
+                      l.kind == kQ4,
+                  "DecoderLayers: a bf16 linear, and only it or an int8 one, ends in a "
+                  "bfloat16 weight");
       const bool has_bias = layout[entry + 2] != 0;
       entry += kLayoutPerLinear;
       for (int64_t i = 0; i < parts_of(l.kind); ++i) l.parts.push_back(take());
@@ -147,8 +189,8 @@ struct DecoderLayers : torch::CustomClassHolder {
       TORCH_CHECK(l.qkv.out_features == (heads + 2 * kv_heads) * head_dim &&
                       l.gate_up.out_features % 2 == 0,
                   "DecoderLayers: qkv or gate_up has the wrong number of outputs");
-      TORCH_CHECK(!l.qkv.gated && !l.o.gated && !l.down.gated &&
-                      (!l.gate_up.gated || !l.gate_up.bias.has_value()),
+      TORCH_CHECK(!l.qkv.gated() && !l.o.gated() && !l.down.gated() &&
+                      (!l.gate_up.gated() || !l.gate_up.bias.has_value()),
                   "DecoderLayers: only a gate_up without a bias takes gated panels");
     }
   }

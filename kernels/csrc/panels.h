@@ -39,7 +39,10 @@
 
 #include "silu.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SHOAL_PANELS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SHOAL_PANELS_AVX2 1
 #endif
@@ -48,7 +51,11 @@ namespace shoal_panels {
 
 constexpr int64_t kWidth = 16;  // output channels a panel
 constexpr int64_t kGatedWidth = kWidth / 2;  // gated panels: 8 gate channels, then their 8 ups
-constexpr int64_t kMaxRows = 6;
+#ifdef SHOAL_PANELS_AVX512
+constexpr int64_t kMaxRows = 12;  // a zmm accumulator a row, the panel's 16 weights in one
+#else
+constexpr int64_t kMaxRows = 6;  // two ymm accumulators a row
+#endif
 constexpr int64_t kBlockFrom = 384;        // rows from which a thread takes them in blocks
 constexpr int64_t kBlockBytes = 128 << 10;  // of x, a block (L2 is 512 KiB a core here)
 
@@ -78,7 +85,41 @@ struct Product {
     const float* xs = x + m0 * x_stride;
     const float* w = panels + p * k_len * kWidth;
     float sums[kMaxRows][kWidth];
-#ifdef SHOAL_PANELS_AVX2
+#if defined(SHOAL_PANELS_AVX512)
+    const __m512 z = _mm512_setzero_ps();
+    __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z;
+    __m512 a6 = z, a7 = z, a8 = z, a9 = z, a10 = z, a11 = z;
+    const int64_t every = ahead.count > 0 ? std::max<int64_t>(1, k_len / ahead.count) : 0;
+    int64_t countdown = every;
+    for (int64_t k = 0; k < k_len; ++k) {
+      if (--countdown == 0 && ahead.count > 0) {
+        __builtin_prefetch(ahead.line, 0, 3);
+        ahead.line += kWidth;
+        --ahead.count;
+        countdown = every;
+      }
+      const __m512 w0 = _mm512_loadu_ps(w + k * kWidth);
+#define SHOAL_PANEL_ROW(r)                                          \
+  if constexpr (MR > r) {                                           \
+    a##r = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * x_stride + k]), w0, a##r); \
+  }
+      SHOAL_PANEL_ROW(0)
+      SHOAL_PANEL_ROW(1)
+      SHOAL_PANEL_ROW(2)
+      SHOAL_PANEL_ROW(3)
+      SHOAL_PANEL_ROW(4)
+      SHOAL_PANEL_ROW(5)
+      SHOAL_PANEL_ROW(6)
+      SHOAL_PANEL_ROW(7)
+      SHOAL_PANEL_ROW(8)
+      SHOAL_PANEL_ROW(9)
+      SHOAL_PANEL_ROW(10)
+      SHOAL_PANEL_ROW(11)
+#undef SHOAL_PANEL_ROW
+    }
+    const __m512 acc[kMaxRows] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(sums[r], acc[r]);
+#elif defined(SHOAL_PANELS_AVX2)
     const __m256 z = _mm256_setzero_ps();
     __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z;
     __m256 a30 = z, a31 = z, a40 = z, a41 = z, a50 = z, a51 = z;
@@ -159,15 +200,24 @@ struct Product {
   // the first waits on this panel's own lines.
   void panel_rows(int64_t m_begin, int64_t m_end, int64_t p, const float* next) const {
     const int64_t tiles = (m_end - m_begin + kMaxRows - 1) / kMaxRows;
+    const int64_t size = (m_end - m_begin + tiles - 1) / tiles;  // even tiles: 16 rows, 8 + 8
     const int64_t per_tile = next != nullptr && tiles > 1 ? (k_len + tiles - 2) / (tiles - 1) : 0;
     int64_t m0 = m_begin;
-    for (int64_t t = 0; m0 < m_end; ++t, m0 += kMaxRows) {
+    for (int64_t t = 0; m0 < m_end; ++t, m0 += size) {
       Ahead ahead{nullptr, 0};
       if (per_tile > 0 && t > 0 && (t - 1) * per_tile < k_len) {
         const int64_t first = (t - 1) * per_tile;
         ahead = Ahead{next + first * kWidth, std::min(per_tile, k_len - first)};
       }
-      switch (std::min(kMaxRows, m_end - m0)) {
+      switch (std::min(size, m_end - m0)) {
+#ifdef SHOAL_PANELS_AVX512
+        case 12: tile<12>(m0, p, ahead); break;
+        case 11: tile<11>(m0, p, ahead); break;
+        case 10: tile<10>(m0, p, ahead); break;
+        case 9: tile<9>(m0, p, ahead); break;
+        case 8: tile<8>(m0, p, ahead); break;
+        case 7: tile<7>(m0, p, ahead); break;
+#endif
         case 6: tile<6>(m0, p, ahead); break;
         case 5: tile<5>(m0, p, ahead); break;
         case 4: tile<4>(m0, p, ahead); break;

@@ -16,11 +16,17 @@ import torch
 from bench_scripts import BENCH, fields, load_bench
 from fake_vllm_package import fake_vllm
 
+from shoal.kernels.cpu_kernels import build_isa
 from shoal.kernels.linear import packing_available
 
-LINEAR = "packed" if packing_available(torch.device("cpu"), torch.float32) else "dense"
 # the C++ decode kernel on a machine that can build it (kernels/cpu_attention.py), else torch's
 ATTENTION = "cpu" if shutil.which("c++") else "torch"
+# float32's linears as the setup names them (kernels/cpu_features.kernel_choice): the panels
+# of this CPU's build with the compiled kernels, else oneDNN's matmul
+PACKED = f"packed:panels-{build_isa()}" if ATTENTION == "cpu" else "packed:onednn"
+LINEAR = PACKED if packing_available(torch.device("cpu"), torch.float32) else "dense:torch"
+# The runs ask for float32: shoal's auto takes bfloat16 weights on a CPU with AMX.
+FLOAT32 = ["--dtype", "float32"]
 
 
 def test_offline_benchmark_smoke(
@@ -31,7 +37,7 @@ def test_offline_benchmark_smoke(
 ) -> None:
     bench = load_bench("offline", monkeypatch)
     out = tmp_path / "offline.jsonl"
-    argv = ["--model", str(tiny_folder), "--smoke", "--peers", "hf", "--out", str(out)]
+    argv = ["--model", str(tiny_folder), "--smoke", "--peers", "hf", "--out", str(out), *FLOAT32]
     assert bench.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     runs = [fields(line) for line in lines if line.startswith("offline system=")]
@@ -96,7 +102,7 @@ def test_offline_decode_steps_smoke(
     bench = load_bench("offline", monkeypatch)
     out = tmp_path / "decode.jsonl"
     small = ["--model", str(tiny_folder), "--requests", "0", "--decode-batch", "1", "2"]
-    small += ["--decode-prompt-len", "8", "--decode-output-len", "6", "--out", str(out)]
+    small += [*FLOAT32, "--decode-prompt-len", "8", "--decode-output-len", "6", "--out", str(out)]
     assert bench.main([*small, "--hbm-gbps", "100"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["decode", "decode"]  # --requests 0: no others
@@ -113,7 +119,7 @@ def test_offline_decode_steps_smoke(
         assert float(r["fraction_of_roofline"]) == pytest.approx(fraction, abs=2e-3)
     assert len(out.read_text().splitlines()) == 2
 
-    assert bench.main([*small[:6], "--no-overlap"]) == 0  # CPU, no --hbm-gbps: unknown
+    assert bench.main([*small[:6], *FLOAT32, "--no-overlap"]) == 0  # CPU, no --hbm-gbps: unknown
     r = fields(capsys.readouterr().out.splitlines()[0])
     assert r["roofline_ms"] == r["fraction_of_roofline"] == r["hbm_gbps"] == "unknown"
     assert r["setup"] == f"cpu-float32-{ATTENTION}-graphs0-inflight1-{LINEAR}"
@@ -148,7 +154,7 @@ def test_offline_measures_vllm_through_its_worker(
     record = fake_vllm(tmp_path, monkeypatch)
     bench = load_bench("offline", monkeypatch)
     out = tmp_path / "offline.jsonl"
-    argv = ["--model", str(tiny_folder), "--smoke", "--peers", "vllm", "--out", str(out)]
+    argv = ["--model", str(tiny_folder), "--smoke", "--peers", "vllm", "--out", str(out), *FLOAT32]
     assert bench.main([*argv, "--vllm-python", sys.executable]) == 0
     lines = capsys.readouterr().out.splitlines()
     runs = [fields(line) for line in lines if line.startswith("offline system=")]

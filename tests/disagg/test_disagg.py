@@ -462,6 +462,7 @@ async def test_a_server_killed_mid_transfer(
         "disaggregation_timeout_s": 5.0,
         "fabric": fabric,
         "strict_integrity": True,
+        "dtype": "float32",  # as make_engine's (auto: bfloat16 with AMX)
     }
     vocab = tiny_model.config.vocab_size
     prompt = mixed_prompts(vocab)[3]

@@ -317,7 +317,7 @@ class Process:
     ) -> None:
         argv = [
             sys.executable, "-m", "shoal", "serve", "--model", str(folder), "--port", str(port),
-            "--served-model-name", MODEL, "--num-threads", "1",
+            "--served-model-name", MODEL, "--num-threads", "1", "--dtype", "float32",
             "--disaggregation-mode", mode, "--disaggregation-timeout-s", "10",
             "--disaggregation-bootstrap-port", str(bootstrap_port),
         ]  # fmt: skip

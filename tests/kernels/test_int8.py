@@ -16,6 +16,7 @@ from engines import EngineFactory
 
 from shoal import Engine
 from shoal.config import EngineOptions, resolve, resolve_linear
+from shoal.kernels.bf16_linear import amx_bf16
 from shoal.kernels.linear import make_linear
 from shoal.kernels.quant import (
     BLOCK,
@@ -51,6 +52,15 @@ def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return 2 * per_k @ weight.double().abs().T + 1e-6
 
 
+def own_bound(linear: Int8Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """How far the linear may be from x w.T in float64 on its own weights: the int16
+    activations' bound, or from MANY_ROWS rows on a CPU with AMX (quant.py: those steps run on
+    the matrix tiles in bfloat16) x, w and the product each rounded to 8 bits."""
+    if x.shape[0] >= MANY_ROWS and linear.tiles is not None:
+        return 3 * 2**-8 * (x.double().abs() @ weight.double().abs().T) + 1e-5
+    return activation_bound(x, weight)
+
+
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm())
 
@@ -63,7 +73,8 @@ def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float_matmul(n: int, k: int, m: int, with_bias: bool) -> None:
     """Ragged sizes: K of 100 and 7 end in a part block and a part vector, N of 33 and 3 in a
-    lone channel, M of 3, 5 and 17 in a part tile of rows; from MANY_ROWS on, the float32 path."""
+    lone channel, M of 3, 5 and 17 in a part tile of rows; from MANY_ROWS on, the float32 path
+    (bfloat16 on the tiles where the CPU has AMX)."""
     gen = torch.Generator().manual_seed(n * k + m)
     weight = torch.randn(n, k, generator=gen) * 0.1
     bias = torch.randn(n, generator=gen) if with_bias else None
@@ -76,7 +87,7 @@ def test_matches_float_matmul(n: int, k: int, m: int, with_bias: bool) -> None:
     own = linear.dequantized_weight()
     exact = F.linear(x.double(), own.double())
     exact = exact if bias is None else exact + bias.double()
-    assert bool(((y.double() - exact).abs() <= activation_bound(x, own)).all())
+    assert bool(((y.double() - exact).abs() <= own_bound(linear, x, own)).all())
 
 
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (33, 96), (3, 1536)])
@@ -91,7 +102,7 @@ def test_a_q4_1_weight_is_kept_as_it_came(n: int, k: int, m: int) -> None:
     assert torch.equal(linear.dequantized_weight(), weight)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     exact = F.linear(x.double(), weight.double())
-    assert bool(((linear(x).double() - exact).abs() <= activation_bound(x, weight)).all())
+    assert bool(((linear(x).double() - exact).abs() <= own_bound(linear, x, weight)).all())
 
 
 def test_a_weight_q4_cannot_give_back_is_stored_as_q8() -> None:
@@ -342,6 +353,22 @@ def test_smollm2_int8_keeps_the_gguf_weights() -> None:
         assert torch.equal(linear.dequantized_weight(), weight.float())
     kinds = [type(linear.blocks) for linear in linears if isinstance(linear, Int8Linear)]
     assert kinds == [Q8Blocks] + [Q4Blocks] * (len(linears) - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not amx_bf16(), reason="many-row steps run on AMX tiles only where it is")
+def test_smollm2_int8_quality_on_the_tiles(
+    monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """The same on a CPU with AMX, fed chunks of 64 tokens, so that the dequantized weights
+    multiply in bfloat16 on the tiles (quant.py), the lm_head's top logits again in float32:
+    int8's bounds hold (the whole text at chunks of 512: bench/README.md)."""
+    quality = load_bench("quality", monkeypatch)
+    loaded = load_model(None, progress=False)
+    ids = quality.text_ids(loaded, 1024)
+    line = quality.compare(loaded, "int8", "packed", ids, window=1024, chunk=64)
+    assert line["top1_agreement"] >= quality.MIN_AGREEMENT, line
+    assert abs(line["ppl_ratio"] - 1) <= quality.PPL_TOLERANCE, line
 
 
 @pytest.mark.slow

@@ -222,7 +222,8 @@ def test_the_cpu_kernels_key_covers_every_source_and_header() -> None:
     spec = cpu_kernels.spec()
     hashed = {path.name for path in (*spec.sources, *spec.depends)}
     assert hashed == {p.name for p in cpu_kernels.CSRC.iterdir() if p.suffix in (".cpp", ".h")}
-    assert spec.name.endswith(cpu_kernels.capability().lower())
+    assert spec.name.endswith(cpu_kernels.build_isa())
+    assert cpu_kernels.build_isa().startswith(cpu_kernels.capability().lower())
 
 
 @needs_compiler

@@ -371,9 +371,11 @@ async def test_an_unexpected_failure_is_a_refusal_not_a_dead_engine(
 
 
 async def other_weights(tmp_path: Path, engine: Engine) -> tuple[Path, list[int]]:
-    """A checkpoint of the same architecture with other weights, and its greedy tokens."""
+    """A checkpoint of the same architecture with other weights, and its greedy tokens (an
+    engine of the same dtype)."""
     folder = make_tiny_model_folder(tmp_path / "other", seed=1)
-    reference = await Engine(load_model(folder, progress=False), seed=0).start()
+    loaded = load_model(folder, progress=False)
+    reference = await Engine(loaded, seed=0, dtype=engine.options.dtype).start()
     try:
         tokens = await greedy_tokens(reference)
     finally:
@@ -382,7 +384,8 @@ async def other_weights(tmp_path: Path, engine: Engine) -> tuple[Path, list[int]
     return folder, tokens
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # packed linears; dense ones
+# packed linears; bfloat16 ones (oneDNN, on the CPU); dense ones
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 async def test_a_stage_that_fails_to_build_leaves_the_old_weights_in_every_stage(
     make_engine: EngineFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
 ) -> None:

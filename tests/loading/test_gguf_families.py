@@ -215,7 +215,9 @@ def test_family_round_trips_through_gguf(family: str, tmp_path: Path) -> None:
 
 async def shoal_greedy(gguf_path: Path, cache_dir: Path, prompt_ids: list[int]) -> list[int]:
     loaded = load_model(gguf_path, cache_dir=cache_dir, progress=False)
-    async with Engine(loaded, page_size=4, chunk_size=5, seed=0, strict_integrity=True) as engine:
+    # float32: the tokens are held to transformers' (auto takes bfloat16 on a CPU with AMX)
+    options = {"page_size": 4, "chunk_size": 5, "seed": 0, "strict_integrity": True}
+    async with Engine(loaded, dtype="float32", **options) as engine:
         done = await engine.generate(
             input_ids=prompt_ids, max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True
         ).result()

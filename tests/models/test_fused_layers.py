@@ -1,8 +1,8 @@
 """The layers chained in C++ for decode-only steps (models/fused_layers.py,
 csrc/decoder_layers.cpp) against the Python forward over the same kernels: the same bits in the
-logits and in every cache slot, for float32 and int8, a qkv bias, pipeline parts and a weight
-update; which models and steps it takes; and that a bad step raises instead of reading stray
-memory."""
+logits and in every cache slot, for float32, int8 and bfloat16 weights, a qkv bias, pipeline
+parts and a weight update; which models and steps it takes; and that a bad step raises instead
+of reading stray memory."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tiny_families import make_family_folder
 
 from shoal.kernels.attention import AttentionMetadata, TorchAttention
 from shoal.kernels.batch import BatchShape
+from shoal.kernels.bf16_linear import onednn_bf16_available
 from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.linear import LinearKind
@@ -121,7 +122,16 @@ def assert_same_caches(a: KVPool, b: KVPool) -> None:
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("kind", ["packed", "int8"])
+# bf16: bfloat16 weights through oneDNN, where the CPU has its bfloat16 matmul
+BF16 = pytest.param(
+    "bf16",
+    marks=pytest.mark.skipif(
+        not onednn_bf16_available(), reason="oneDNN has no bfloat16 matmul on this CPU"
+    ),
+)
+
+
+@pytest.mark.parametrize("kind", ["packed", "int8", BF16])
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])  # qwen2: a bias on qkv
 @pytest.mark.parametrize("lens", LENS)
 def test_a_decode_step_gives_the_python_forwards_bits(
@@ -166,7 +176,7 @@ def test_pipeline_parts_each_give_the_python_forwards_bits(
         assert_same_caches(a, b)
 
 
-@pytest.mark.parametrize("kind", ["packed", "int8"])
+@pytest.mark.parametrize("kind", ["packed", "int8", BF16])
 def test_a_weight_update_rebuilds_the_chain(
     kernels: CpuKernels, families: dict[str, LoadedModel], kind: LinearKind
 ) -> None:

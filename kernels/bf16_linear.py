@@ -1,0 +1,97 @@
+"""bfloat16 weights on the CPU, multiplied by the matrix units (`dtype="bfloat16"` on the CPU,
+the default where the CPU has AMX; config.py).
+
+The weight is held in bfloat16 in oneDNN's blocked layout for its matmul, packed once at load;
+a call rounds x to bfloat16, multiplies (AMX tiles where the CPU has them, AVX512-BF16 dot
+products where it has those) and gives the product back in float32, the bias added in float32.
+Everything around the matmuls (the residual stream, norms, RoPE, attention, the KV cache)
+stays float32, so the only rounding is of the matmuls' inputs and products to bfloat16, as a
+bfloat16 engine rounds them.
+
+On a CPU oneDNN has no bfloat16 kernel for (AVX2 only), a call multiplies in bfloat16 through
+`F.linear`, correct and slow: config.py takes float32 by default there.
+
+Measured on the Intel Xeon (AMX) of bench/README.md, SmolLM2's 30 layers of projections,
+2 threads (bench/linear_kinds.py): 16 rows 6.8 ms against 17.8 for oneDNN float32 and 20.7 for
+shoal's float32 panels, 64 rows 12.5 against 76.0 and 74.9, 256 rows 33.3 against 212 and 261;
+offline, 298 output tokens a second against float32's 140.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# oneDNN's packing takes the expected number of rows as a hint; any number works at call time.
+_ROWS_HINT = 16
+
+
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU (AVX512-BF16, AMX, or AVX-512's
+    emulation: torch checks the same)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def amx_bf16() -> bool:
+    """Whether oneDNN's bfloat16 matmuls run on the matrix tiles here (AMX; torch checks that
+    the OS has enabled them)."""
+    return onednn_bf16_available() and torch.cpu._is_amx_tile_supported()
+
+
+# Candidates of a row whose logits a head computes again in float32 (Bf16Head)
+HEAD_CANDIDATES = 8
+
+
+class Bf16Linear:
+    """x w.T + b with w in bfloat16: [.., K] float32 -> [.., N] float32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features = int(weight.shape[0])
+        self.onednn = onednn_bf16_available()
+        self.load(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if self.onednn:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, None, "none", [], "")
+        else:
+            y = F.linear(rows, self.weight)
+        out = y.float() if self.bias is None else torch.add(self.bias, y)
+        return out.view(*shape[:-1], self.out_features)
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.bias = None if bias is None else bias.to(torch.float32, copy=True)
+        plain = weight.detach().to(torch.bfloat16).contiguous()
+        self.weight = (
+            torch.ops.mkldnn._reorder_linear_weight(plain, _ROWS_HINT) if self.onednn else plain
+        )
+
+
+class Bf16Head(Bf16Linear):
+    """The lm_head: bfloat16 on the matrix units for every logit, then each row's
+    HEAD_CANDIDATES highest computed again from the float32 weight and x, exactly. The
+    product's rounding to bfloat16 moves a logit of ~20 by up to 0.06, which flipped 2.2% of
+    SmolLM2's teacher-forced top-1 choices against float32 (bench/quality.py, the whole text:
+    97.79%); with the top 8 (or 4, or 16: the same) exact, 1.03% (98.97%), the rest from the
+    layers' own rounding. The greedy choice and the top logprobs come from float32 logits.
+    Holds the float32 weight too (for a tied head, the embedding itself)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.exact = weight
+        super().__init__(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().__call__(x)
+        rows = x.reshape(-1, x.shape[-1]).float()
+        flat = logits.view(-1, self.out_features)
+        top = flat.topk(min(HEAD_CANDIDATES, self.out_features), dim=-1).indices
+        exact = torch.bmm(self.exact[top], rows.unsqueeze(2)).squeeze(2)
+        if self.bias is not None:
+            exact += self.bias[top]
+        flat.scatter_(-1, top, exact)
+        return logits
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.exact = weight.detach().float()
+        super().load(weight, bias)

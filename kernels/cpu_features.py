@@ -1,0 +1,118 @@
+"""What the CPU can do, read at run time, and the kernels shoal picks for it.
+
+Every start reads the CPU's model and features (Linux's /proc/cpuinfo, and torch's own checks,
+which also ask the OS: AMX needs its permission) and picks its kernels from them without a
+flag (config.py); `python -m shoal serve` logs the pick at start and every bench line names it.
+
+    feature        used by
+    avx2           the compiled kernels' AVX2 build (csrc, kernel_build.py)
+    avx512         their AVX-512 build: float32 panels of 12 rows a tile (csrc/panels.h)
+    avx512_vnni    int8 blocks' dot products in one instruction (vpdpwssd, csrc/block_linear.cpp)
+    avx512_bf16    bfloat16 matmuls through oneDNN (bf16_linear.py)
+    amx_bf16       the same on the matrix tiles: bfloat16 is then the default dtype on the CPU
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shoal.kernels.bf16_linear import amx_bf16, onednn_bf16_available
+
+CPUINFO = Path("/proc/cpuinfo")
+# /proc/cpuinfo's names of the features above, in the order a report lists them
+FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    model: str  # as lscpu names it: "Intel(R) Xeon(R) Processor", "AMD EPYC 7B13"
+    flags: frozenset[str]  # those of FLAGS the CPU reports and torch confirms
+
+    @property
+    def avx512(self) -> bool:
+        return "avx512f" in self.flags
+
+    @property
+    def vnni(self) -> bool:
+        return "avx512_vnni" in self.flags
+
+    @property
+    def amx_bf16(self) -> bool:
+        return "amx_bf16" in self.flags and "amx_tile" in self.flags
+
+    def isa(self) -> str:
+        """The features as one word: avx2+avx512f+avx512_vnni+avx512_bf16+amx_tile+..."""
+        return "+".join(flag for flag in FLAGS if flag in self.flags) or "none"
+
+
+def read_cpu_features(cpuinfo: Path = CPUINFO) -> CpuFeatures:
+    """The CPU's model and features (none where /proc/cpuinfo cannot be read)."""
+    model, words = "unknown", set[str]()
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not words:
+                words = set(value.split())
+    except OSError:
+        pass
+    confirmed = {flag for flag in FLAGS if flag in words}
+    # torch's checks include the OS's consent (AMX tiles need the kernel's permission)
+    if not torch.cpu._is_amx_tile_supported():
+        confirmed -= {"amx_tile", "amx_bf16", "amx_int8"}
+    if not torch.cpu._is_avx512_bf16_supported():
+        confirmed.discard("avx512_bf16")
+    return CpuFeatures(model, frozenset(confirmed))
+
+
+def bf16_by_default(features: CpuFeatures) -> bool:
+    """Whether `dtype="auto"` takes bfloat16 weights on this CPU: where it has the matrix
+    units (AMX), on which oneDNN's bfloat16 matmuls ran 2.5-8x the float32 kernels at SmolLM2's
+    shapes from 16 rows, and offline 2.1x float32 (bench/README.md). AVX512-BF16 alone was not
+    measured: float32 there."""
+    return features.amx_bf16 and amx_bf16()
+
+
+def kernel_report(
+    device: torch.device, linear_kind: str, attention: str, features: CpuFeatures | None = None
+) -> str:
+    """One line naming the CPU, its features and the kernels picked, as the serve log gives it:
+    `cpu="Intel(R) Xeon(R) Processor" isa=avx2+avx512f+... linear=bf16:onednn-amx
+    attention=cpu:avx512_vnni`."""
+    cpu = features or read_cpu_features()
+    picked = kernel_choice(device, linear_kind, attention, cpu)
+    if device.type != "cpu":
+        return picked
+    return f'cpu="{cpu.model}" isa={cpu.isa()} {picked}'
+
+
+def kernel_choice(
+    device: torch.device, linear_kind: str, attention: str, features: CpuFeatures | None = None
+) -> str:
+    """The kernels picked: `linear=<kind>:<how> attention=<backend>[:<build>]`, where how is
+    panels-<build> (float32, csrc/panels.h), onednn (float32 without the compiled kernels),
+    onednn-amx / onednn-avx512bf16 / onednn-emulated (bfloat16), blocks-<build> (int8) or
+    torch (dense), and the build the compiled kernels' (cpu_kernels.build_isa)."""
+    if device.type != "cpu":
+        return f"linear={linear_kind}:torch attention={attention}"
+    from shoal.kernels.cpu_kernels import build_isa
+
+    cpu = features or read_cpu_features()
+    built = build_isa()
+    compiled = hasattr(torch.ops.shoal_cpu, "f32_linear")  # loaded: cpu_kernels.py
+    if "amx_bf16" in cpu.flags:
+        bf16 = "onednn-amx"
+    else:
+        bf16 = "onednn-avx512bf16" if "avx512_bf16" in cpu.flags else "onednn-emulated"
+    how = {
+        "packed": f"panels-{built}" if compiled else "onednn",
+        "bf16": bf16 if onednn_bf16_available() else "torch",
+        "int8": f"blocks-{built}",
+        "dense": "torch",
+    }.get(linear_kind, linear_kind)
+    where = f"cpu:{built}" if attention == "cpu" else attention
+    return f"linear={linear_kind}:{how} attention={where}"
