@@ -5,17 +5,20 @@ sessions), and its quality on SmolLM2."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from bench_scripts import load_bench
 from engines import EngineFactory
+from weight_kinds import (
+    check_a_weight_update_rebuilds,
+    check_sessions_equal_stateless,
+    flips_against,
+    prompts,
+)
 
-from shoal import Engine
 from shoal.config import EngineOptions, resolve
 from shoal.kernels import cpu_features
 from shoal.kernels.bf16_linear import (
@@ -163,71 +166,23 @@ def test_features_are_read_from_cpuinfo(tmp_path: Path, monkeypatch: pytest.Monk
 # ---- an engine on it -----------------------------------------------------------------------
 
 
-def prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(3, 40))] for _ in range(count)]
-
-
-GREEDY: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-# bfloat16 moves the tiny model's logits (random weights, flat distributions, top logits
-# ~5.0, 4.4, 4.2) by a few hundredths: only a float32 choice this close to its runner-up flips.
-NEAR_TIE = 0.25
-
-
-async def greedy_outputs(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
-    streams = [engine.generate(input_ids=p, **GREEDY) for p in batch]
-    return [list((await s.result()).token_ids) for s in streams]
-
-
 async def test_a_bf16_engine_follows_the_float_engine(make_engine: EngineFactory) -> None:
     """bfloat16 picks float32's tokens until a near-tie, where it may pick the runner-up."""
     batch = prompts(8, 0)
     bf16 = await make_engine(dtype="bfloat16", page_size=4)
     assert bf16.resolved.linear_kind == "bf16"
     float32 = await make_engine(page_size=4)
-    ask = {**GREEDY, "top_logprobs": 2}
-    flips = 0
-    for prompt in batch:
-        mine = await bf16.generate(input_ids=prompt, **GREEDY).result()
-        ref = await float32.generate(input_ids=prompt, **ask).result()
-        assert ref.logprobs is not None
-        for got, want, scored in zip(mine.token_ids, ref.token_ids, ref.logprobs, strict=True):
-            if got != want:  # the rest follows another text; only the first flip is checked
-                (first, first_lp), (second, second_lp) = scored.top
-                assert (first, second) == (want, got), (prompt, scored)
-                assert first_lp - second_lp < NEAR_TIE, (prompt, scored)
-                flips += 1
-                break
-    assert flips <= len(batch) // 2
+    assert await flips_against(bf16, float32, batch) <= len(batch) // 2
 
 
 async def test_a_weight_update_repacks(
     make_engine: EngineFactory, other_folder: Path, tiny_folder: Path
 ) -> None:
-    batch = prompts(6, 1)
-    engine = await make_engine(dtype="bfloat16", page_size=4)
-    before = await greedy_outputs(engine, batch)
-    result = await engine.update_weights_from_disk(other_folder)
-    assert result.success, result.message
-    fresh = await make_engine(load_model(other_folder, progress=False), dtype="bfloat16")
-    after = await greedy_outputs(engine, batch)
-    assert after == await greedy_outputs(fresh, batch)
-    assert after != before
-    assert (await engine.update_weights_from_disk(tiny_folder)).success  # and back
-    assert await greedy_outputs(engine, batch) == before
+    await check_a_weight_update_rebuilds(make_engine, other_folder, tiny_folder, dtype="bfloat16")
 
 
 async def test_sessions_on_bf16_equal_stateless_requests(make_engine: EngineFactory) -> None:
-    engine = await make_engine(dtype="bfloat16", page_size=4)
-    rng = random.Random(5)
-    history: list[int] = []
-    async with await engine.open_session() as session:
-        for turn in range(6):
-            new = [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))]
-            done = await session.turn(input_ids=new, **GREEDY).result()
-            stateless = await engine.generate(input_ids=history + new, **GREEDY).result()
-            assert list(done.token_ids) == list(stateless.token_ids), f"turn {turn}"
-            history += new + list(done.token_ids)
+    await check_sessions_equal_stateless(make_engine, dtype="bfloat16")
 
 
 # ---- quality on the real model --------------------------------------------------------------

@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from bench_scripts import load_bench
 from engines import EngineFactory
+from weight_kinds import (
+    check_a_weight_update_rebuilds,
+    check_sessions_equal_stateless,
+    flips_against,
+    prompts,
+)
 
-from shoal import Engine
 from shoal.config import EngineOptions, resolve, resolve_linear
 from shoal.kernels.bf16_linear import amx_bf16
 from shoal.kernels.linear import make_linear
@@ -231,25 +234,6 @@ def test_the_kernels_refuse_what_they_cannot_read() -> None:
 # ---- an engine on it -----------------------------------------------------------------------
 
 
-def prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(3, 40))] for _ in range(count)]
-
-
-GREEDY: dict[str, Any] = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-
-
-async def greedy_outputs(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
-    streams = [engine.generate(input_ids=p, **GREEDY) for p in batch]
-    return [list((await s.result()).token_ids) for s in streams]
-
-
-# int8 weights move a logit by a few hundredths to a tenth on the tiny model (random weights,
-# flat distributions: its top logits are ~5.0, 4.4, 4.2): only a float32 choice about this
-# close to its runner-up may flip.
-NEAR_TIE = 0.25
-
-
 async def test_an_int8_engine_follows_the_float_engine(make_engine: EngineFactory) -> None:
     """int8 picks float32's tokens until a near-tie, where it may pick the runner-up. Measured
     on `prompts(8, 0)`, 12 tokens each: three of eight flip, at float32 margins of 0.007, 0.041
@@ -259,51 +243,19 @@ async def test_an_int8_engine_follows_the_float_engine(make_engine: EngineFactor
     quantized = await make_engine(quantization="int8", page_size=4)
     assert quantized.resolved.linear_kind == "int8"
     float32 = await make_engine(page_size=4)
-    ask = {**GREEDY, "top_logprobs": 2}
-    flips = 0
-    for prompt in batch:
-        mine = await quantized.generate(input_ids=prompt, **GREEDY).result()
-        ref = await float32.generate(input_ids=prompt, **ask).result()
-        assert ref.logprobs is not None
-        for got, want, scored in zip(mine.token_ids, ref.token_ids, ref.logprobs, strict=True):
-            if got != want:  # the rest follows another text; only the first flip is checked
-                (first, first_lp), (second, second_lp) = scored.top
-                assert (first, second) == (want, got), (prompt, scored)
-                assert first_lp - second_lp < NEAR_TIE, (prompt, scored)
-                flips += 1
-                break
-    assert flips <= len(batch) // 2
+    assert await flips_against(quantized, float32, batch) <= len(batch) // 2
 
 
 async def test_a_weight_update_requantizes(
     make_engine: EngineFactory, other_folder: Path, tiny_folder: Path
 ) -> None:
-    batch = prompts(6, 1)
-    engine = await make_engine(quantization="int8", page_size=4)
-    before = await greedy_outputs(engine, batch)
-    result = await engine.update_weights_from_disk(other_folder)
-    assert result.success, result.message
-    fresh = await make_engine(load_model(other_folder, progress=False), quantization="int8")
-    after = await greedy_outputs(engine, batch)
-    assert after == await greedy_outputs(fresh, batch)
-    assert after != before
-    assert (await engine.update_weights_from_disk(tiny_folder)).success  # and back
-    assert await greedy_outputs(engine, batch) == before
+    await check_a_weight_update_rebuilds(
+        make_engine, other_folder, tiny_folder, quantization="int8"
+    )
 
 
 async def test_sessions_on_int8_equal_stateless_requests(make_engine: EngineFactory) -> None:
-    engine = await make_engine(quantization="int8", page_size=4)
-    rng = random.Random(5)
-    history: list[int] = []
-    async with await engine.open_session() as session:
-        for turn in range(6):
-            new = [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))]
-            done = await session.turn(input_ids=new, **GREEDY).result()
-            stateless = await engine.generate(input_ids=history + new, **GREEDY).result()
-            assert list(done.token_ids) == list(stateless.token_ids), f"turn {turn}"
-            if history:
-                assert done.usage.cached_tokens >= len(history) - 1
-            history += new + list(done.token_ids)
+    await check_sessions_equal_stateless(make_engine, quantization="int8")
 
 
 # ---- options it refuses --------------------------------------------------------------------
