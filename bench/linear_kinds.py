@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from bench_format import emit, machine
 
+from shoal.kernels.cpu_features import read_cpu_features
 from shoal.kernels.cpu_kernels import KernelUnavailable, load_cpu_kernels
 from shoal.kernels.linear import pack_panels
 from shoal.loading.loader import default_cache_dir
@@ -34,16 +35,6 @@ from shoal.loading.loader import default_cache_dir
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 LAYERS = 30
 HEAD_SHAPE = (49152, 576)
-ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def isa() -> str:
-    """The CPU's vector and matrix features among those the kernels could use."""
-    try:
-        words = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return "unknown"
-    return "+".join(flag for flag in ISA_FLAGS if flag in words) or "none"
 
 
 def runner(kind: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], object] | None:
@@ -93,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     total += seconds(run, args.repeats) * times
                 if ran:
                     line[f"{kind}_ms"] = round(total * 1e3, 2)
-            line["isa"], line["machine"] = isa(), machine()
+            line["isa"], line["machine"] = read_cpu_features().isa(), machine()
             emit("linear_kinds", line, args.out)
     return 0
 

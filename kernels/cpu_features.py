@@ -32,10 +32,6 @@ class CpuFeatures:
     flags: frozenset[str]  # those of FLAGS the CPU reports and torch confirms
 
     @property
-    def avx512(self) -> bool:
-        return "avx512f" in self.flags
-
-    @property
     def vnni(self) -> bool:
         return "avx512_vnni" in self.flags
 
