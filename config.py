@@ -73,8 +73,14 @@ class EngineOptions:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto",
         "weights and KV (auto: bfloat16 on CUDA and on a CPU with AMX, else float32); on the "
-        "CPU bfloat16 is the weights' only: the matmuls run on the matrix units, the rest and "
-        "the KV stay float32 (kernels/bf16_linear.py)",
+        "CPU bfloat16 is the weights' and the KV's: the matmuls run on the matrix units, "
+        "activations, norms and attention's arithmetic stay float32 (kernels/bf16_linear.py)",
+    )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = option(
+        "auto",
+        "the KV cache's elements (auto: the weights' dtype, float32 with int8); on the CPU "
+        "bfloat16 halves what attention reads, float32 keeps float32's exact tokens; on CUDA "
+        "only the weights' dtype",
     )
     device: Literal["auto", "cpu", "cuda"] = option(
         "auto", "where the model runs (auto: CUDA when torch sees a device)"
@@ -232,12 +238,13 @@ class Resolved:
 
     cache: CacheLayout
     context_length: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the activations'
     device: torch.device
     attention: str  # "torch" | "triton" | "cpu"
     cuda_graph_max_batch: int  # 0 = no graphs (always 0 off CUDA or without Triton)
     linear_kind: LinearKind  # how the forward multiplies by weights (kernels/linear.py)
     mixed_prefill_tokens: int  # prompt tokens a step that also decodes may take; 0: no cap
+    kv_dtype: torch.dtype  # the KV cache's elements
 
 
 def resolve(
@@ -260,8 +267,9 @@ def resolve(
         raise ValueError("kv_cache_tokens is too small for even one request")
     device, weights_dtype = resolve_device(options)
     linear = resolve_linear(options, device, weights_dtype)
-    # bfloat16 weights on the CPU: the activations and the KV stay float32 (bf16_linear.py)
+    # bfloat16 weights on the CPU: the activations stay float32 (bf16_linear.py)
     dtype = torch.float32 if linear == "bf16" else weights_dtype
+    kv_dtype = resolve_kv_dtype(options, device, weights_dtype)
     attention = resolve_attention(options, device, dtype)
     graphs = 0
     one_forward = not has_experts and options.pipeline_stages == 1
@@ -272,7 +280,23 @@ def resolve(
     mixed = options.max_mixed_prefill_tokens
     if mixed is None:
         mixed = CPU_MIXED_PREFILL_TOKENS if device.type == "cpu" else 0
-    return Resolved(layout, context, dtype, device, attention, graphs, linear, mixed)
+    return Resolved(layout, context, dtype, device, attention, graphs, linear, mixed, kv_dtype)
+
+
+def resolve_kv_dtype(
+    options: EngineOptions, device: torch.device, weights_dtype: torch.dtype
+) -> torch.dtype:
+    """auto: the weights' dtype (int8's: float32). The CPU's kernels read either float32 or
+    bfloat16 (widened as they read); CUDA's Triton kernels and graphs keep the model's."""
+    if options.kv_cache_dtype == "auto":
+        return weights_dtype
+    asked = DTYPES[options.kv_cache_dtype]
+    if device.type == "cuda" and asked != weights_dtype:
+        raise ValueError(
+            f"kv_cache_dtype {options.kv_cache_dtype} on CUDA must be the weights' dtype "
+            f"({str(weights_dtype).removeprefix('torch.')}): give auto"
+        )
+    return asked
 
 
 def resolve_linear(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> LinearKind:

@@ -140,7 +140,7 @@ def build_stages(
             None if compiled is None else CompiledElementwise(compiled),
             part=part,
         )
-        pool = KVPool(config, slots, resolved.dtype, device, num_layers=len(layers))
+        pool = KVPool(config, slots, resolved.kv_dtype, device, num_layers=len(layers))
         backend = attention_backend(
             resolved.attention, layout.page_size, config.num_kv_heads, compiled
         )

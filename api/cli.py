@@ -221,7 +221,9 @@ async def serve(args: argparse.Namespace) -> int:
             )
             resolved = engine.resolved
             assert resolved is not None  # started
-            report = kernel_report(resolved.device, resolved.linear_kind, engine.attention)
+            report = kernel_report(
+                resolved.device, resolved.linear_kind, engine.attention, kv_dtype=resolved.kv_dtype
+            )
             print(f"shoal kernels: {report}", flush=True)
             await stop.wait()
             print("shoal: shutting down", file=sys.stderr, flush=True)

@@ -32,9 +32,10 @@ and one line per decode batch size (roofline and fraction "unknown" without a ba
            step_ms=<x> roofline_ms=<y> fraction_of_roofline=<y/x> hbm_gbps=<x>
            weight_mb=<x> kv_mb=<x> setup=<desc> machine=<desc>
 setup: shoal's <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>:<how>
-[-stages<n>], as the engine resolved them (dtype: the activations'; linear: dense, packed, bf16
-or int8 weights, and how they multiply, e.g. bf16:onednn-amx, packed:panels-avx512_vnni,
-int8:blocks-avx2); machine: the CPU's model and features first; vLLM's
+[-kv<dtype>][-stages<n>], as the engine resolved them (dtype: the activations'; linear: dense,
+packed, bf16 or int8 weights, and how they multiply, e.g. bf16:onednn-amx,
+packed:panels-avx512_vnni, int8:blocks-avx2; kv: the KV cache's dtype where it is not the
+activations'); machine: the CPU's model and features first; vLLM's
 <device>-<dtype>-vllm<version>; generate's <device>-<dtype>-hf.
 """
 
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     options: dict[str, Any] = {
         "device": args.device,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "attention": args.attention,
         "quantization": args.quantization,
         "max_running_requests": args.max_running,

@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None, description: str | None) -> argparse.Name
         "than its server)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="shoal's KV cache (auto: the weights' dtype: bfloat16 with bfloat16 weights)",
+    )
+    parser.add_argument(
         "--cuda-graph-max-batch",
         type=int,
         default=defaults.cuda_graph_max_batch,

@@ -1,8 +1,9 @@
 """shoal as bench/offline.py measures it: an Engine on the loaded model, warmed up, then the
 timed work, the decode steps at each batch size (bench/roofline.py) and the page-accounting
 line (bench/window_pages.py); and its setup string,
-<device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>:<how>[-stages<n>]
-(dtype: the activations'; linear and how as kernels/cpu_features.kernel_choice names them)."""
+<device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>:<how>[-kv<dtype>]
+[-stages<n>] (dtype: the activations'; linear and how as kernels/cpu_features.kernel_choice
+names them; kv: the KV cache's dtype, where it is not the activations')."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def engine_setup(engine: Any) -> str:
     return (
         f"{r.device.type}-{dtype_name(r.dtype)}-{engine.attention}"
         f"-graphs{r.cuda_graph_max_batch}-inflight{inflight}-{picked.removeprefix('linear=')}"
+        + (f"-kv{dtype_name(r.kv_dtype)}" if r.kv_dtype != r.dtype else "")
         + (f"-stages{stages}" if stages > 1 else "")
     )
 
@@ -54,8 +56,11 @@ async def run_decode(engine: Any, plan: DecodePlan, desc: str, out: Path | None)
     rng = random.Random(plan.seed)
     for batch in plan.batch_sizes:
         window = await measure_decode(engine, plan, batch, rng)
-        dtype_bytes = engine.resolved.dtype.itemsize
-        line = decode_line(engine.loaded.config, plan, batch, window, dtype_bytes)
+        r = engine.resolved
+        dtype_bytes = 2 if r.linear_kind == "bf16" else r.dtype.itemsize  # the weights'
+        line = decode_line(
+            engine.loaded.config, plan, batch, window, dtype_bytes, r.kv_dtype.itemsize
+        )
         emit("decode", {**line, "setup": engine_setup(engine), "machine": desc}, out)
 
 

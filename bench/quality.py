@@ -3,8 +3,11 @@ fixed English text (bench/quality_text.txt, 2,714 tokens), bundled SmolLM2, CPU.
 
     python bench/quality.py                       # int8 against packed float32, the whole text
     python bench/quality.py --linear packed       # packed against dense float32 (~1 expected)
-    python bench/quality.py --linear bf16         # bfloat16 weights against packed float32
+    python bench/quality.py --linear bf16         # bfloat16 weights and KV against float32
+    python bench/quality.py --linear bf16 --kv-dtype float32   # bfloat16 weights alone
     python bench/quality.py --tokens 512          # the first 512 tokens only
+    python bench/quality.py --linear packed --kv-dtype bfloat16   # a bfloat16 KV alone
+    python bench/quality.py --linear bf16 --chunk 1 --attention cpu   # decodes, compiled kernel
 
 The text is cut into windows of --window tokens, each run from position 0 on an empty KV cache,
 fed to `DecoderModel.forward` --chunk tokens at a time; every position but a window's last
@@ -12,11 +15,15 @@ predicts the next token. Both models see exactly the same tokens. The default ch
 under int8's `MANY_ROWS` (quant.py), so int8 runs its block kernels with int16 activations, as
 a decode of a few sequences does; from `MANY_ROWS` rows on it multiplies the same weights in
 float32 (a chunk of 512 measures that path: float32's own numbers on float32's own weights).
+The tested model's KV cache holds --kv-dtype (auto: bfloat16 for bf16, as the engine's
+`kv_cache_dtype` auto, else float32); the baseline's is float32. Attention is the torch
+reference, or with --attention cpu the compiled decode kernel for chunks of one token (with a
+bfloat16 KV on an AMX CPU, its tiles: csrc/tile_attention.cpp), both models alike.
 
 Prints one line:
-    quality linear=<kind> baseline=<kind> tokens=<n> predictions=<n> top1_agreement=<x>
-            ppl=<x> baseline_ppl=<x> ppl_ratio=<x> seconds=<s> baseline_seconds=<s>
-            verdict=<pass|fail> machine=<desc>
+    quality linear=<kind> kv=<dtype> attention=<a> chunk=<n> baseline=<kind> tokens=<n>
+            predictions=<n> top1_agreement=<x> ppl=<x> baseline_ppl=<x> ppl_ratio=<x>
+            seconds=<s> baseline_seconds=<s> verdict=<pass|fail> machine=<desc>
 verdict: pass when top1_agreement >= 0.97 and ppl within 3% of the baseline's (bf16, bfloat16
 weights on the matrix units: 0.99 and 1%).
 """
@@ -51,6 +58,7 @@ PPL_TOLERANCE = 0.03  # |ppl / baseline_ppl - 1|
 # bfloat16 weights are held to tighter bounds than int8 (issue 32): top-1 99%, perplexity 1%
 BOUNDS = {"bf16": (0.99, 0.01)}
 KINDS = ["int8", "bf16", "packed", "dense"]
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def bounds(kind: LinearKind) -> tuple[float, float]:
@@ -81,12 +89,19 @@ def text_ids(loaded: LoadedModel, max_tokens: int | None = None) -> list[int]:
     return list(ids[:max_tokens] if max_tokens else ids)
 
 
-def score(model: DecoderModel, ids: list[int], window: int, chunk: int) -> Scores:
+def score(
+    model: DecoderModel,
+    ids: list[int],
+    window: int,
+    chunk: int,
+    kv_dtype: torch.dtype,
+    attention: TorchAttention | None = None,
+) -> Scores:
     """Teacher-forced argmax and NLL at every position that has a next token in its window."""
     cpu = torch.device("cpu")
-    pool = KVPool(model.config, -(-window // PAGE_SIZE) * PAGE_SIZE, model.dtype, cpu)
+    pool = KVPool(model.config, -(-window // PAGE_SIZE) * PAGE_SIZE, kv_dtype, cpu)
     page_table = torch.arange(pool.num_slots // PAGE_SIZE, dtype=torch.int64).unsqueeze(0)
-    attention = TorchAttention(PAGE_SIZE)
+    attention = attention or TorchAttention(PAGE_SIZE)
     argmax, nll = [], []
     began = time.perf_counter()
     for start in range(0, len(ids), window):
@@ -114,6 +129,13 @@ def build(loaded: LoadedModel, kind: LinearKind) -> DecoderModel:
     )
 
 
+def kv_dtype_for(kind: LinearKind, asked: str = "auto") -> torch.dtype:
+    """The tested model's KV: as asked, or as the engine's kv_cache_dtype auto picks it."""
+    if asked == "auto":
+        return torch.bfloat16 if kind == "bf16" else torch.float32
+    return KV_DTYPES[asked]
+
+
 def compare(
     loaded: LoadedModel,
     kind: LinearKind,
@@ -121,16 +143,28 @@ def compare(
     ids: list[int],
     window: int,
     chunk: int,
+    kv_dtype: torch.dtype | None = None,
+    attention: str = "torch",
 ) -> dict[str, object]:
-    """The quality line's fields: `kind` scored against `baseline` on the same tokens."""
-    base = score(build(loaded, baseline), ids, window, chunk)
-    test = score(build(loaded, kind), ids, window, chunk)
+    """The quality line's fields: `kind` (its KV in `kv_dtype`, default as the engine's auto)
+    scored against `baseline` (float32 KV) on the same tokens, both attending through
+    `attention` (torch: the reference; cpu: the compiled decode kernel for one-token chunks)."""
+    kv = kv_dtype_for(kind) if kv_dtype is None else kv_dtype
+    backend = TorchAttention(PAGE_SIZE)
+    if attention == "cpu":
+        kernels = load_cpu_kernels(default_cache_dir())
+        backend = TorchAttention(PAGE_SIZE, kernels.paged_decode, kernels.store_kv)
+    base = score(build(loaded, baseline), ids, window, chunk, torch.float32, backend)
+    test = score(build(loaded, kind), ids, window, chunk, kv, backend)
     agreement = float((test.argmax == base.argmax).double().mean())
     ratio = test.perplexity / base.perplexity
     least, most = bounds(kind)
     passed = agreement >= least and abs(ratio - 1) <= most
     return {
         "linear": kind,
+        "kv": str(kv).removeprefix("torch."),
+        "attention": attention,
+        "chunk": chunk,
         "baseline": baseline,
         "tokens": len(ids),
         "predictions": len(base.argmax),
@@ -156,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk", type=int, default=8, help="tokens per forward call (int8: under MANY_ROWS)"
     )
+    parser.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", *KV_DTYPES],
+        help="the tested model's KV cache (auto: bfloat16 for bf16, else float32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attention", default="torch", choices=["torch", "cpu"],
+        help="cpu: the compiled decode kernel, for --chunk 1 (longer chunks: the reference)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -165,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(None, progress=False)
     window = min(args.window, loaded.config.max_position_embeddings)
     ids = text_ids(loaded, args.tokens)
-    line = compare(loaded, kind, baseline, ids, window, args.chunk)
+    kv = kv_dtype_for(kind, args.kv_dtype)
+    line = compare(loaded, kind, baseline, ids, window, args.chunk, kv, args.attention)
     print("quality " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
     return 0 if line["verdict"] == "pass" else 1
 

@@ -75,9 +75,14 @@ class DecodeBytes:
 
 
 def decode_step_bytes(
-    config: ModelConfig, batch_size: int, context_tokens: float, dtype_bytes: int
+    config: ModelConfig,
+    batch_size: int,
+    context_tokens: float,
+    dtype_bytes: int,
+    kv_bytes: int | None = None,
 ) -> DecodeBytes:
-    """What one decode step of `batch_size` sequences must read at least (module doc)."""
+    """What one decode step of `batch_size` sequences must read at least (module doc): weights
+    of `dtype_bytes` an element, the KV of `kv_bytes` (unset: the same)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_dim = config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
@@ -88,7 +93,7 @@ def decode_step_bytes(
     weights += config.vocab_size * hidden
     kv_per_token = config.num_layers * 2 * kv_dim
     kv = round(batch_size * context_tokens * kv_per_token)
-    return DecodeBytes(weights * dtype_bytes, kv * dtype_bytes)
+    return DecodeBytes(weights * dtype_bytes, kv * (dtype_bytes if kv_bytes is None else kv_bytes))
 
 
 def roofline_s(num_bytes: int, hbm_gbps: float) -> float:
@@ -171,11 +176,16 @@ async def measure_decode(
 
 
 def decode_line(
-    config: ModelConfig, plan: DecodePlan, batch_size: int, window: DecodeWindow, dtype_bytes: int
+    config: ModelConfig,
+    plan: DecodePlan,
+    batch_size: int,
+    window: DecodeWindow,
+    dtype_bytes: int,
+    kv_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The decode line's fields up to kv_mb; roofline and fraction "unknown" without a
     bandwidth. fraction_of_roofline = roofline_ms / step_ms (1.0: at the bound)."""
-    need = decode_step_bytes(config, batch_size, window.context_tokens, dtype_bytes)
+    need = decode_step_bytes(config, batch_size, window.context_tokens, dtype_bytes, kv_bytes)
     step_ms = window.step_s * 1e3
     roofline_ms: float | str = "unknown"
     fraction: float | str = "unknown"

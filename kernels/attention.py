@@ -21,6 +21,14 @@ c * tanh(scores / c) before the mask). Pages wholly before a sequence's window m
 freed and reused, so nothing reads them: the gathers start at the window's first page
 (`window_views`, built once per step and window) and the compiled kernel at its first key.
 Soft-capped logits take an explicit softmax (`capped_attention`), as SDPA has no cap.
+
+The cache may hold K and V in a narrower dtype than the activations (bfloat16 beside float32,
+`kv_cache_dtype`): stores round into it, and the gathers here widen what they read, so SDPA's
+arithmetic is the activations'. (SDPA in bfloat16 on the pages as they are was measured and not
+kept: torch's CPU flash attention in bfloat16 was no faster than in float32 at a 147-token
+prompt, 0.43-0.47 ms against 0.49, and a prompt's cached positions then differed from its
+computed ones by more than a near-tie.) The compiled decode kernel reads bfloat16 pages itself
+(cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -208,9 +216,9 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """Write the new tokens' K/V ([T, Hkv, D]) into their slots."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    """Write the new tokens' K/V ([T, Hkv, D]) into their slots (rounded to the cache's dtype)."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -235,8 +243,8 @@ def paged_attention(
         )  # fmt: skip
     for dec in views.decodes:
         qd = q[dec.token_index].unsqueeze(2)  # [B, H, 1, D]
-        kd = gather_pages(k_cache, dec.page_ids, page_size).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = gather_pages(v_cache, dec.page_ids, page_size).transpose(1, 2)
+        kd = gather_pages(k_cache, dec.page_ids, page_size).to(q.dtype).transpose(1, 2)
+        vd = gather_pages(v_cache, dec.page_ids, page_size).to(q.dtype).transpose(1, 2)
         if softcap is None:
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=dec.key_mask, scale=scale, enable_gqa=True
@@ -248,8 +256,9 @@ def paged_attention(
         end = ext.token_start + ext.num_new
         num_keys = ext.seq_len - ext.key_start
         qe = q[ext.token_start : end].transpose(0, 1)  # [H, n, D]
-        ke = gather_pages(k_cache, ext.page_ids[None], page_size)[0, :num_keys].transpose(0, 1)
-        ve = gather_pages(v_cache, ext.page_ids[None], page_size)[0, :num_keys].transpose(0, 1)
+        ke = gather_pages(k_cache, ext.page_ids[None], page_size)[0, :num_keys]
+        ve = gather_pages(v_cache, ext.page_ids[None], page_size)[0, :num_keys]
+        ke, ve = ke.to(q.dtype).transpose(0, 1), ve.to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
         if softcap is None:
             # Batched as [1, H, n, D]: given 3-D tensors SDPA takes its math path on the CPU
             # (2.3x slower here for a 128-token chunk after 128 cached, 3.7x for a whole

@@ -74,13 +74,21 @@ def bf16_by_default(features: CpuFeatures) -> bool:
 
 
 def kernel_report(
-    device: torch.device, linear_kind: str, attention: str, features: CpuFeatures | None = None
+    device: torch.device,
+    linear_kind: str,
+    attention: str,
+    features: CpuFeatures | None = None,
+    *,
+    kv_dtype: torch.dtype | None = None,
 ) -> str:
     """One line naming the CPU, its features and the kernels picked, as the serve log gives it:
     `cpu="Intel(R) Xeon(R) Processor" isa=avx2+avx512f+... linear=bf16:onednn-amx
-    attention=cpu:avx512_vnni`."""
+    attention=cpu:avx512_vnni kv=bfloat16`."""
     cpu = features or read_cpu_features()
     picked = kernel_choice(device, linear_kind, attention, cpu)
+    if kv_dtype is not None:  # a bfloat16 KV's decode attention on the tiles (tile_attention.cpp)
+        tiles = kv_dtype == torch.bfloat16 and attention == "cpu" and "amx_bf16" in cpu.flags
+        picked += f" kv={str(kv_dtype).removeprefix('torch.')}" + (":amx-tiles" if tiles else "")
     if device.type != "cpu":
         return picked
     return f'cpu="{cpu.model}" isa={cpu.isa()} {picked}'

@@ -3,6 +3,8 @@
     paged_decode   csrc/paged_decode.cpp   a step's decodes attend, reading K/V in place from
                                            the pages (attention.py's reference gathers them),
                                            optionally in a sliding window, soft-capped
+                   csrc/tile_attention.cpp with a bfloat16 KV, its two products on AMX tiles
+                                           where the CPU has them
     store_kv                               the new tokens' K and V into their slots, one op
     rms_norm       csrc/elementwise.cpp    RMSNorm of rows, in one op
     add_rms_norm                           the residual add and the next RMSNorm, in one op
@@ -51,8 +53,8 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
     CSRC / name
     for name in (
-        "paged_decode.cpp", "elementwise.cpp", "linear.cpp", "block_linear.cpp",
-        "decoder_layers.cpp",
+        "paged_decode.cpp", "tile_attention.cpp", "elementwise.cpp", "linear.cpp",
+        "block_linear.cpp", "decoder_layers.cpp",
     )
 )  # fmt: skip
 

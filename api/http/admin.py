@@ -151,6 +151,7 @@ class AdminRoutes:
                 "resolved": {
                     "context_length": resolved.context_length,
                     "dtype": str(resolved.dtype).removeprefix("torch."),
+                    "kv_cache_dtype": str(resolved.kv_dtype).removeprefix("torch."),
                     "device": str(resolved.device),
                     **dataclasses.asdict(resolved.cache),
                 },

@@ -22,7 +22,7 @@ void silu_mul(const at::Tensor& gate_up, const at::Tensor& out);
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& page_ids, const at::Tensor& seq_lens,
                   const at::Tensor& token_index, int64_t page_size, double scale,
-                  const at::Tensor& out, int64_t window, double softcap);
+                  const at::Tensor& out, int64_t window, double softcap, bool tiles = true);
 void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
               const at::Tensor& k, const at::Tensor& v);
 

@@ -5,7 +5,10 @@
 // so each token's [Hkv, D] rows are read whole.
 //
 //   q, out        [T, H, D]          float32; row i of a sequence is token_index[i]
-//   k/v_cache     [slots, Hkv, D]    float32; slot = page * page_size + position % page_size
+//   k/v_cache     [slots, Hkv, D]    float32 or bfloat16 (both the same); slot = page *
+//                                    page_size + position % page_size. bfloat16 rows are
+//                                    widened to float32 as they are read (exactly), so the
+//                                    arithmetic is float32's either way
 //   page_ids      [B, P]             int64; a sequence's pages in position order
 //   seq_lens      [B]                int64; tokens attended (1 .. P * page_size)
 //   token_index   [B]                int64; which of the T rows is the sequence's new token
@@ -18,7 +21,8 @@
 // checks it against the gather-and-SDPA reference in kernels/attention.py.
 //
 //   store_kv(k_cache, v_cache, slots, k, v)    k_cache[slots[i]] = k[i], v_cache likewise
-//     k, v   [T, Hkv, D] float32 with dense [Hkv, D] rows (views of the fused qkv output)
+//     k, v   [T, Hkv, D] float32 with dense [Hkv, D] rows (views of the fused qkv output);
+//            into a bfloat16 cache rounded to nearest even, as torch's .to(torch.bfloat16)
 //     slots  [T] int64, each checked before any write
 //
 // is what index_copy_ does twice (a step stores 2 x layers times), in one op a layer.
@@ -30,43 +34,62 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "tile_attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+using at::BFloat16;
 
-// a . b over `dim` floats: whole vectors in lanes, the rest (a head_dim that is not a multiple
+// Vec::size() cache values as float32: float32 as they are, bfloat16 widened (exact).
+inline Vec load_floats(const float* p) { return Vec::loadu(p); }
+inline Vec load_floats(const BFloat16* p) {
+  Vec out;
+  at::vec::load_to_float(p, out);
+  return out;
+}
+
+// a . b over `dim` values: whole vectors in lanes, the rest (a head_dim that is not a multiple
 // of the vector width) one by one.
-inline float dot(const float* a, const float* b, int64_t dim) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t dim) {
   Vec acc(0.f);
   int64_t i = 0;
   for (; i + Vec::size() <= dim; i += Vec::size()) {
-    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+    acc = at::vec::fmadd(Vec::loadu(a + i), load_floats(b + i), acc);
   }
   float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-  for (; i < dim; ++i) sum += a[i] * b[i];
+  for (; i < dim; ++i) sum += a[i] * static_cast<float>(b[i]);
   return sum;
 }
 
-// acc += weight * x over `dim` floats.
-inline void add_scaled(float weight, const float* x, float* acc, int64_t dim) {
+// acc += weight * x over `dim` values.
+template <typename T>
+inline void add_scaled(float weight, const T* x, float* acc, int64_t dim) {
   const Vec w(weight);
   int64_t i = 0;
   for (; i + Vec::size() <= dim; i += Vec::size()) {
-    at::vec::fmadd(w, Vec::loadu(x + i), Vec::loadu(acc + i)).store(acc + i);
+    at::vec::fmadd(w, load_floats(x + i), Vec::loadu(acc + i)).store(acc + i);
   }
-  for (; i < dim; ++i) acc[i] += weight * x[i];
+  for (; i < dim; ++i) acc[i] += weight * static_cast<float>(x[i]);
 }
 
 // row <- exp(row - max(row)); returns 1 / sum(row). The exp is ATen's exp_u20, as torch's own
 // CPU flash attention uses.
 inline float softmax_unnormalized(float* row, int64_t len) {
-  const float peak = *std::max_element(row, row + len);
+  Vec vmax(-std::numeric_limits<float>::infinity());  // the peak, a vector at a time
+  int64_t m = 0;
+  for (; m + Vec::size() <= len; m += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(row + m));
+  float peak = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); },
+                                              vmax);
+  for (; m < len; ++m) peak = std::max(peak, row[m]);
   const Vec vpeak(peak);
   Vec vtotal(0.f);
   int64_t t = 0;
@@ -90,12 +113,14 @@ inline float softmax_unnormalized(float* row, int64_t len) {
 // Rows are scattered over pages, so the hardware prefetcher cannot see the next one coming:
 // each loop asks for the row this many keys ahead (cold pages measured 2x slower without it).
 constexpr int64_t kPrefetchAhead = 8;
-constexpr int64_t kFloatsPerLine = 16;
+constexpr int64_t kLineBytes = 64;
 // From this many sequences a thread on, a work item is a whole sequence (paged_decode).
 constexpr int64_t kSequencesPerThread = 2;
 
-inline void prefetch_row(const float* row, int64_t dim) {
-  for (int64_t i = 0; i < dim; i += kFloatsPerLine) __builtin_prefetch(row + i, 0, 3);
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  constexpr int64_t per_line = kLineBytes / static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < dim; i += per_line) __builtin_prefetch(row + i, 0, 3);
 }
 
 // Where sequence `len` starts attending: 0, or the first key of its window.
@@ -117,9 +142,15 @@ void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                 const at::Tensor& page_ids, const at::Tensor& seq_lens,
                 const at::Tensor& token_index, int64_t page_size, int64_t window,
                 const at::Tensor& out) {
-  for (const at::Tensor* t : {&q, &k_cache, &v_cache, &out}) {
+  for (const at::Tensor* t : {&q, &out}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3,
-                "paged_decode: q, caches and out must be 3-d float32 CPU tensors");
+                "paged_decode: q and out must be 3-d float32 CPU tensors");
+  }
+  for (const at::Tensor* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) &&
+                    t->scalar_type() == k_cache.scalar_type(),
+                "paged_decode: the caches must be 3-d CPU tensors, both float32 or bfloat16");
   }
   for (const at::Tensor* t : {&page_ids, &seq_lens, &token_index}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
@@ -153,22 +184,21 @@ void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   }
 }
 
-}  // namespace
-
-namespace shoal_ops {
-
-void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+// paged_decode over caches of T (float or BFloat16), its arguments checked. `tiles`: a
+// bfloat16 cache's two products on AMX (tile_attention.cpp) where the CPU has them, D is whole
+// 32s and a KV head has at most 16 query heads.
+template <typename T>
+void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& page_ids, const at::Tensor& seq_lens,
                   const at::Tensor& token_index, int64_t page_size, double scale,
-                  const at::Tensor& out, int64_t window, double softcap) {
-  check_args(q, k_cache, v_cache, page_ids, seq_lens, token_index, page_size, window, out);
+                  const at::Tensor& out, int64_t window, double softcap, bool tiles) {
   const int64_t batch = seq_lens.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const int64_t max_pages = page_ids.size(1), q_stride = q.stride(0);
   const int64_t slot_stride = kv_heads * dim, out_stride = out.stride(0);
   const float* q_data = q.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
+  const T* k_data = k_cache.data_ptr<T>();
+  const T* v_data = v_cache.data_ptr<T>();
   float* out_data = out.data_ptr<float>();
   const int64_t* pages = page_ids.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -182,25 +212,51 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   // head is the same either way.
   const int64_t span = batch >= kSequencesPerThread * at::get_num_threads() ? kv_heads : 1;
   const int64_t items_per_seq = kv_heads / span, width = span * group;
+  constexpr bool bf16 = std::is_same_v<T, BFloat16>;
+  const bool on_tiles =
+      bf16 && tiles && dim % 32 == 0 && group <= 16 && shoal_tiles::tiles_ready();
   at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [width, len]: logits, then unnormalized probabilities
     std::vector<float> acc(width * dim);
     std::vector<float> inv_sum(width);
+    std::vector<int64_t> slots;  // the item's keys' slots
+    std::vector<const T*> rows;  // on the tiles: a KV head's K (then V) row of each key
+    shoal_tiles::Scratch scratch;
+    if (on_tiles) shoal_tiles::configure(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / items_per_seq, kv0 = (item % items_per_seq) * span;
       // Keys first .. lens[b] - 1, the t-th of them at position first + t.
       const int64_t first = first_key(lens[b], window), len = lens[b] - first;
       const int64_t* row_pages = pages + b * max_pages;
       const float* q_heads = q_data + tokens[b] * q_stride + kv0 * group * dim;
-      auto row_of = [&](const float* cache, int64_t t) {
-        const int64_t pos = first + t;
-        const int64_t slot = row_pages[pos / page_size] * page_size + pos % page_size;
-        return cache + slot * slot_stride + kv0 * dim;
+      // The slot of each key, a page's run at a time (one division a page, not two a key).
+      slots.resize(len);
+      for (int64_t t = 0, pos = first; t < len;) {
+        const int64_t offset = pos % page_size, base = row_pages[pos / page_size] * page_size;
+        const int64_t run = std::min(page_size - offset, len - t);
+        for (int64_t i = 0; i < run; ++i) slots[t + i] = base + offset + i;
+        t += run;
+        pos += run;
+      }
+      auto row_of = [&](const T* cache, int64_t t) {
+        return cache + slots[t] * slot_stride + kv0 * dim;
       };
       scores.resize(width * len);
-      for (int64_t t = 0; t < len; ++t) {
+      // rows <- the KV head's row of each key in `cache`
+      auto head_rows = [&](const T* cache, int64_t kv) {
+        rows.resize(len);
+        for (int64_t t = 0; t < len; ++t) rows[t] = row_of(cache, t) + kv * dim;
+      };
+      if constexpr (bf16) {
+        for (int64_t kv = 0; on_tiles && kv < span; ++kv) {
+          head_rows(k_data, kv);
+          shoal_tiles::scores(q_heads + kv * group * dim, group, dim, rows.data(), slot_stride,
+                              len, fscale, scores.data() + kv * group * len, len, scratch);
+        }
+      }
+      for (int64_t t = 0; !on_tiles && t < len; ++t) {
         if (t + kPrefetchAhead < len) prefetch_row(row_of(k_data, t + kPrefetchAhead), span * dim);
-        const float* keys = row_of(k_data, t);
+        const T* keys = row_of(k_data, t);
         for (int64_t kv = 0, j = 0; kv < span; ++kv) {
           for (int64_t end_j = j + group; j < end_j; ++j) {
             scores[j * len + t] = dot(q_heads + j * dim, keys + kv * dim, dim) * fscale;
@@ -215,10 +271,24 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       for (int64_t j = 0; j < width; ++j) {
         inv_sum[j] = softmax_unnormalized(scores.data() + j * len, len);
       }
+      if constexpr (bf16) {
+        if (on_tiles) {
+          for (int64_t kv = 0; kv < span; ++kv) {
+            head_rows(v_data, kv);
+            float* heads_out[16];
+            for (int64_t n = 0; n < group; ++n) {
+              heads_out[n] = out_data + tokens[b] * out_stride + ((kv0 + kv) * group + n) * dim;
+            }
+            shoal_tiles::values(scores.data() + kv * group * len, len, group, len, rows.data(),
+                                dim, inv_sum.data() + kv * group, heads_out, scratch);
+          }
+          continue;
+        }
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         if (t + kPrefetchAhead < len) prefetch_row(row_of(v_data, t + kPrefetchAhead), span * dim);
-        const float* values = row_of(v_data, t);
+        const T* values = row_of(v_data, t);
         for (int64_t kv = 0, j = 0; kv < span; ++kv) {
           for (int64_t end_j = j + group; j < end_j; ++j) {
             add_scaled(scores[j * len + t], values + kv * dim, acc.data() + j * dim, dim);
@@ -230,17 +300,54 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         for (int64_t d = 0; d < dim; ++d) dst[d] = acc[j * dim + d] * inv_sum[j];
       }
     }
+    if (on_tiles) shoal_tiles::release();
   });
+}
+
+// The rows of T tokens into their slots: float32 copied, bfloat16 rounded to nearest even.
+template <typename T>
+void store_rows(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* slot,
+                int64_t tokens, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t row = k_cache.size(1) * k_cache.size(2);
+  T* k_dst = k_cache.data_ptr<T>();
+  T* v_dst = v_cache.data_ptr<T>();
+  const float* k_src = k.data_ptr<float>();
+  const float* v_src = v.data_ptr<float>();
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+  for (int64_t i = 0; i < tokens; ++i) {
+    std::copy_n(k_src + i * k_stride, row, k_dst + slot[i] * row);  // float -> T: T's rounding
+    std::copy_n(v_src + i * v_stride, row, v_dst + slot[i] * row);
+  }
+}
+
+}  // namespace
+
+namespace shoal_ops {
+
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& page_ids, const at::Tensor& seq_lens,
+                  const at::Tensor& token_index, int64_t page_size, double scale,
+                  const at::Tensor& out, int64_t window, double softcap, bool tiles) {
+  check_args(q, k_cache, v_cache, page_ids, seq_lens, token_index, page_size, window, out);
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    decode_pages<BFloat16>(q, k_cache, v_cache, page_ids, seq_lens, token_index, page_size,
+                           scale, out, window, softcap, tiles);
+  } else {
+    decode_pages<float>(q, k_cache, v_cache, page_ids, seq_lens, token_index, page_size, scale,
+                        out, window, softcap, false);
+  }
 }
 
 void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
               const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.scalar_type() == at::kFloat &&
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(k_cache.device().is_cpu() && (bf16 || k_cache.scalar_type() == at::kFloat) &&
                   k_cache.dim() == 3 && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
-                  v_cache.scalar_type() == at::kFloat,
-              "store_kv: k_cache and v_cache must be contiguous float32 [slots, Hkv, D]");
-  const int64_t row = k_cache.size(1) * k_cache.size(2), num_slots = k_cache.size(0);
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv: k_cache and v_cache must be contiguous [slots, Hkv, D], both float32 or "
+              "bfloat16");
+  const int64_t num_slots = k_cache.size(0);
   TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong &&
                   slots.is_contiguous() && slots.dim() == 1,
               "store_kv: slots must be contiguous int64 [T]");
@@ -255,14 +362,10 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   for (int64_t i = 0; i < tokens; ++i) {
     TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "store_kv: slot out of range");
   }
-  float* k_dst = k_cache.data_ptr<float>();
-  float* v_dst = v_cache.data_ptr<float>();
-  const float* k_src = k.data_ptr<float>();
-  const float* v_src = v.data_ptr<float>();
-  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
-  for (int64_t i = 0; i < tokens; ++i) {
-    std::copy_n(k_src + i * k_stride, row, k_dst + slot[i] * row);
-    std::copy_n(v_src + i * v_stride, row, v_dst + slot[i] * row);
+  if (bf16) {
+    store_rows<BFloat16>(k_cache, v_cache, slot, tokens, k, v);
+  } else {
+    store_rows<float>(k_cache, v_cache, slot, tokens, k, v);
   }
 }
 
@@ -275,6 +378,6 @@ TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_ids, Tensor seq_lens, "
       "Tensor token_index, int page_size, float scale, Tensor(a!) out, int window=0, "
-      "float softcap=0.) -> ()",
+      "float softcap=0., bool tiles=True) -> ()",
       &shoal_ops::paged_decode);
 }

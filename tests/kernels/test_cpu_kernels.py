@@ -262,12 +262,13 @@ async def test_the_engine_decodes_with_the_kernel_as_with_the_reference(
     tiny_model: LoadedModel,
 ) -> None:
     """Greedy tokens of a few prompts, the compiled kernels against the torch reference, in
-    one engine each; their sums differ from torch's only in the last bits."""
+    one engine each, in float32; their sums differ from torch's only in the last bits. (A
+    bfloat16 KV's: tests/kernels/test_kv_bf16.py.)"""
     prompts = [[5, 6, 7], list(range(10, 60)), [3] * 17]
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
     results = {}
     for attention in ("cpu", "torch"):
-        async with Engine(tiny_model, attention=attention) as engine:
+        async with Engine(tiny_model, attention=attention, dtype="float32") as engine:
             assert engine.attention == attention
             outs = [await engine.generate(input_ids=p, sampling=params).result() for p in prompts]
             results[attention] = [o.token_ids for o in outs]
