@@ -21,14 +21,8 @@ c * tanh(scores / c) before the mask). Pages wholly before a sequence's window m
 freed and reused, so nothing reads them: the gathers start at the window's first page
 (`window_views`, built once per step and window) and the compiled kernel at its first key.
 Soft-capped logits take an explicit softmax (`capped_attention`), as SDPA has no cap.
-
-The cache may hold K and V in a narrower dtype than the activations (bfloat16 beside float32,
-`kv_cache_dtype`): stores round into it, and the gathers here widen what they read, so SDPA's
-arithmetic is the activations'. (SDPA in bfloat16 on the pages as they are was measured and not
-kept: torch's CPU flash attention in bfloat16 was no faster than in float32 at a 147-token
-prompt, 0.43-0.47 ms against 0.49, and a prompt's cached positions then differed from its
-computed ones by more than a near-tie.) The compiled decode kernel reads bfloat16 pages itself
-(cpu_kernels.py).
+A bfloat16 cache (`kv_cache_dtype`): stores round into it, the gathers widen what they read
+(docs/cpu-step.md: why not SDPA in bfloat16); the compiled decode kernel reads it as it is.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@
 //   q, out        [T, H, D]          float32; row i of a sequence is token_index[i]
 //   k/v_cache     [slots, Hkv, D]    float32 or bfloat16 (both the same); slot = page *
 //                                    page_size + position % page_size. bfloat16 rows are
-//                                    widened to float32 as they are read (exactly), so the
-//                                    arithmetic is float32's either way
+//                                    widened to float32 as they are read (exactly: float32's
+//                                    arithmetic), or with `tiles` on a CPU with AMX-BF16 go
+//                                    through tile_attention.cpp (q and the softmax's weights
+//                                    rounded to bfloat16)
 //   page_ids      [B, P]             int64; a sequence's pages in position order
 //   seq_lens      [B]                int64; tokens attended (1 .. P * page_size)
 //   token_index   [B]                int64; which of the T rows is the sequence's new token
@@ -17,8 +19,9 @@
 //                 0 or negative: to all of them
 //   softcap       c > 0: logits become c * tanh(logits / c) before the softmax; 0: as they are
 //
-// Built by kernels/cpu_kernels.py with torch's extension loader; tests/test_cpu_kernels.py
-// checks it against the gather-and-SDPA reference in kernels/attention.py.
+// Built by kernels/cpu_kernels.py with torch's extension loader; tests/kernels/
+// test_cpu_kernels.py checks it against the gather-and-SDPA reference in kernels/attention.py,
+// tests/kernels/test_kv_bf16.py its bfloat16 paths.
 //
 //   store_kv(k_cache, v_cache, slots, k, v)    k_cache[slots[i]] = k[i], v_cache likewise
 //     k, v   [T, Hkv, D] float32 with dense [Hkv, D] rows (views of the fused qkv output);
@@ -86,9 +89,11 @@ inline void add_scaled(float weight, const T* x, float* acc, int64_t dim) {
 inline float softmax_unnormalized(float* row, int64_t len) {
   Vec vmax(-std::numeric_limits<float>::infinity());  // the peak, a vector at a time
   int64_t m = 0;
-  for (; m + Vec::size() <= len; m += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(row + m));
-  float peak = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); },
-                                              vmax);
+  for (; m + Vec::size() <= len; m += Vec::size()) {
+    vmax = at::vec::maximum(vmax, Vec::loadu(row + m));
+  }
+  float peak = at::vec::vec_reduce_all<float>(
+      [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
   for (; m < len; ++m) peak = std::max(peak, row[m]);
   const Vec vpeak(peak);
   Vec vtotal(0.f);

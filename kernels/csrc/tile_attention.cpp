@@ -141,7 +141,9 @@ SHOAL_TILE_TARGET void scores(const float* q, int64_t group, int64_t dim,
     }
     _tile_stored(7, sums, group * 4);
     for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t n = 0; n < group; ++n) out[n * out_stride + t0 + i] = sums[i * group + n] * scale;
+      for (int64_t n = 0; n < group; ++n) {
+        out[n * out_stride + t0 + i] = sums[i * group + n] * scale;
+      }
     }
   }
 }
