@@ -143,20 +143,27 @@ def test_kernel_never_reads_before_the_window(kernel: DecodeKernel, garbage: flo
                page, dim**-0.5, out)  # fmt: skip
 
 
-def test_the_compiled_store_writes_what_index_copy_writes(kernels: CpuKernels) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_store_writes_what_index_copy_writes(
+    kernels: CpuKernels, dtype: torch.dtype
+) -> None:
     """Every new token's K and V into its slot, from views of a wider tensor as the model's
-    fused qkv output gives them; a slot given twice keeps the later token, as index_copy_."""
+    fused qkv output gives them; a slot given twice keeps the later token, as index_copy_. A
+    bfloat16 cache (`kv_cache_dtype`) gets float32 rounded to nearest even, as torch's `.to`."""
     gen = torch.Generator().manual_seed(4)
     kv_heads, dim, slots = 3, 8, 40
     qkv = torch.randn(6, (4 + 2 * kv_heads) * dim, generator=gen)
     k = qkv[:, 4 * dim : (4 + kv_heads) * dim].view(6, kv_heads, dim)
     v = qkv[:, (4 + kv_heads) * dim :].view(6, kv_heads, dim)
     slot_mapping = torch.tensor([3, 17, 39, 0, 17, 5])
-    caches = [torch.randn(slots, kv_heads, dim, generator=gen) for _ in range(2)]
+    caches = [torch.randn(slots, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)]
     expected = [c.clone() for c in caches]
     store_kv(expected[0], expected[1], slot_mapping, k, v)
     kernels.store_kv(caches[0], caches[1], slot_mapping, k, v)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    assert torch.equal(caches[0][39], k[2].to(dtype))  # bfloat16: rounded, not truncated
+    with pytest.raises(RuntimeError, match="both float32 or bfloat16"):
+        kernels.store_kv(caches[0], caches[1].double(), slot_mapping, k, v)
     before = [c.clone() for c in caches]
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.store_kv(caches[0], caches[1], torch.tensor([1, 2, 3, 4, 5, slots]), k, v)

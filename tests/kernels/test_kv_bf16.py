@@ -2,8 +2,8 @@
 bfloat16 pages as their float32 values (the same bits as on a float32 copy); its AMX path
 (csrc/tile_attention.cpp, where the CPU has the tiles) rounds q and the softmax's weights to
 bfloat16 and is held to the float64 reference within bfloat16's error, in windows, soft-capped,
-on pages of any size, never reading a page before the window. Stores round as torch's
-`.to(torch.bfloat16)`; the torch reference widens what it gathers. Which dtype a start picks.
+on pages of any size, never reading a page before the window (the compiled store's rounding
+is test_cpu_kernels.py's); the torch reference widens what it gathers. Which dtype a start picks.
 An engine on it, on the tiles (head_dim 32), against the float32 KV (near-ties only), with the
 prefix cache, sessions and a weight update; disaggregated peers of two KV dtypes refused."""
 
@@ -27,7 +27,7 @@ from weight_kinds import (
 
 from shoal.config import EngineOptions, resolve, resolve_kv_dtype
 from shoal.disagg.layout import KVLayout
-from shoal.kernels.attention import TorchAttention, store_kv
+from shoal.kernels.attention import TorchAttention
 from shoal.kernels.cpu_features import read_cpu_features
 from shoal.kernels.cpu_kernels import CpuKernels, DecodeKernel
 from shoal.models.load import LoadedModel, load_model
@@ -144,27 +144,6 @@ def test_the_tiles_never_read_before_the_window(kernel: DecodeKernel, garbage: f
                                  window, garbage) > 0  # fmt: skip
     got = decode(kernel, step, page, True, window)
     assert torch.equal(got, expected)
-
-
-def test_stores_round_as_torch_does(kernels: CpuKernels) -> None:
-    """The compiled store and the reference's index_copy_ write the same bfloat16 values:
-    float32 rounded to nearest even, from views of the fused qkv output."""
-    gen = torch.Generator().manual_seed(9)
-    kv_heads, dim, slots = 3, 8, 40
-    qkv = torch.randn(6, (4 + 2 * kv_heads) * dim, generator=gen)
-    k = qkv[:, 4 * dim : (4 + kv_heads) * dim].view(6, kv_heads, dim)
-    v = qkv[:, (4 + kv_heads) * dim :].view(6, kv_heads, dim)
-    slot_mapping = torch.tensor([3, 17, 39, 0, 17, 5])
-    caches = [torch.zeros(slots, kv_heads, dim, dtype=BF16) for _ in range(2)]
-    expected = [c.clone() for c in caches]
-    store_kv(expected[0], expected[1], slot_mapping, k, v)
-    kernels.store_kv(caches[0], caches[1], slot_mapping, k, v)
-    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
-    assert torch.equal(caches[0][39], k[2].to(BF16))  # rounded, not truncated
-    with pytest.raises(RuntimeError, match="both float32 or bfloat16"):
-        kernels.store_kv(caches[0], torch.zeros(slots, kv_heads, dim), slot_mapping, k, v)
-    with pytest.raises(RuntimeError, match="both float32 or bfloat16"):
-        kernels.store_kv(caches[0].half(), caches[1].half(), slot_mapping, k, v)
 
 
 def test_the_kernel_refuses_caches_of_two_dtypes(kernel: DecodeKernel) -> None:
