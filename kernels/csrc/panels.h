@@ -66,6 +66,24 @@ struct Ahead {
   int64_t count;
 };
 
+// Spreads an Ahead's lines over a tile's k loop: one asked for every k_len / count k, at
+// tick(), which the loop calls once a k.
+struct AheadPace {
+  Ahead ahead;
+  int64_t every, countdown;
+  AheadPace(Ahead a, int64_t k_len)
+      : ahead(a), every(a.count > 0 ? std::max<int64_t>(1, k_len / a.count) : 0),
+        countdown(every) {}
+  void tick() {
+    if (--countdown == 0 && ahead.count > 0) {
+      __builtin_prefetch(ahead.line, 0, 3);
+      ahead.line += kWidth;
+      --ahead.count;
+      countdown = every;
+    }
+  }
+};
+
 struct Product {
   const float* x;
   int64_t x_stride;
@@ -89,15 +107,9 @@ struct Product {
     const __m512 z = _mm512_setzero_ps();
     __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z;
     __m512 a6 = z, a7 = z, a8 = z, a9 = z, a10 = z, a11 = z;
-    const int64_t every = ahead.count > 0 ? std::max<int64_t>(1, k_len / ahead.count) : 0;
-    int64_t countdown = every;
+    AheadPace pace(ahead, k_len);
     for (int64_t k = 0; k < k_len; ++k) {
-      if (--countdown == 0 && ahead.count > 0) {
-        __builtin_prefetch(ahead.line, 0, 3);
-        ahead.line += kWidth;
-        --ahead.count;
-        countdown = every;
-      }
+      pace.tick();
       const __m512 w0 = _mm512_loadu_ps(w + k * kWidth);
 #define SHOAL_PANEL_ROW(r)                                          \
   if constexpr (MR > r) {                                           \
@@ -123,15 +135,9 @@ struct Product {
     const __m256 z = _mm256_setzero_ps();
     __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z;
     __m256 a30 = z, a31 = z, a40 = z, a41 = z, a50 = z, a51 = z;
-    const int64_t every = ahead.count > 0 ? std::max<int64_t>(1, k_len / ahead.count) : 0;
-    int64_t countdown = every;
+    AheadPace pace(ahead, k_len);
     for (int64_t k = 0; k < k_len; ++k) {
-      if (--countdown == 0 && ahead.count > 0) {
-        __builtin_prefetch(ahead.line, 0, 3);
-        ahead.line += kWidth;
-        --ahead.count;
-        countdown = every;
-      }
+      pace.tick();
       const __m256 w0 = _mm256_loadu_ps(w + k * kWidth);
       const __m256 w1 = _mm256_loadu_ps(w + k * kWidth + 8);
 #define SHOAL_PANEL_ROW(r)                                       \

@@ -10,6 +10,7 @@ prefix cache, sessions and a weight update; disaggregated peers of two KV dtypes
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from weight_kinds import (
     prompts,
 )
 
+from shoal import Engine
 from shoal.config import EngineOptions, resolve, resolve_kv_dtype
 from shoal.disagg.layout import KVLayout
 from shoal.kernels.attention import TorchAttention
@@ -213,62 +215,61 @@ def wide(wide_folder: Path) -> LoadedModel:
     return loaded
 
 
+@pytest.fixture
+def make_wide(make_engine: EngineFactory, wide: LoadedModel) -> EngineFactory:
+    """make_engine with the head_dim-32 model as the default model."""
+
+    async def on_wide(model: LoadedModel | None = None, **options: Any) -> Engine:
+        return await make_engine(model or wide, **options)
+
+    return on_wide
+
+
 @pytest.mark.parametrize("attention", ["cpu", "torch"])
 async def test_an_engine_on_a_bf16_kv_follows_the_float32_kv(
-    make_engine: EngineFactory, wide: LoadedModel, attention: str
+    make_wide: EngineFactory, attention: str
 ) -> None:
     """Float32 weights over a bfloat16 KV pick float32's tokens until a near-tie, with the
     compiled kernel (on the tiles where the CPU has them) and with the reference."""
     batch = prompts(8, 2)
-    narrow = await make_engine(wide, page_size=4, kv_cache_dtype="bfloat16", attention=attention)
+    narrow = await make_wide(page_size=4, kv_cache_dtype="bfloat16", attention=attention)
     assert narrow.resolved.kv_dtype == BF16
-    float32 = await make_engine(wide, page_size=4, attention=attention)
+    float32 = await make_wide(page_size=4, attention=attention)
     assert await flips_against(narrow, float32, batch) <= len(batch) // 2
 
 
 async def test_the_compiled_kernel_follows_the_reference_on_a_bf16_kv(
-    make_engine: EngineFactory, wide: LoadedModel
+    make_wide: EngineFactory,
 ) -> None:
     batch = prompts(8, 3)
-    compiled = await make_engine(wide, page_size=4, kv_cache_dtype="bfloat16", attention="cpu")
-    reference = await make_engine(wide, page_size=4, kv_cache_dtype="bfloat16", attention="torch")
+    compiled = await make_wide(page_size=4, kv_cache_dtype="bfloat16", attention="cpu")
+    reference = await make_wide(page_size=4, kv_cache_dtype="bfloat16", attention="torch")
     assert await flips_against(compiled, reference, batch) <= len(batch) // 4
 
 
 async def test_the_prefix_cache_on_a_bf16_kv_gives_what_a_cold_start_gives(
-    make_engine: EngineFactory, wide: LoadedModel
+    make_wide: EngineFactory,
 ) -> None:
     """Pages written in bfloat16 and reused by a later prompt give the tokens a fresh engine
     computes for it."""
     shared = list(range(40, 61))
     later = [shared + p for p in prompts(3, 4)]
-    warm = await make_engine(wide, page_size=4, kv_cache_dtype="bfloat16")
+    warm = await make_wide(page_size=4, kv_cache_dtype="bfloat16")
     await greedy_outputs(warm, [shared])
     got = await greedy_outputs(warm, later)
     reused = await warm.generate(input_ids=later[0], max_new_tokens=1).result()
     assert reused.usage.cached_tokens >= 20
-    cold = await make_engine(wide, page_size=4, kv_cache_dtype="bfloat16", prefix_cache=False)
+    cold = await make_wide(page_size=4, kv_cache_dtype="bfloat16", prefix_cache=False)
     assert got == await greedy_outputs(cold, later)
 
 
-async def test_sessions_on_a_bf16_kv_equal_stateless(
-    make_engine: EngineFactory, wide: LoadedModel
-) -> None:
-    async def on_wide(model: LoadedModel | None = None, **options: object) -> object:
-        return await make_engine(model or wide, **options)
-
-    await check_sessions_equal_stateless(on_wide, kv_cache_dtype="bfloat16")  # type: ignore[arg-type]
+async def test_sessions_on_a_bf16_kv_equal_stateless(make_wide: EngineFactory) -> None:
+    await check_sessions_equal_stateless(make_wide, kv_cache_dtype="bfloat16")
 
 
 async def test_a_weight_update_over_a_bf16_kv(
-    make_engine: EngineFactory, wide: LoadedModel, wide_folder: Path, wide_other: Path
+    make_wide: EngineFactory, wide_folder: Path, wide_other: Path
 ) -> None:
-    async def on_wide(model: LoadedModel | None = None, **options: object) -> object:
-        return await make_engine(model or wide, **options)
-
     await check_a_weight_update_rebuilds(
-        on_wide,  # type: ignore[arg-type]
-        wide_other,
-        wide_folder,
-        kv_cache_dtype="bfloat16",
+        make_wide, wide_other, wide_folder, kv_cache_dtype="bfloat16"
     )
