@@ -164,6 +164,22 @@ class EngineOptions:
         DEFAULT_LIMITS.max_token_ids_logprob, "token_ids_logprob entries per request"
     )
 
+    max_grammar_chars: int = option(
+        DEFAULT_LIMITS.max_grammar_chars,
+        "characters of a request's grammar (json_schema, regex, ebnf or structural_tag)",
+    )
+    grammar_compile_timeout_s: float = option(
+        10.0, "how long a request's grammar may take to compile before it is refused (400)"
+    )
+    json_any_whitespace: bool = option(
+        False,
+        "a json_schema's output may put whitespace wherever JSON allows (off: compact JSON, "
+        "one space after ':' and ',')",
+    )
+    grammar_cache_mb: int = option(
+        256, "memory for compiled grammars, least recently used dropped first"
+    )
+
     def input_limits(self) -> InputLimits:
         return InputLimits(**{name: getattr(self, name) for name in InputLimits.__struct_fields__})
 
@@ -186,7 +202,13 @@ class EngineOptions:
         ):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("disaggregation_timeout_s", "max_session_timeout_s"):
+        if self.grammar_cache_mb < 1:
+            raise ValueError(f"grammar_cache_mb must be >= 1, got {self.grammar_cache_mb}")
+        for name in (
+            "disaggregation_timeout_s",
+            "max_session_timeout_s",
+            "grammar_compile_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         PrefillPeers.parse(self.disaggregation_prefill_peers)  # ValueError saying which entry

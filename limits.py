@@ -36,6 +36,7 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_messages: int = 2048
     max_logit_bias: int = 300  # logit_bias entries per request
     max_token_ids_logprob: int = 64  # token_ids_logprob entries per request
+    max_grammar_chars: int = 65536  # a json_schema, regex, ebnf or structural_tag
 
     def validate(self) -> None:
         for name in self.__struct_fields__:

@@ -8,12 +8,13 @@ Engine.generate, makes a request one half of a disaggregated pair.
 
 from __future__ import annotations
 
+import json
 import math
 
 import msgspec
 import regex  # type: ignore[import-untyped]  # no stubs; re's syntax, and search timeouts
 
-from shoal.limits import InputLimits, check_count, check_stops
+from shoal.limits import InputLimits, check_chars, check_count, check_stops
 from shoal.results import RequestError
 
 MAX_TOP_LOGPROBS = 20
@@ -43,6 +44,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     return_routed_experts (SGLang's, mixture-of-experts models only) answers every layer's
     top-k expert ids at positions [routed_experts_start_len, prompt + output - 1), a start
     in [0, the prompt's length] (docs/architecture.md, "Routed experts").
+    json_schema, regex, ebnf and structural_tag (SGLang's names; at most one) constrain the
+    output to a grammar compiled by xgrammar: a JSON schema (as JSON text), a regular
+    expression, an EBNF grammar (GBNF, with a `root` rule) or an xgrammar structural tag (as
+    JSON text); the request ends with "stop" where the grammar ends (kernels/grammar_row.py).
 
     This struct is the per-request spec: it travels whole from the door to the request's row
     (Generate, the scheduler's Request, RowInit, RowState), and every door takes every field
@@ -73,6 +78,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     token_ids_logprob: tuple[int, ...] = ()
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -82,6 +91,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def wants_prompt_logprobs(self) -> bool:
         return self.logprob_start_len >= 0
 
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The one grammar constraint asked for (validate refuses more than one), or None."""
+        for kind in GRAMMAR_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return GrammarSpec(kind, source)
+        return None
+
     def validate(self, vocab_size: int | None = None, limits: InputLimits | None = None) -> None:
         """Raise RequestError (LimitExceeded for a count or a length) naming the first bad
         field in `field`; its message starts with the name. Counts and lengths are checked
@@ -89,6 +107,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         limits = limits or InputLimits()
         check_stops(limits, self.stop, self.stop_token_ids, self.stop_regex)
         check_count(len(self.logit_bias), limits.max_logit_bias, "logit_bias", "max_logit_bias")
+        _check_grammar(self, limits)
         num_listed = len(self.token_ids_logprob)
         check_count(
             num_listed, limits.max_token_ids_logprob, "token_ids_logprob", "max_token_ids_logprob"
@@ -167,6 +186,37 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             _check(ok, "logit_bias", "keys must be valid token ids", token_id)
             ok = _finite(bias) and -100.0 <= bias <= 100.0
             _check(ok, "logit_bias", "values must be in [-100, 100]", bias)
+
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """What a request's output must match: the field that asked (GRAMMAR_KINDS) and its text.
+    Also the key of its compiled grammar (kernels/grammars.py)."""
+
+    kind: str
+    source: str
+
+
+def _check_grammar(params: SamplingParams, limits: InputLimits) -> None:
+    """At most one grammar field, each a non-empty string within max_grammar_chars; the JSON
+    ones parse as JSON (what they mean is checked where they compile: kernels/grammars.py)."""
+    given = [kind for kind in GRAMMAR_KINDS if getattr(params, kind) is not None]
+    if len(given) > 1:
+        raise RequestError(
+            f"give at most one of json_schema, regex, ebnf and structural_tag, got {given}",
+            given[1],
+        )
+    for kind in given:
+        source = getattr(params, kind)
+        _check(isinstance(source, str) and source != "", kind, "must be a non-empty string", source)
+        check_chars(len(source), limits.max_grammar_chars, kind, "max_grammar_chars")
+        if kind in ("json_schema", "structural_tag"):
+            try:
+                json.loads(source)
+            except (ValueError, RecursionError) as exc:
+                raise RequestError(f" is not valid JSON: {exc}", kind, named=True) from None
 
 
 def pattern_problem(pattern: object) -> str | None:

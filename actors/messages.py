@@ -182,6 +182,9 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
     # (place of the sequence in batch order, its rows) for each sequence of a request asking
     # for its routed experts (SamplingParams.return_routed_experts) that recorded positions
     routed_experts: tuple[tuple[int, ExpertRows], ...] = ()
+    # (place in batch order, why) per sequence whose row constraint cannot go on (a grammar
+    # that refused its token): that request alone ends with the error
+    row_errors: tuple[tuple[int, str], ...] = ()
 
 
 class TransferEnded(msgspec.Struct, frozen=True, tag=True):

@@ -38,6 +38,7 @@ from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.elementwise import CompiledElementwise
+from shoal.kernels.grammars import Grammars
 from shoal.loading.identity import weights_digest
 from shoal.models.kv_pool import KVPool
 from shoal.models.layout import Part
@@ -181,6 +182,13 @@ def start_actors(
         max_pages_per_row=layout.max_pages_per_row,
         window=config.kv_window,
     )
+    grammars = Grammars(
+        loaded.tokenizer,
+        config.vocab_size,
+        config.eos_token_ids,
+        options.grammar_cache_mb << 20,
+        options.json_any_whitespace,
+    )
     compiled = kernels if resolved.attention == "cpu" else None  # int8 may load them alone
     stages = build_stages(loaded, options, resolved, compiled)
     first = stages[0]
@@ -196,6 +204,7 @@ def start_actors(
         streams=first.streams,
         weights_digest=weights_digest(loaded.weights, resolved.linear_kind),
         folder=loaded.path,
+        grammars=grammars,
     )
     planner = Planner(
         PlannerConfig(
@@ -223,6 +232,8 @@ def start_actors(
         options.max_sessions,
         faults,
         options.max_sessions_per_client,
+        grammars,
+        options.grammar_compile_timeout_s,
     )
     actors = Actors(
         tokenizer_box, scheduler_box, cache_box, executor_box, tokenizer, device_state.monitor

@@ -5,9 +5,9 @@ retraction), from the request's SamplingParams; `sample` (kernels/sampling.py) l
 row's constraints edit that row's logits before the stop-token mask and the filters, and the
 executor tells it every token the row sampled, in order (`advance`).
 
-    constraints = row_constraints(params, device)   # () for a request that asks for none
+    constraints = row_constraints(params, RowContext(device, grammars))  # () if none asked
     SamplingRow(..., constraints=constraints)        # sample() calls mask_ on the row's logits
-    constraint.advance(token_id)                     # each token the row sampled, in order
+    error = constraint.advance(token_id)             # each token the row sampled, in order
 
 Invariants:
 - A row without constraints pays nothing: `sample` takes its all-greedy fast path, and the
@@ -18,6 +18,8 @@ Invariants:
   as rows with penalties do), so `mask_` always sees every earlier token advanced.
 - `advance` runs on the executor's completion thread, `mask_` on its launch thread (or the
   last pipeline stage's); the executor's `arrived` condition orders the two.
+- `advance` answers a message when the row cannot go on (a grammar that refused the token):
+  that row alone ends with the error (StepResult.row_errors); raising fails the whole step.
 
 A new kind is one builder in ROW_CONSTRAINTS (docs/architecture.md, "A per-request option").
 """
@@ -25,10 +27,13 @@ A new kind is one builder in ROW_CONSTRAINTS (docs/architecture.md, "A per-reque
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from shoal.kernels.grammar_row import GrammarRow
+from shoal.kernels.grammars import Grammars
 from shoal.kernels.logit_bias import LogitBias
 from shoal.params import SamplingParams
 
@@ -43,26 +48,40 @@ class RowConstraint(Protocol):
         """Edit one row's float32 logits [V] in place (a ban is -inf)."""
         ...
 
-    def advance(self, token_id: int) -> None:
-        """The row sampled token_id: the next one after every token advanced before."""
+    def advance(self, token_id: int) -> str | None:
+        """The row sampled token_id: the next one after every token advanced before. A
+        message when the row cannot go on (said once; later calls answer None)."""
         ...
 
 
-ConstraintBuilder = Callable[[SamplingParams, torch.device], RowConstraint | None]
+@dataclass(frozen=True)
+class RowContext:
+    """What a builder may need beside the params: the device the row's logits are on, and
+    the engine's grammars (kernels/grammars.py; None where no request can carry one)."""
 
-# Each kind's builder: the constraint a request's params ask for, or None.
-ROW_CONSTRAINTS: tuple[ConstraintBuilder, ...] = (LogitBias.build,)
+    device: torch.device
+    grammars: Grammars | None = None
 
 
-def row_constraints(params: SamplingParams, device: torch.device) -> tuple[RowConstraint, ...]:
-    """The constraints `params` ask of a row whose logits are on `device`, in ROW_CONSTRAINTS'
-    order (the order their mask_ runs in)."""
-    built = (build(params, device) for build in ROW_CONSTRAINTS)
+ConstraintBuilder = Callable[[SamplingParams, RowContext], RowConstraint | None]
+
+# Each kind's builder: the constraint a request's params ask for, or None. The grammar runs
+# last: a token logit_bias bans stays banned, and the grammar's bans are never lifted.
+ROW_CONSTRAINTS: tuple[ConstraintBuilder, ...] = (LogitBias.build, GrammarRow.build)
+
+
+def row_constraints(params: SamplingParams, context: RowContext) -> tuple[RowConstraint, ...]:
+    """The constraints `params` ask of a row, in ROW_CONSTRAINTS' order (the order their
+    mask_ runs in)."""
+    built = (build(params, context) for build in ROW_CONSTRAINTS)
     return tuple(c for c in built if c is not None)
 
 
-def advance_all(constraints: tuple[RowConstraint, ...], token_ids: list[int]) -> None:
-    """Tell each constraint the tokens a row sampled, in order (a retracted row's replay)."""
+def advance_all(constraints: tuple[RowConstraint, ...], token_ids: list[int]) -> str | None:
+    """Tell each constraint the tokens a row sampled, in order (a retracted row's replay):
+    the first message of a constraint that cannot go on, if any."""
+    error = None
     for token_id in token_ids:
         for constraint in constraints:
-            constraint.advance(token_id)
+            error = constraint.advance(token_id) or error
+    return error

@@ -4,10 +4,15 @@ waits for a row's earlier tokens, so the row keeps overlap."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from shoal.kernels.device_copy import to_device
 from shoal.params import SamplingParams
+
+if TYPE_CHECKING:
+    from shoal.kernels.constraints import RowContext
 
 
 class LogitBias:
@@ -20,11 +25,11 @@ class LogitBias:
         self.values = to_device(list(bias.values()), torch.float32, device)
 
     @classmethod
-    def build(cls, params: SamplingParams, device: torch.device) -> LogitBias | None:
-        return cls(params.logit_bias, device) if params.logit_bias else None
+    def build(cls, params: SamplingParams, context: RowContext) -> LogitBias | None:
+        return cls(params.logit_bias, context.device) if params.logit_bias else None
 
     def mask_(self, logits: torch.Tensor) -> None:
         logits.index_add_(0, self.token_ids, self.values)
 
-    def advance(self, token_id: int) -> None:
-        pass
+    def advance(self, token_id: int) -> str | None:
+        return None

@@ -192,13 +192,15 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
     On the CPU the cumulative sum runs along each row in order, so it never falls and stays
     flat over a zero; a parallel scan (CUDA) promises neither, so there a drawn zero (a chance
-    of about 2^-24 where rounding opens a gap) falls back to the row's most likely token."""
+    of about 2^-24 where rounding opens a gap) falls back to the row's most likely token.
+    A row with nothing to draw (every logit -inf: a grammar whose end min_new_tokens bans)
+    sums to NaN and gets the last id, a valid one, which its row constraint then refuses."""
     cdf = probs.cumsum(dim=-1)
     target = (uniform.unsqueeze(1) * cdf[:, -1:]).contiguous()
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    tokens = tokens.clamp_(max=probs.shape[1] - 1)
     if probs.device.type == "cpu":
         return tokens
-    tokens = tokens.clamp_(max=probs.shape[1] - 1)
     drawn = probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return torch.where(drawn > 0, tokens, probs.argmax(dim=-1))
 

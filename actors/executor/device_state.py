@@ -38,8 +38,9 @@ from shoal.actors.executor_messages import Launch
 from shoal.actors.writer_messages import MemoryTag, WeightSource
 from shoal.heap import trim_host_heap
 from shoal.kernels.batch import AttentionBackend
-from shoal.kernels.constraints import advance_all, row_constraints
+from shoal.kernels.constraints import RowContext, advance_all, row_constraints
 from shoal.kernels.device_copy import to_device
+from shoal.kernels.grammars import Grammars
 from shoal.kernels.logprob_gather import (
     LogprobColumns,
     listed_ids,
@@ -79,13 +80,16 @@ class DeviceState:
         streams: StepStreams | None = None,
         weights_digest: str = "",
         folder: Path | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """`model` and `kv` are the whole model's, or pipeline stage 0's part with the later
         stages' in `later_stages` (actors/executor/stages.py). `weights_digest`: the loaded weights'
         identity (loading/identity.py), kept current by every update (read from the
         event loop by disaggregation's transfer actor: a str, replaced whole); `folder`: the
-        checkpoint they were read from (weight_loads.py)."""
+        checkpoint they were read from (weight_loads.py); `grammars`: what requests' grammars
+        compile to (kernels/grammars.py), for their rows' constraints."""
         self.weights_digest = weights_digest
+        self.grammars = grammars
         device = model.device
         self.model = model
         self.kv = kv
@@ -343,8 +347,9 @@ class DeviceState:
             if init is None:
                 continue
             outputs = list(init.output_ids)
-            constraints = row_constraints(init.sampling, self.models[-1].device)
-            advance_all(constraints, outputs)  # a retracted row's tokens so far
+            context = RowContext(self.models[-1].device, self.grammars)
+            constraints = row_constraints(init.sampling, context)
+            advance_all(constraints, outputs)  # a retracted row's tokens so far (allowed then)
             state = RowState(
                 init.sampling, init.seed, init.prompt_ids, outputs, len(outputs), constraints
             )

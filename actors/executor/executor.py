@@ -143,6 +143,7 @@ class Executor:
                     logprobs=result.logprobs,
                     prompt_logprobs=result.prompt_logprobs,
                     routed_experts=result.routed_experts,
+                    row_errors=result.row_errors,
                 )
             )
 

@@ -43,6 +43,8 @@ class StepResult(NamedTuple):
     prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
     # (place in batch order, rows) per sequence that recorded its routed experts
     routed_experts: tuple[tuple[int, ExpertRows], ...] = ()
+    # (place in batch order, why) per row whose constraint cannot go on: it ends alone
+    row_errors: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass
@@ -102,8 +104,7 @@ class PendingStep:
         except BaseException:
             self._lose()  # nobody may wait for these tokens any longer
             raise
-        if self.states:
-            self._arrive(tokens)
+        row_errors = self._arrive(tokens) if self.states else ()
         rest = tensors[1:]
         routed: tuple[tuple[int, ExpertRows], ...] = ()
         if self.routed is not None:
@@ -114,29 +115,34 @@ class PendingStep:
             prompt = self.prompt.unpack(rest[-5:])
             rest = rest[:-5]
         if not self.logprob_rows:
-            return StepResult(tokens, (), prompt, routed)
+            return StepResult(tokens, (), prompt, routed, row_errors)
         chosen, rank, values, ids, listed = (t.tolist() for t in rest)
         out: list[TokenLogprob | None] = [None] * len(tokens)
         for j, (i, k, n) in enumerate(self.logprob_rows):
             top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
             out[i] = TokenLogprob(tokens[i], float(chosen[j]), top, tuple(listed[j][:n]), rank[j])
-        return StepResult(tokens, tuple(out), prompt, routed)
+        return StepResult(tokens, tuple(out), prompt, routed, row_errors)
 
-    def _arrive(self, tokens: tuple[int, ...]) -> None:
-        """The tracked rows' tokens: appended, their constraints advanced, waiters woken."""
+    def _arrive(self, tokens: tuple[int, ...]) -> tuple[tuple[int, str], ...]:
+        """The tracked rows' tokens: appended, their constraints advanced, waiters woken.
+        Returns (place, why) for each row a constraint cannot take further."""
+        errors: list[tuple[int, str]] = []
         with self.arrived:
             try:
                 for state, i in zip(self.states, self.at, strict=True):
                     token = tokens[i]
                     state.output_ids.append(token)
                     for constraint in state.constraints:
-                        constraint.advance(token)
+                        error = constraint.advance(token)
+                        if error is not None:
+                            errors.append((i, error))
             except BaseException:  # a constraint failed: the step fails, as its launch would
                 for state in self.states:
                     state.lost = True
                 raise
             finally:
                 self.arrived.notify_all()
+        return tuple(errors)
 
     def _lose(self) -> None:
         with self.arrived:

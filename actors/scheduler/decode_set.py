@@ -81,8 +81,9 @@ class DecodeSet:
         """A set of every live request if each is a running decoder holding its row, or a
         finished one whose batches are all back (it waits for its release), and at least
         `MIN_MEMBERS` run; else None.
-        Logprobs and routed experts come back one by one (`LaunchedBatches.result`): a
-        request that asks for them keeps the per-request code."""
+        Logprobs and routed experts come back one by one (`LaunchedBatches.result`), and so
+        may a grammar's per-row error and its end on EOS whatever ignore_eos says: a request
+        that asks for any of them keeps the per-request code."""
         running: list[Req] = []
         dying: list[Req] = []
         if len(reqs) < MIN_MEMBERS:
@@ -91,7 +92,7 @@ class DecodeSet:
             sampling = req.sampling
             if req.row is None or req.role == "send" or sampling.wants_logprobs:
                 return None
-            if sampling.return_routed_experts:
+            if sampling.return_routed_experts or sampling.grammar is not None:
                 return None
             if req.phase is Phase.RUNNING:
                 running.append(req)

@@ -166,6 +166,7 @@ class LaunchedBatches:
         if decode_set is not None:
             assert batch.slots is not None and batch.starts is not None
             assert not done.logprobs and not done.routed_experts and not batch.chunks
+            assert not done.row_errors  # a row with a grammar is never a member (DecodeSet.of)
             columns = np.array(done.next_tokens, dtype=np.int64)
             ended, steady = decode_set.result(batch.slots, batch.starts, columns, self.config)
             if steady[0]:
@@ -175,13 +176,14 @@ class LaunchedBatches:
         tokens = done.next_tokens
         logprobs = done.logprobs or (None,) * len(tokens)
         routed = dict(done.routed_experts)  # place in batch order -> rows
+        errors = dict(done.row_errors)  # place in batch order -> why its row ends
         decoded = zip(batch.decodes, batch.decode_starts, tokens, logprobs, strict=False)
         for place, (req, start, token, logprob) in enumerate(decoded):
             req.inflight -= 1
             req.pending -= 1
             if start >= req.num_computed:
                 req.num_computed = start + 1
-            self._sampled(req, token, logprob, outputs, routed.get(place))
+            self._sampled(req, token, logprob, outputs, routed.get(place), errors.get(place))
         i = len(batch.decodes)
         prompt_logprobs = iter(done.prompt_logprobs)
         for place, (rid, samples, end, start, asks_logprobs) in enumerate(batch.chunks, i):
@@ -198,7 +200,7 @@ class LaunchedBatches:
                     outputs.append(Output(rid, (), prompt_logprobs=items))
             if samples:
                 req.pending -= 1
-                self._sampled(req, tokens[i], logprobs[i], outputs, experts)
+                self._sampled(req, tokens[i], logprobs[i], outputs, experts, errors.get(i))
                 i += 1
             elif experts is not None and req.phase is not Phase.FINISHING:
                 outputs.append(Output(rid, (), routed_experts=experts))
@@ -211,11 +213,18 @@ class LaunchedBatches:
         logprob: TokenLogprob | None,
         outputs: list[Output],
         experts: ExpertRows | None = None,
+        error: str | None = None,
     ) -> None:
         """A token sampled for `req` came back: its output (with `experts`, the routed
-        experts of the positions that computed it), unless it is to be discarded."""
+        experts of the positions that computed it), unless it is to be discarded. `error`:
+        its row's constraint refused the token (a grammar with nothing left to allow): the
+        request ends with it, the token unsent."""
         if req.phase is Phase.FINISHING:
             return  # launched before its finish was known: discard
+        if error is not None:
+            outputs.append(Output(req.rid, (), "error", error, "invalid_value"))
+            req.phase, req.finish = Phase.FINISHING, "error"
+            return
         if req.role == "send":  # held back until its KV has landed
             held = transfers.first_token(req, token, logprob, self.config.page_size)
             self.outbox.to_transfer(held)

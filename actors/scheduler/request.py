@@ -153,12 +153,14 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 def finish_reason(req: Req, token: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
-    """After `token` was appended: "stop" (stop token or EOS), "length", or None."""
+    """After `token` was appended: "stop" (stop token or EOS), "length", or None. A row with a
+    grammar samples EOS only where its grammar is complete (kernels/grammar_row.py), and ends
+    there even with ignore_eos: its grammar allows nothing after."""
     sp = req.sampling
     if req.num_outputs >= sp.min_new_tokens:
         if token in sp.stop_token_ids:
             return "stop"
-        if not sp.ignore_eos and token in eos_token_ids:
+        if token in eos_token_ids and (not sp.ignore_eos or sp.grammar is not None):
             return "stop"
     if req.num_outputs >= sp.max_new_tokens:
         return "length"

@@ -35,6 +35,13 @@ whatever is still in line arrived after it.
 A stateless request's prompt is measured as soon as it arrives, and its stream is told
 (RequestStream.accept) or fails then, wherever it waits; it is admitted in its turn. A session
 turn's prompt is measured at the front, from its session as it is then (chat_turns.py).
+
+A request with a grammar (json_schema, regex, ebnf, structural_tag) has it compiled first, on a
+thread of its own (kernels/grammars.py: cached, the GIL released), then measured as any other:
+a grammar that does not compile, or takes longer than the engine's compile timeout, fails the
+request with a RequestError naming its field, and nothing of it is queued. A compile that runs
+on past its timeout keeps that thread (xgrammar cannot be stopped); the requests behind it
+wait their own timeouts, and every other request is measured meanwhile.
 """
 
 from __future__ import annotations
@@ -52,7 +59,10 @@ from shoal.actors.messages import Admit, Encoded, Generate, TokenizerMsg
 from shoal.actors.tokenizer.chat_turns import History, measure_turn
 from shoal.actors.tokenizer.encode import Prompt, measure
 from shoal.actors.tokenizer.sessions import SessionState
+from shoal.kernels.grammars import Grammars
 from shoal.loading.hf_tokenizer import HFTokenizer
+from shoal.params import GrammarSpec
+from shoal.results import RequestError
 
 
 @dataclass(eq=False)
@@ -76,8 +86,13 @@ class Intake:
         context_length: int,
         seed: int | None,
         post: Callable[[Encoded], None],
+        grammars: Grammars | None = None,
+        compile_timeout_s: float = 10.0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars
+        self.compile_timeout_s = compile_timeout_s
+        self.compiler = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar")
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.post = post  # into the actor's own mailbox
@@ -168,6 +183,7 @@ class Intake:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
+        self.compiler.shutdown(wait=False, cancel_futures=True)
 
     # ---- measuring ------------------------------------------------------------------------
 
@@ -178,8 +194,8 @@ class Intake:
         gen = entry.msg
         assert isinstance(gen, Generate)
         work = partial(measure, self.tokenizer, gen, self.vocab_size, self.context_length)
-        if gen.input_ids is None:
-            self._start(entry, work)
+        if gen.input_ids is None or gen.sampling.grammar is not None:
+            self._start(entry, work, gen.sampling.grammar)
             return None
         try:
             return Encoded(entry.ticket, work(), None)
@@ -192,12 +208,36 @@ class Intake:
         gen = entry.msg
         assert isinstance(gen, Generate)
         vocab, context = self.vocab_size, self.context_length
-        self._start(entry, partial(measure_turn, self.tokenizer, history, gen, vocab, context))
+        work = partial(measure_turn, self.tokenizer, history, gen, vocab, context)
+        self._start(entry, work, gen.sampling.grammar)
 
-    def _start(self, entry: Waiting, work: Callable[[], Prompt]) -> None:
-        measuring = asyncio.get_running_loop().run_in_executor(self.worker, work)
+    def _start(
+        self, entry: Waiting, work: Callable[[], Prompt], grammar: GrammarSpec | None = None
+    ) -> None:
+        measuring: asyncio.Future[Prompt]
+        if grammar is None:
+            measuring = asyncio.get_running_loop().run_in_executor(self.worker, work)
+        else:
+            measuring = asyncio.ensure_future(self._compile_then(grammar, work))
         entry.measuring = measuring
         measuring.add_done_callback(partial(self._measured, entry.ticket))
+
+    async def _compile_then(self, grammar: GrammarSpec, work: Callable[[], Prompt]) -> Prompt:
+        """The request's grammar compiled (RequestError naming its field if it does not, or
+        not within the timeout), then its prompt measured."""
+        if self.grammars is None:
+            raise RequestError(" is not available on this engine", grammar.kind, named=True)
+        loop = asyncio.get_running_loop()
+        compiling = loop.run_in_executor(self.compiler, self.grammars.compile, grammar)
+        try:
+            await asyncio.wait_for(compiling, self.compile_timeout_s)
+        except TimeoutError:
+            why = (
+                f" took longer than {self.compile_timeout_s:g} s to compile "
+                "(grammar_compile_timeout_s); simplify it"
+            )
+            raise RequestError(why, grammar.kind, named=True) from None
+        return await loop.run_in_executor(self.worker, work)
 
     def _measured(self, ticket: int, measuring: asyncio.Future[Prompt]) -> None:
         if measuring.cancelled():  # withdrawn before it ran

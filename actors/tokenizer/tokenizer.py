@@ -53,6 +53,7 @@ from shoal.actors.tokenizer.sessions import SessionBook
 from shoal.actors.tokenizer.update_lock import UpdateLock
 from shoal.actors.tokenizer.weight_writer import WeightWriter
 from shoal.actors.writer_messages import ChangeMemory, Pause, UpdateWeights, WriteDone, Writer
+from shoal.kernels.grammars import Grammars
 from shoal.loading.hf_tokenizer import HFTokenizer
 from shoal.results import InternalError, OperationRefused, UpdateResult
 
@@ -73,11 +74,21 @@ class Tokenizer:
         max_sessions: int = 256,
         faults: FaultInjector | None = None,
         max_sessions_per_client: int | None = None,
+        grammars: Grammars | None = None,
+        grammar_compile_timeout_s: float = 10.0,
     ) -> None:
         self.mailbox = mailbox
         self.scheduler = scheduler
         self.faults = faults
-        self.intake = Intake(tokenizer, vocab_size, context_length, seed, mailbox.put)
+        self.intake = Intake(
+            tokenizer,
+            vocab_size,
+            context_length,
+            seed,
+            mailbox.put,
+            grammars,
+            grammar_compile_timeout_s,
+        )
         self.lock = UpdateLock()
         self.writer = WeightWriter(mailbox, scheduler, executor, cache)
         self.sessions = SessionBook(max_sessions, cache, mailbox.put, max_sessions_per_client)

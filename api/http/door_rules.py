@@ -64,10 +64,6 @@ MULTIMODAL_KNOBS = _accepted(
 _OPENAI: dict[str, Refused | Accepted] = {
     **_refused(
         STRUCTURED,
-        "regex",
-        "ebnf",
-        "json_schema",
-        "structural_tag",
         "guided_json",
         "guided_regex",
         "guided_choice",
@@ -76,7 +72,6 @@ _OPENAI: dict[str, Refused | Accepted] = {
         "guided_whitespace_pattern",
         "structured_outputs",
     ),
-    "response_format": Refused(STRUCTURED.why, ({"type": "text"},)),
     "logits_processors": Refused(LOGITS, ([],)),
     "custom_logit_processor": Refused(LOGITS),
     "custom_params": Refused(LOGITS, ({},)),
@@ -173,7 +168,6 @@ STREAM_OPTIONS: Rules = {
 # ---- /generate, its sampling_params, session_params, the websocket's turn -------------------
 
 SAMPLING: Rules = {  # SGLang's sampling_params beyond SamplingParams' fields
-    **_refused(STRUCTURED, "json_schema", "regex", "ebnf", "structural_tag"),
     "custom_params": Refused(LOGITS, ({},)),
     "spaces_between_special_tokens": Accepted("fast tokenizers ignore it, as shoal's do"),
     "stream_interval": Accepted("it batches streamed chunks; each is sent when it is ready"),

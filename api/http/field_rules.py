@@ -89,8 +89,8 @@ def refuse(body: Any, rules: Rules, prefix: str = "") -> None:
 # ---- why ------------------------------------------------------------------------------------
 
 STRUCTURED = Refused(
-    " yet: shoal does not constrain the output to a schema, grammar, pattern or choice, so "
-    "the answer would be unconstrained text"
+    ": vLLM's guided decoding fields are not read; constrain the output with response_format "
+    "or SGLang's json_schema, regex, ebnf or structural_tag"
 )
 TOOLS = " yet: shoal does not call tools, so the answer would be plain text"
 LOGITS = " yet: shoal biases logits per request (logit_bias) but does not mask or process them"

@@ -43,8 +43,20 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     function_call: Any | None = None  # refused unless null, as tool_calls
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """response_format.json_schema: the schema the output must match (api/http/
+    response_format.py). `name` and `description` label it; the output matches it exactly
+    whatever `strict` says."""
+
+    name: str | None = None
+    schema_: Any = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class OpenAIFields(RoomFields, kw_only=True):
@@ -55,7 +67,7 @@ class OpenAIFields(RoomFields, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    response_format: ResponseFormat | None = None  # refused unless {"type": "text"}
+    response_format: ResponseFormat | None = None  # json_object, json_schema or text
     no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
     session_params: SessionParams | None = None  # chat: the messages are the turn's new ones
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, with this many top

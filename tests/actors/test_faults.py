@@ -28,6 +28,7 @@ from shoal.actors.executor_messages import ExecutorMsg
 from shoal.actors.messages import CacheMsg, SchedulerMsg, TokenizerMsg
 from shoal.api.engine import Engine
 from shoal.kernels import constraints
+from shoal.kernels.constraints import RowContext
 from shoal.params import SamplingParams
 from shoal.results import EngineDeadError, InternalError, RequestError
 
@@ -125,6 +126,7 @@ async def _workload(engine: Engine, folder: Path) -> dict[str, str]:
     steps: dict[str, Callable[[], Awaitable[Any]]] = {
         "generate": lambda: _greedy(engine),
         "biased generate": lambda: _greedy(engine, logit_bias={7: 5.0, 99: -100.0}),
+        "grammar generate": lambda: _greedy(engine, regex="[a-z]{2,6}"),
         "abort": lambda: _first_token_then(engine, lambda: asyncio.sleep(0)),
         "session": lambda: _session(engine),
         "pause and continue": lambda: _pause_and_continue(engine),
@@ -257,9 +259,10 @@ class _Failing:
         if self.where == "mask":
             raise RuntimeError("the constraint broke")
 
-    def advance(self, token_id: int) -> None:
+    def advance(self, token_id: int) -> str | None:
         if self.where == "advance":
             raise RuntimeError("the constraint broke")
+        return None
 
 
 @pytest.mark.parametrize("where", ["mask", "advance"])
@@ -271,7 +274,7 @@ async def test_a_row_constraint_that_fails_fails_its_step_and_the_engine_serves_
     KV is not trusted), nothing leaks (make_engine checks every row and page is free), and once
     the steps launched ahead of the failure are through, the next requests are served."""
 
-    def failing(params: SamplingParams, device: torch.device) -> _Failing | None:
+    def failing(params: SamplingParams, context: RowContext) -> _Failing | None:
         return _Failing(where) if params.seed == 13 else None
 
     monkeypatch.setattr(constraints, "ROW_CONSTRAINTS", (*constraints.ROW_CONSTRAINTS, failing))
@@ -286,4 +289,22 @@ async def test_a_row_constraint_that_fails_fails_its_step_and_the_engine_serves_
     assert (await _greedy(engine)).token_ids == before.token_ids
     biased = await _greedy(engine, logit_bias={7: 100.0})
     assert set(biased.token_ids) == {7}
+    await engine.check_integrity()
+
+
+async def test_a_grammar_that_cannot_go_on_ends_its_row_alone(make_engine: EngineFactory) -> None:
+    """A grammar whose end min_new_tokens bans has nothing left to allow: that request alone
+    ends with a clear error (the per-row error of kernels/constraints.py), its neighbours in
+    the same steps finish as they would alone, and the engine serves on."""
+    engine = await make_engine()
+    alone = await _greedy(engine)
+    stuck = engine.generate(input_ids=PROMPT, ebnf='root ::= "ab"', min_new_tokens=6)
+    beside = asyncio.ensure_future(_greedy(engine))
+    done = await stuck.result()
+    assert done.finish_reason == "error" and "cannot continue under its grammar" in done.message
+    assert engine.tokenizer.decode(list(done.token_ids)) == "ab"
+    assert (await beside).token_ids == alone.token_ids
+    assert engine.dead_reason is None
+    again = await engine.generate(input_ids=PROMPT, ebnf='root ::= "ab"').result()
+    assert (again.finish_reason, again.text) == ("stop", "ab")
     await engine.check_integrity()

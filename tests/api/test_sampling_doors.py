@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 from doors import PROMPT, ws_turn
-from sampling_examples import EXAMPLES
+from sampling_examples import EXAMPLES, GRAMMAR_EXAMPLES
 from served import MODEL, Served, ServeFactory, post_ok
 
 from shoal.actors.messages import Admit
@@ -131,6 +131,36 @@ async def test_every_door_takes_every_field(
     async with await s.engine.open_session() as session:
         await session.turn(input_ids=PROMPT, **DENSE_EXAMPLES).result()
     assert received.take() == EXPECTED, "Session.turn"
+
+
+@pytest.mark.parametrize("kind", sorted(GRAMMAR_EXAMPLES))
+async def test_every_door_takes_every_grammar_field(
+    serve: ServeFactory, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The grammar fields exclude each other, so EXAMPLES carries one (the regex): each is
+    sent alone here, through every door, and reaches the engine as given."""
+    s = await serve()
+    received = Received(s, monkeypatch)
+    source = GRAMMAR_EXAMPLES[kind]
+    fields = {kind: source, "max_new_tokens": 2}
+    expected = SamplingParams(max_new_tokens=2, **{kind: source})
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    await post_ok(s, "/v1/chat/completions", {**chat, "max_tokens": 2, kind: source})
+    assert received.take() == expected, "chat"
+    await post_ok(
+        s, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, kind: source}
+    )
+    assert received.take() == expected, "completions"
+    await post_ok(s, "/generate", {"input_ids": PROMPT, "sampling_params": fields})
+    assert received.take() == expected, "native"
+    done = await ws_turn(s, max_tokens=2, **{kind: source})
+    assert done["type"] == "done", done
+    assert received.take() == expected, "websocket"
+    await s.engine.generate(input_ids=PROMPT, **fields).result()
+    assert received.take() == expected, "Engine.generate"
+    async with await s.engine.open_session() as session:
+        await session.turn(input_ids=PROMPT, **fields).result()
+    assert received.take() == expected, "Session.turn"
 
 
 async def test_a_field_not_given_is_its_declared_default_at_every_door(

@@ -152,6 +152,23 @@ async def test_seeded_sampling_penalties_and_logprobs_equal_one_engines(
     await pair.idle()
 
 
+async def test_a_row_with_a_grammar_through_both_equals_one_engine(
+    make_pair: PairFactory, make_engine: EngineFactory, tiny_model: LoadedModel
+) -> None:
+    """A grammar row's first token is the prefill server's, masked by its grammar; the decode
+    server's row starts its matcher from it (kernels/constraints.py, advance_all) and goes on
+    as one engine would, seeded sampling included; it ends with "stop" where the grammar does."""
+    pair = await make_pair()
+    solo = await make_engine()
+    grammar = {"regex": "[a-z]{2,5}-[0-9]{1,3}", "max_new_tokens": 20}
+    for i, prompt in enumerate(mixed_prompts(tiny_model.config.vocab_size)):
+        sampling = {**grammar, "seed": 100 + i, "temperature": 0.0 if i % 2 else 1.0}
+        _, second = await pair.run(prompt, **sampling)
+        alone = await solo.generate(input_ids=prompt, **sampling).result()
+        assert second.token_ids == alone.token_ids and second.finish_reason == "stop"
+    await pair.idle()
+
+
 async def test_the_kv_is_the_prefill_servers(
     make_pair: PairFactory, tiny_model: LoadedModel, tiny_reference: Reference
 ) -> None:

@@ -18,6 +18,8 @@ from workload import idle_stats, prompt
 
 from shoal import Engine
 from shoal.actors.executor.device_state import DeviceState
+from shoal.kernels.grammars import Grammars
+from shoal.params import GrammarSpec
 from shoal.results import RequestStream
 
 
@@ -27,6 +29,7 @@ def other_reference(other_folder: Path) -> Reference:
 
 
 BIASES: list[dict[int, float]] = [{}, {17: 6.0, 300: -100.0, 41: 3.5}]
+GRAMMAR = GrammarSpec("regex", "[a-z]{2,4}( [a-z]{2,4}){2}")  # a grammar row (grammar_row.py)
 
 
 def greedy(**extra: Any) -> dict[str, Any]:
@@ -47,13 +50,21 @@ async def test_update_right_after_each_response_100_times(
     ids = prompt(10, 1)
     refs = {tiny_folder: tiny_reference, other_folder: other_reference}
     assert tiny_reference.greedy(ids, 6, True) != other_reference.greedy(ids, 6, True)
+    grammars = Grammars(engine.tokenizer, 512, (2,), 64 << 20)
     current = tiny_folder
     for i in range(100):
         bias = BIASES[i % 2]  # every other request with a row constraint (kernels/constraints.py)
-        done = await engine.generate(
-            input_ids=ids, max_new_tokens=6, **greedy(logit_bias=bias)
-        ).result()
-        assert list(done.token_ids) == refs[current].greedy(ids, 6, True, bias), f"round {i}"
+        if i % 5 == 4:  # and some with a grammar, whose matcher lives in the row
+            done = await engine.generate(
+                input_ids=ids, max_new_tokens=12, temperature=0.0, regex=GRAMMAR.source
+            ).result()
+            want = refs[current].greedy(ids, 12, grammar=grammars.matcher(GRAMMAR))
+            assert list(done.token_ids) == want, f"round {i}"
+        else:
+            done = await engine.generate(
+                input_ids=ids, max_new_tokens=6, **greedy(logit_bias=bias)
+            ).result()
+            assert list(done.token_ids) == refs[current].greedy(ids, 6, True, bias), f"round {i}"
         assert done.weight_version == str(i)
         current = other_folder if current == tiny_folder else tiny_folder
         result = await engine.update_weights_from_disk(current)

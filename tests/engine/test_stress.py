@@ -1,7 +1,9 @@
 """A seeded random stress against a running server: generate, stream, disconnect, abort,
 flush, update (from disk, or tensors pushed in process), pause/continue and memory
 release/resume interleaved. It must end with no crash, nothing leaked, and
-every completed greedy request equal to its reference for the weights it ran on.
+every completed greedy request equal to its reference for the weights it ran on. Some rows
+carry a logit_bias, some a grammar (a regex: kernels/grammar_row.py), beside plain ones; a
+grammar row's reference is transformers' greedy under the same mask.
 
 Each seed runs with one executor stage and with two pipeline stages (actors/executor/stages.py).
 STRESS_SEED=N runs one more seed instead of the default two."""
@@ -24,8 +26,12 @@ from weight_pushes import checkpoint
 
 from shoal import Engine
 from shoal.actors.scheduler import decode_set
+from shoal.kernels.grammars import Grammars
+from shoal.params import GrammarSpec
 
 OPERATIONS = 500
+GRAMMAR = "[a-z]{1,6}( [a-z]{1,6}){0,5}"  # ends inside 12 tokens or not, whichever
+Done = tuple[list[int], int, dict[int, float], list[int], Any, str | None]
 PROMPTS = [[random.Random(i).randrange(3, 500) for _ in range(4 + 5 * i)] for i in range(8)]
 # Three more share a 40-token prefix, so requests wait for each other's published pages.
 PROMPTS += [[*PROMPTS[7][:40], 100 + i, 200 + i, 300 + i] for i in range(3)]
@@ -38,9 +44,9 @@ class Stress:
         self.engine = engine  # weight pushes and memory release, in process
         self.rng = random.Random(seed)
         self.control = asyncio.Lock()  # an update never lands inside a pause
-        # prompt, max_new_tokens, logit_bias, output, weight version
-        self.completed: list[tuple[list[int], int, dict[int, float], list[int], int]] = []
-        self.partial: list[tuple[list[int], int, dict[int, float], list[int], int]] = []  # aborted
+        # prompt, max_new_tokens, logit_bias, output, weight version, regex
+        self.completed: list[Done] = []
+        self.partial: list[Done] = []  # aborted
         self.counts: dict[str, int] = {}
         # prompt, logprob_start_len, the prompt's logprobs and ids answered, weight version
         self.scored: list[tuple[list[int], int, list[float | None], list[int], Any]] = []
@@ -52,6 +58,8 @@ class Stress:
         if self.rng.random() < 0.3:  # a row constraint (kernels/constraints.py) beside plain rows
             tokens = self.rng.sample(range(3, 500), 3)
             sampling["logit_bias"] = {str(t): self.rng.choice([-100.0, 4.0, 9.0]) for t in tokens}
+        elif self.rng.random() < 0.2:  # a grammar row: waits for its tokens, gives up overlap
+            sampling["regex"] = GRAMMAR
         body: dict[str, Any] = {
             "input_ids": self.rng.choice(PROMPTS),
             "stream": stream,
@@ -73,8 +81,9 @@ class Stress:
         sampling = body["sampling_params"]
         bias = {int(t): b for t, b in sampling.get("logit_bias", {}).items()}
         output, version = result["output_ids"], meta["weight_version"]
-        done = (body["input_ids"], sampling["max_new_tokens"], bias, output, version)
-        if finish == "length":
+        regex = sampling.get("regex")
+        done = (body["input_ids"], sampling["max_new_tokens"], bias, output, version, regex)
+        if finish == "length" or (finish == "stop" and regex is not None):
             self.completed.append(done)
             if "logprob_start_len" in body:  # every position from the start, once
                 rows = meta["input_token_logprobs"]
@@ -252,10 +261,17 @@ async def test_random_operations_against_a_running_server(
     references = {tiny_folder: tiny_reference, other_folder: Reference(other_folder, (2,))}
     assert len(stress.completed) > 60  # pauses in "abort" mode end some early
     assert sum(1 for c in stress.completed if c[2]) > 10  # biased rows among them
-    for prompt, max_new, bias, output, version in stress.completed:
+    assert sum(1 for c in stress.completed if c[5]) > 10  # and grammar rows
+    grammars = Grammars(served.engine.tokenizer, 512, (2,), 64 << 20)
+    spec = GrammarSpec("regex", GRAMMAR)
+    for prompt, max_new, bias, output, version, regex in stress.completed:
         reference = references[stress.folder_of_version[version]]
         if max_new == 0:  # the prefill alone
             assert output == []
+            continue
+        if regex is not None:
+            want = reference.greedy(prompt, max_new, grammar=grammars.matcher(spec))
+            assert output == want, f"grammar, version {version}"
             continue
         assert output == reference.greedy(prompt, max_new, True, bias), f"version {version}"
     assert len(stress.scored) > 10
@@ -270,9 +286,12 @@ async def test_random_operations_against_a_running_server(
                 want = float(expected[position - 1, prompt[position]])
                 assert abs(value - want) < 1e-4, f"version {version}, position {position}"
     assert stress.partial  # aborted by a call, a weight update or a pause, with some output
-    for prompt, max_new, bias, output, version in stress.partial:
+    for prompt, max_new, bias, output, version, regex in stress.partial:
         reference = references[stress.folder_of_version[version]]
-        expected = reference.greedy(prompt, max_new, True, bias)
+        if regex is not None:
+            expected = reference.greedy(prompt, max_new, grammar=grammars.matcher(spec))
+        else:
+            expected = reference.greedy(prompt, max_new, True, bias)
         assert output == expected[: len(output)], f"aborted, version {version}"
 
     await served.engine.wait_idle()

@@ -12,10 +12,10 @@ import math
 import msgspec
 import pytest
 import torch
-from sampling_examples import EXAMPLES
+from sampling_examples import EXAMPLES, GRAMMAR_EXAMPLES
 
 from shoal.kernels.sampling import SamplingRow, compute_logprobs, mix_seed, sample
-from shoal.params import SamplingParams
+from shoal.params import GRAMMAR_KINDS, SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -36,10 +36,15 @@ def random_logits(batch: int, vocab: int, seed: int = 0, device: str = "cpu") ->
 
 def test_every_field_has_an_example_other_than_its_default() -> None:
     fields = msgspec.structs.fields(SamplingParams)
-    assert set(EXAMPLES) == {f.name for f in fields}, "give the new field a value in EXAMPLES"
+    named = set(EXAMPLES) | set(GRAMMAR_EXAMPLES)
+    assert named == {f.name for f in fields}, "give the new field a value in EXAMPLES"
     for info in fields:
-        assert EXAMPLES[info.name] != info.default, info.name
+        assert {**GRAMMAR_EXAMPLES, **EXAMPLES}[info.name] != info.default, info.name
     SamplingParams(**EXAMPLES).validate(vocab_size=512)
+    assert set(GRAMMAR_EXAMPLES) == set(GRAMMAR_KINDS)
+    for kind, source in GRAMMAR_EXAMPLES.items():
+        swapped = {**EXAMPLES, "regex": None, kind: source}
+        SamplingParams(**swapped).validate(vocab_size=512)
 
 
 def test_mix_seed_is_a_63_bit_hash() -> None:

@@ -33,4 +33,16 @@ EXAMPLES: dict[str, Any] = {
     # a mixture-of-experts model's alone: the doors' test (dense) sends them as their default
     "return_routed_experts": True,
     "routed_experts_start_len": 1,
+    "regex": "[a-z ]+",  # the grammar fields exclude each other: GRAMMAR_EXAMPLES has the rest
+}
+
+# A value of each grammar field (params.GRAMMAR_KINDS), which exclude each other: EXAMPLES
+# carries the regex, and tests/api/test_sampling_doors.py sends each in its place.
+GRAMMAR_EXAMPLES: dict[str, str] = {
+    "json_schema": '{"type": "object", "properties": {"a": {"type": "integer"}}}',
+    "regex": EXAMPLES["regex"],
+    "ebnf": 'root ::= [a-z ]+ "."',
+    "structural_tag": (
+        '{"type": "structural_tag", "format": {"type": "const_string", "value": "ab"}}'
+    ),
 }

@@ -39,6 +39,7 @@ from shoal.api.http.route_table import ROUTES
 
 PROMPT = [5, 6, 7]
 SESSION = "<an open session's id>"  # replaced by one, opened for the request
+STRUCTURAL_TAG = '{"type": "structural_tag", "format": {"type": "const_string", "value": "a"}}'
 
 # ---- the upstream request types --------------------------------------------------------------
 # SGLang, python/sglang/srt/entrypoints/openai/protocol.py (ChatCompletionRequest,
@@ -257,14 +258,16 @@ KINDS: dict[str, Kind] = {
     **{"session_params": H(SESSION), "max_new_tokens": H(2), "min_new_tokens": H(1)},
     **{"bootstrap_host": H("127.0.0.1"), "bootstrap_port": H(8998)},
     "bootstrap_room": H(7, bootstrap_host="127.0.0.1"),
-    # structured output, tools, logits: refused unless they ask for nothing
-    **{name: R("a+", None) for name in ("regex", "guided_regex")},
-    **{"ebnf": R('root ::= "a"', None), "guided_grammar": R('root ::= "a"', None)},
-    **{"json_schema": R('{"type": "object"}', None), "structural_tag": R('{"a": 1}', None)},
+    # structured output (SGLang's names and OpenAI's response_format): honoured
+    **{"regex": H("a+"), "ebnf": H('root ::= "a"'), "json_schema": H('{"type": "object"}')},
+    "structural_tag": H(STRUCTURAL_TAG),
+    "response_format": H({"type": "json_object"}),
+    # vLLM's guided decoding, tools, logits: refused unless they ask for nothing
+    "guided_regex": R("a+", None),
+    "guided_grammar": R('root ::= "a"', None),
     **{"guided_json": R({"type": "object"}, None), "guided_choice": R(["a", "b"], None)},
     **{"guided_decoding_backend": R("xgrammar", None), "guided_whitespace_pattern": R(" ", None)},
     **{"structured_outputs": R({"regex": "a+"}, None), "stop_regex": H(["zz+"])},
-    "response_format": R({"type": "json_object"}, None, {"type": "text"}),
     "tools": R([{"type": "function", "function": {"name": "f"}}], None, []),
     "tool_choice": R("required", None, "none", "auto"),
     "functions": R([{"name": "f"}], None, []),
@@ -336,9 +339,7 @@ VLLM_ONLY_SAMPLING: dict[str, Kind] = {
     **{"routed_experts_prompt_start": R(1), "trace_decode_token_ids": R([5])},
     **{"max_tokens": R(2), "min_tokens": R(1), "logprobs": R(2)},
 }
-SGLANG_SAMPLING_EXTRAS: dict[str, Kind] = {
-    **{name: R("a+", None) for name in ("json_schema", "regex", "ebnf", "structural_tag")},
-}
+SGLANG_SAMPLING_EXTRAS: dict[str, Kind] = {}
 
 BY_DOOR: dict[str, dict[str, Kind]] = {
     "completions": {
@@ -610,19 +611,13 @@ async def test_every_field_is_honoured_accepted_or_refused(serve: ServeFactory, 
 
 ISSUE: list[tuple[str, dict[str, Any], str]] = [  # door, field, what the message must say
     *[
-        (door, {name: value}, "not supported yet")
+        (door, {name: value}, "SGLang's json_schema, regex, ebnf or structural_tag")
         for door in ("chat", "completions")
-        for name, value in (
-            *(("regex", "a+"), ("ebnf", 'root ::= "a"'), ("json_schema", '{"type": "object"}')),
-            *(("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"])),
-            ("response_format", {"type": "json_object"}),
-        )
+        for name, value in (("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]))
     ],
     ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "not supported yet"),
     ("chat", {"tool_choice": "required"}, "not supported yet"),  # without tools
     ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "not supported"),
-    ("sampling_params", {"regex": "a+"}, "not supported yet"),
-    ("turn", {"json_schema": '{"type": "object"}'}, "not supported yet"),
 ]
 
 
@@ -673,8 +668,8 @@ async def test_a_turn_through_chat_refuses_as_chat_does(serve: ServeFactory) -> 
     """A session turn on /v1/chat/completions decodes the same body: refused alike."""
     s = await serve()
     doors = Doors(s)
-    answer = await doors.send("chat", {"session_params": SESSION, "regex": "a+"})
-    assert answer.status == 400 and answer.error and answer.error["param"] == "regex"
+    answer = await doors.send("chat", {"session_params": SESSION, "guided_regex": "a+"})
+    assert answer.status == 400 and answer.error and answer.error["param"] == "guided_regex"
     bad = {"session_params": {"id": "x", "offset": 0}}  # 0 == False: still refused
     answer = await doors.send("chat", bad)
     assert answer.error and answer.error["param"] == "session_params.offset", answer
@@ -699,9 +694,9 @@ def test_the_document_says_what_a_refused_field_takes() -> None:
     schemas = document(ROUTES)["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False
-    assert chat["properties"]["regex"]["enum"] == [None]
+    assert chat["properties"]["guided_regex"]["enum"] == [None]
     assert chat["properties"]["tool_choice"]["enum"] == [None, "none", "auto"]
-    assert "not supported yet" in chat["properties"]["regex"]["description"]
+    assert "response_format" in chat["properties"]["guided_regex"]["description"]
     assert "accepted and ignored" in chat["properties"]["metadata"]["description"]
     assert schemas["GenerateRequest"]["additionalProperties"] is False
     assert msgspec.json.encode(schemas)  # the document stays JSON

@@ -1,0 +1,56 @@
+"""OpenAI's response_format in the engine's terms: the grammar field it asks for
+(SamplingParams.json_schema), or nothing for plain text.
+
+    {"type": "text"}                                        nothing
+    {"type": "json_object"}                                 json_schema '{"type": "object"}'
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
+                                                            json_schema: the schema as JSON
+
+The output always matches the schema exactly (strict or not: a strict answer is a valid
+non-strict one). SGLang's extra fields (json_schema, regex, ebnf, structural_tag) constrain
+the output too; a body may ask for one constraint only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shoal.api.http.errors import bad_request
+from shoal.params import GRAMMAR_KINDS
+
+JSON_OBJECT = '{"type": "object"}'
+TYPES = ("text", "json_object", "json_schema")
+
+
+def response_format_schema(response_format: Any, values: dict[str, Any]) -> str | None:
+    """The JSON schema `response_format` asks the output to match (None: plain text), as JSON
+    text. 400 naming the part that is wrong, or when `values` (the body's sampling fields)
+    already carry another constraint."""
+    if response_format is None or response_format.type == "text":
+        return None
+    kind = response_format.type
+    if kind not in TYPES:
+        raise bad_request(
+            f"response_format.type must be one of {list(TYPES)}, got {kind!r}",
+            "response_format.type",
+        )
+    given = [k for k in GRAMMAR_KINDS if values.get(k) is not None]
+    if given:
+        raise bad_request(
+            f"response_format and {given[0]} both constrain the output; give one",
+            "response_format",
+        )
+    if kind == "json_object":
+        return JSON_OBJECT
+    spec = response_format.json_schema
+    if spec is None or spec.schema_ is None:
+        where = "response_format.json_schema" + ("" if spec is None else ".schema")
+        raise bad_request(f"{where} is required with type json_schema", where)
+    if not isinstance(spec.schema_, dict | bool):
+        raise bad_request(
+            "response_format.json_schema.schema must be a JSON object (or a boolean), got "
+            f"{type(spec.schema_).__name__}",
+            "response_format.json_schema.schema",
+        )
+    return json.dumps(spec.schema_)

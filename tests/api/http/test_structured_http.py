@@ -1,0 +1,202 @@
+"""Structured output at the HTTP doors (issue 34): the unchanged openai client's
+`chat.completions.parse` with a pydantic model, a json_schema stream, `n` choices, OpenAI's
+json_object, SGLang's fields on the completions route and /generate; a bad grammar is a 400
+naming its field and the server serves on; /health answers while a grammar compiles. The
+bundled SmolLM2 behind `python -m shoal serve` answers `parse` too (slow)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from served import MODEL, ServeFactory, post, post_ok
+
+from shoal.kernels.grammars import Grammars
+from shoal.params import GrammarSpec
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    age: int = Field(ge=0, le=20)
+    vaccinated: bool
+
+
+PET_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {"name": "pet", "schema": Pet.model_json_schema()},
+}
+HEAVY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        f"f{i}": {"type": "array", "items": {"type": "object", "properties": {
+            "a": {"type": "string", "pattern": f"[a-z]{{1,{i + 5}}}"}, "b": {"type": "number"},
+        }}}
+        for i in range(60)
+    },
+}  # fmt: skip
+
+
+def messages(text: str = "Describe a pet as JSON.") -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_the_openai_clients_parse_gets_its_model(serve: ServeFactory) -> None:
+    s = await serve(max_n=4)
+    for seed in range(3):
+        answer = await s.client.chat.completions.parse(
+            model=MODEL, messages=messages(), response_format=Pet, seed=seed, max_tokens=200
+        )
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, Pet), choice.message
+
+
+async def test_a_json_schema_stream_and_n_choices_validate(serve: ServeFactory) -> None:
+    s = await serve(max_n=4)
+    schema = PET_SCHEMA["json_schema"]["schema"]
+    stream = await s.client.chat.completions.create(
+        model=MODEL, messages=messages(), response_format=PET_SCHEMA, stream=True, n=2, seed=3,
+        max_tokens=200,
+    )  # fmt: skip
+    texts = ["", ""]
+    finishes: list[str | None] = [None, None]
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert finishes == ["stop", "stop"], finishes
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+
+
+async def test_json_object_and_sglangs_fields_at_every_route(serve: ServeFactory) -> None:
+    s = await serve()
+    answer = await s.client.chat.completions.create(
+        model=MODEL, messages=messages(), response_format={"type": "json_object"}, max_tokens=300,
+        temperature=0.0,
+    )  # fmt: skip
+    if answer.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
+    else:  # a random model may run out of tokens inside a long string: still JSON so far
+        assert (answer.choices[0].message.content or "").startswith("{")
+    pattern = "[a-z]{2,5}-[0-9]{2}"
+    completion = await s.client.completions.create(
+        model=MODEL, prompt="code:", max_tokens=20, extra_body={"regex": pattern}
+    )
+    assert re.fullmatch(pattern, completion.choices[0].text), completion.choices[0].text
+    native = await post_ok(
+        s, "/generate", {"text": "answer:", "sampling_params": {"ebnf": 'root ::= "yes" | "no"'}}
+    )
+    assert (
+        native["text"] in ("yes", "no") and native["meta_info"]["finish_reason"]["type"] == "stop"
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objec"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object"}, "regex": "a+"}, "response_format"),
+        ({"regex": "(("}, "regex"),
+        ({"ebnf": "root ::= nothing"}, "ebnf"),
+        ({"json_schema": "{not json"}, "json_schema"),
+    ],
+)
+async def test_a_bad_grammar_is_a_400_naming_it_and_the_server_serves_on(
+    serve: ServeFactory, body: dict[str, Any], param: str
+) -> None:
+    s = await serve()
+    status, got = await post(
+        s, "/v1/chat/completions", {"model": MODEL, "messages": messages(), **body}
+    )
+    assert status == 400 and got["error"]["param"] == param, got
+    answer = await post_ok(
+        s, "/v1/chat/completions", {"model": MODEL, "messages": messages(), "max_tokens": 2}
+    )
+    assert answer["choices"][0]["message"]["content"] is not None
+
+
+async def test_health_answers_while_a_grammar_compiles(
+    serve: ServeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar compiles on the compile thread, off the event loop: /health answers meanwhile,
+    each within 50 ms. The compile is made a second longer (the tiny vocabulary compiles in a
+    blink; tests/kernels/test_grammars.py checks that xgrammar's releases the GIL)."""
+    compile_ = Grammars.compile
+
+    def slow(self: Grammars, spec: GrammarSpec) -> Any:
+        time.sleep(1.0)
+        return compile_(self, spec)
+
+    monkeypatch.setattr(Grammars, "compile", slow)
+    s = await serve(grammar_compile_timeout_s=60.0)
+    body = {"model": MODEL, "messages": messages(), "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": HEAVY_SCHEMA}}}  # fmt: skip  # noqa: E501
+    started = time.monotonic()
+    heavy = asyncio.create_task(post(s, "/v1/chat/completions", body))
+    slowest, probes = 0.0, 0
+    while not heavy.done():
+        t0 = time.monotonic()
+        async with s.http.get(s.url + "/health") as resp:
+            assert resp.status == 200
+        slowest = max(slowest, time.monotonic() - t0)
+        probes += 1
+        await asyncio.sleep(0.02)
+    status, got = await heavy
+    assert status == 200, got
+    assert time.monotonic() - started > 1.0 and probes >= 10, probes
+    assert slowest < 0.05, slowest
+
+
+@pytest.mark.slow
+async def test_serve_on_the_bundled_model_answers_parse(prebuilt_cpu_kernels: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "shoal", "serve", "--port", "0", "--served-model-name", "smol",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 300)).decode()
+        found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert found is not None, line
+        client = openai.AsyncOpenAI(base_url=found[0] + "/v1", api_key="none")
+        question = "Tell me about a pet: its kind, its age and whether it is vaccinated."
+        answer = await client.chat.completions.parse(
+            model="smol", messages=messages(question), response_format=Pet, temperature=0.0
+        )
+        assert isinstance(answer.choices[0].message.parsed, Pet), answer.choices[0].message
+        stream = await client.chat.completions.create(
+            model="smol", messages=messages(question), response_format=PET_SCHEMA, stream=True,
+            temperature=0.7, seed=1,
+        )  # fmt: skip
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        jsonschema.validate(json.loads(text), PET_SCHEMA["json_schema"]["schema"])
+        await client.close()
+    finally:
+        proc.terminate()
+        await proc.wait()
