@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import msgspec
 import regex  # type: ignore[import-untyped]  # no stubs; re's syntax, and search timeouts
@@ -252,6 +253,33 @@ class RoomLeft(msgspec.Struct, frozen=True):
     (actors/tokenizer/encode.py, `checked`)."""
 
     at_most: int | None = None
+
+
+# apply_chat_template's own arguments: a template variable may not take their names
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+        "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+        "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+class ChatTemplateArgs(msgspec.Struct, frozen=True):
+    """What a chat request hands its model's template beside the messages: the tools it may
+    call (OpenAI's {"type": "function", "function": {...}} each) and the caller's template
+    variables (chat_template_kwargs, such as Qwen3's {"enable_thinking": false})."""
+
+    tools: tuple[dict[str, Any], ...] = ()
+    kwargs: dict[str, Any] = {}
+
+    def check(self) -> None:
+        """RequestError naming chat_template_kwargs when a variable takes the name of one of
+        apply_chat_template's own arguments."""
+        taken = sorted(set(self.kwargs) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            why = f" may not set {taken}: the server sets them"
+            raise RequestError(why, "chat_template_kwargs", named=True)
 
 
 class Bootstrap(msgspec.Struct, frozen=True):

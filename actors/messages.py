@@ -23,7 +23,7 @@ import msgspec
 from shoal.actors.replies import SchedulerSnapshot
 from shoal.actors.writer_messages import ChangeMemory, Pause, UpdateWeights, WriteDone
 from shoal.cache.stats import KVStats
-from shoal.params import Bootstrap, RoomLeft, SamplingParams
+from shoal.params import Bootstrap, ChatTemplateArgs, RoomLeft, SamplingParams
 from shoal.results import (
     ErrorCode,
     FinishReason,
@@ -50,6 +50,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True):
     session_id: str | None = None
     bootstrap: Bootstrap | None = None
     room: RoomLeft | None = None  # max_new_tokens not given: sized to the prompt (params.py)
+    template: ChatTemplateArgs | None = None  # with messages: the template's tools and kwargs
 
 
 class Encoded(msgspec.Struct, frozen=True, tag=True):

@@ -18,7 +18,9 @@ from shoal.api.cache_command import add_cache_parser, run_cache_command
 from shoal.api.engine import Engine
 from shoal.api.engine_flags import add_engine_flags, engine_options
 from shoal.api.http.limits import HttpLimits
+from shoal.api.http.reasoning import PARSERS as REASONING_PARSERS
 from shoal.api.http.server import Server, ServerOptions
+from shoal.api.http.tool_parsers import PARSERS as TOOL_PARSERS
 from shoal.api.port_check import check_can_listen
 from shoal.api.sampling_wire import add_sampling_flags, sampling_from_args
 from shoal.kernels.cache_files import StartCancelled
@@ -126,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="/generate stream events carry only the text, ids and logprobs new since the "
         "previous event (SGLang's flag), not everything so far",
     )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the format tool calls are read in for tool_choice auto (default: the one the "
+        "model's chat template shows, if any)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split a reasoning model's <think> block into reasoning_content (default: none)",
+    )
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=server_defaults.max_body_bytes)
     serve.add_argument(
@@ -199,6 +214,8 @@ async def serve(args: argparse.Namespace) -> int:
         stream_write_timeout_s=args.stream_write_timeout_s,
         sse_keepalive_s=args.sse_keepalive_s,
         incremental_streaming_output=args.incremental_streaming_output,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         served_model_name=args.served_model_name or _model_name(args.model),
         max_body_bytes=args.max_body_bytes,
         max_queued_requests=args.max_queued_requests,

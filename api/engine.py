@@ -52,7 +52,7 @@ from shoal.disagg.bootstrap import BootstrapServer
 from shoal.limits import check_prompt_size
 from shoal.loading.hf_tokenizer import HFTokenizer
 from shoal.models.load import LoadedModel
-from shoal.params import Bootstrap, SamplingParams
+from shoal.params import Bootstrap, ChatTemplateArgs, SamplingParams
 from shoal.results import (
     EngineDeadError,
     FlushResult,
@@ -171,6 +171,7 @@ class Engine(WeightCalls, MemoryCalls):
         rid: str | None = None,
         session_id: str | None = None,
         bootstrap: Bootstrap | None = None,
+        chat_template: ChatTemplateArgs | None = None,
         **sampling_fields: Any,
     ) -> RequestStream:
         """Start one request. Sampling is a SamplingParams or its fields as keywords (a field
@@ -180,6 +181,9 @@ class Engine(WeightCalls, MemoryCalls):
         the command line come through here): ValueError at once for a bad value (RequestError
         or LimitExceeded, `field` naming it); a prompt that does not fit the context surfaces
         as ValueError from the stream.
+
+        `chat_template` (with messages): the tools the template shows the model and the
+        template's variables (params.ChatTemplateArgs); not for a session turn yet.
 
         `bootstrap` (SGLang's bootstrap_host/port/room) makes it one half of a disaggregated
         request on a prefill or decode server (docs/disaggregation.md); elsewhere it is
@@ -195,6 +199,11 @@ class Engine(WeightCalls, MemoryCalls):
         if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
             raise ValueError("give exactly one of prompt, input_ids or messages")
         check_prompt_size(self.limits, prompt, messages)
+        if chat_template is not None:
+            if messages is None or session_id is not None:
+                why = " needs messages, and is not supported for a session turn yet"
+                raise RequestError(why, "chat_template_kwargs", named=True)
+            chat_template.check()
         vocab_size = self.loaded.config.vocab_size if self.loaded else None
         context = self.resolved.context_length if self.resolved is not None else None
         sampling, room = request_sampling(
@@ -215,7 +224,9 @@ class Engine(WeightCalls, MemoryCalls):
         stream = RequestStream(rid, self.abort)
         ids = tuple(int(t) for t in input_ids) if input_ids is not None else None
         msgs = tuple(messages) if messages is not None else None
-        gen = Generate(rid, prompt, ids, msgs, sampling, stream, session_id, bootstrap, room)
+        gen = Generate(
+            rid, prompt, ids, msgs, sampling, stream, session_id, bootstrap, room, chat_template
+        )
         if bootstrap is not None:
             stream.on_end = partial(self.rooms.end, rid, bootstrap)
         actors.tokenizer_box.put(gen)

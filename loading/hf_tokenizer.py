@@ -31,8 +31,10 @@ class HFTokenizer(Protocol):
         *,
         add_generation_prompt: bool = ...,
         tokenize: bool = ...,
+        **kwargs: Any,
     ) -> str | list[int]:
-        """The model's chat template over the messages: text with tokenize=False."""
+        """The model's chat template over the messages: text with tokenize=False; `tools` and
+        any template variable as keywords."""
         ...
 
     def convert_ids_to_tokens(self, ids: int, /) -> str | list[str]:

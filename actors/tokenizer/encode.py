@@ -20,7 +20,7 @@ import msgspec
 
 from shoal.actors.messages import Generate
 from shoal.loading.hf_tokenizer import HFTokenizer
-from shoal.params import RoomLeft, SamplingParams
+from shoal.params import ChatTemplateArgs, RoomLeft, SamplingParams
 from shoal.results import RequestError
 
 
@@ -46,7 +46,7 @@ class Prompt(msgspec.Struct, frozen=True):
 def measure(tokenizer: HFTokenizer, gen: Generate, vocab_size: int, context_length: int) -> Prompt:
     """A request's prompt as checked ids (its text, chat messages or input_ids), and its
     sampling sized: RequestError naming what is wrong."""
-    ids = encode_prompt(tokenizer, gen.text, gen.input_ids, gen.messages)
+    ids = encode_prompt(tokenizer, gen.text, gen.input_ids, gen.messages, gen.template)
     sampling = checked(ids, gen.sampling, gen.room, vocab_size, context_length)
     return Prompt(ids, sampling)
 
@@ -56,15 +56,17 @@ def encode_prompt(
     text: str | None,
     input_ids: Sequence[int] | None,
     messages: Sequence[dict[str, Any]] | None,
+    template: ChatTemplateArgs | None = None,
 ) -> list[int]:
     """Token ids of exactly one of text (special tokens added as the tokenizer does),
-    input_ids (as given) or chat messages (the model's template, generation prompt on)."""
+    input_ids (as given) or chat messages (the model's template, generation prompt on, with
+    `template`'s tools and variables)."""
     if input_ids is not None:
         return list(input_ids)
     if messages is not None:
         if not messages:
             raise RequestError(" must not be empty", "messages", named=True)
-        rendered = render_chat(tokenizer, messages, add_generation_prompt=True)
+        rendered = render_chat(tokenizer, messages, add_generation_prompt=True, template=template)
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     if text is not None:
         return list(tokenizer.encode(text))
@@ -72,13 +74,22 @@ def encode_prompt(
 
 
 def render_chat(
-    tokenizer: HFTokenizer, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
+    tokenizer: HFTokenizer,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = False,
+    template: ChatTemplateArgs | None = None,
 ) -> str:
-    """The model's chat template applied to messages. A template that refuses them (its
-    `raise_exception`, a missing key) is the caller's error, never the actor's."""
+    """The model's chat template applied to messages (with `template`'s tools, if any, and
+    its variables). A template that refuses them (its `raise_exception`, a missing key) is
+    the caller's error, never the actor's."""
+    extra: dict[str, Any] = {}
+    if template is not None:
+        extra = dict(template.kwargs)
+        if template.tools:
+            extra["tools"] = list(template.tools)
     try:
         rendered = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
     except Exception as exc:  # jinja2 TemplateError and whatever a template may raise
         raise RequestError(

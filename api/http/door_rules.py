@@ -112,13 +112,10 @@ _OPENAI: dict[str, Refused | Accepted] = {
 
 CHAT: Rules = {
     **_OPENAI,
-    "tools": Refused(TOOLS, ([],)),
-    "tool_choice": Refused(TOOLS, ("none", "auto")),
     "functions": Refused(TOOLS, ([],)),
     "function_call": Refused(TOOLS, ("none", "auto")),
     **_refused(Refused(PROMPT), "chat_template", "reasoning_effort", "reasoning", "task"),
     "input_ids": Refused(PROMPT),
-    "chat_template_kwargs": Refused(PROMPT, ({},)),
     "documents": Refused(PROMPT, ([],)),
     "continue_final_message": Refused(PROMPT, (False,)),
     "add_generation_prompt": Refused(PROMPT, (True,)),
@@ -132,12 +129,11 @@ CHAT: Rules = {
     "verbosity": Refused(": the model is not steered by it", ("medium",)),
     **_refused(NOT_OUTPUT, "return_prompt_token_ids", "return_meta_info"),
     **_accepted(
-        "it only shapes how reasoning is reported, and shoal does not separate reasoning",
+        "reasoning is separated by the server's --reasoning-parser, and always reported",
         "separate_reasoning",
         "stream_reasoning",
         "include_reasoning",
     ),
-    "parallel_tool_calls": Accepted("only tools read it, and those are refused"),
     **_accepted(
         "OpenAI's platform bookkeeping or caching; it changes neither the tokens nor the answer",
         "metadata",

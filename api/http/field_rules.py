@@ -92,7 +92,7 @@ STRUCTURED = Refused(
     ": vLLM's guided decoding fields are not read; constrain the output with response_format "
     "or SGLang's json_schema, regex, ebnf or structural_tag"
 )
-TOOLS = " yet: shoal does not call tools, so the answer would be plain text"
+TOOLS = ": OpenAI's legacy functions; send tools and tool_choice"
 LOGITS = " yet: shoal biases logits per request (logit_bias) but does not mask or process them"
 PROMPT = ": shoal renders the prompt from the messages alone, with the model's chat template"
 ANSWER = ": the answer does not carry it"

@@ -140,6 +140,7 @@ class Gateway:
             prompt.text,
             input_ids=prompt.input_ids,
             messages=prompt.messages,
+            chat_template=prompt.template,
             sampling=choice.sampling,
             rid=choice.rid,
             session_id=session_id,  # a turn: the engine appends its input to the history

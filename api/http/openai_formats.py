@@ -18,6 +18,8 @@ from typing import Protocol
 
 import msgspec
 
+from shoal.api.http.chat_text import ChoiceText, whole_message
+from shoal.api.http.chat_tools import ToolPlan
 from shoal.api.http.openai_logprobs import (
     TokenBytes,
     chat_logprobs,
@@ -26,7 +28,6 @@ from shoal.api.http.openai_logprobs import (
     vllm_prompt_logprobs,
 )
 from shoal.api.http.openai_protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -38,6 +39,7 @@ from shoal.api.http.openai_protocol import (
     TextCompletion,
     UsageInfo,
 )
+from shoal.api.http.reasoning import ReasoningParser
 from shoal.results import Completion, Delta, PromptLogprobs, TokenLogprob
 
 
@@ -79,12 +81,28 @@ def usage(completions: Sequence[Completion], n: int) -> UsageInfo:
 
 
 class ChatFormat:
-    def __init__(self, answer: Answer) -> None:
+    """`plan`: the request's tools (api/http/chat_tools.py), `reasoning`: the server's
+    reasoning parser; with either, each choice's text is split into its parts
+    (api/http/chat_text.py)."""
+
+    def __init__(
+        self,
+        answer: Answer,
+        plan: ToolPlan | None = None,
+        reasoning: ReasoningParser | None = None,
+    ) -> None:
         self.rid, self.created, self.model = answer.rid, answer.created, answer.model
         self.want_logprobs, self.top = answer.logprobs
         self.tokens = answer.tokens
         self.n, self.include_usage = answer.n, answer.include_usage
         self.prompt_top = answer.prompt_top
+        self.plan, self.reasoning = plan, reasoning
+        self.texts: dict[int, ChoiceText] = {}  # a streamed choice's parts so far
+
+    def _text(self, index: int) -> ChoiceText:
+        if index not in self.texts:
+            self.texts[index] = ChoiceText(self.plan, self.reasoning)
+        return self.texts[index]
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.rid, self.created, self.model, [choice])
@@ -94,12 +112,14 @@ class ChatFormat:
 
     def delta(self, index: int, delta: Delta) -> ChatCompletionChunk | None:
         logprobs = self._logprobs(delta.logprobs)
-        if not delta.text and logprobs is None:
+        parts = self._text(index).feed(delta.text) if delta.text else None
+        if parts is None and logprobs is None:
             return None
-        return self._chunk(ChatChunkChoice(index, ChatDelta(content=delta.text), logprobs))
+        return self._chunk(ChatChunkChoice(index, parts or ChatDelta(), logprobs))
 
     def finish(self, index: int, completion: Completion) -> ChatCompletionChunk:
-        return self._chunk(ChatChunkChoice(index, ChatDelta(), None, completion.finish_reason))
+        parts, finish = self._text(index).end(completion.finish_reason)
+        return self._chunk(ChatChunkChoice(index, parts, None, finish))
 
     def last(self, completions: list[Completion]) -> ChatCompletionChunk | None:
         if not self.include_usage:
@@ -108,15 +128,10 @@ class ChatFormat:
         return ChatCompletionChunk(self.rid, self.created, self.model, [], total)
 
     def whole(self, completions: list[Completion]) -> ChatCompletion:
-        choices = [
-            ChatChoice(
-                i,
-                AssistantMessage("assistant", c.text),
-                self._logprobs(c.logprobs),
-                c.finish_reason,
-            )
-            for i, c in enumerate(completions)
-        ]
+        choices = []
+        for i, c in enumerate(completions):
+            message, finish = whole_message(c.text, c.finish_reason, self.plan, self.reasoning)
+            choices.append(ChatChoice(i, message, self._logprobs(c.logprobs), finish))
         total = usage(completions, self.n)
         whole = ChatCompletion(self.rid, self.created, self.model, choices, total)
         if self.prompt_top is not None and completions:  # vLLM's: the one prompt's

@@ -8,6 +8,7 @@ did (OpenAISampling.names).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,11 +24,12 @@ from shoal.api.http.openai_protocol import (
     ChatMessage,
     CompletionRequest,
     OpenAIFields,
+    ToolCall,
 )
 from shoal.api.http.response_format import response_format_schema
 from shoal.api.http.submission import Choice, PromptInput
 from shoal.api.sampling_wire import sampling_from, wire_names, wire_values
-from shoal.params import MAX_TOP_LOGPROBS, RoomLeft, SamplingParams
+from shoal.params import GRAMMAR_KINDS, MAX_TOP_LOGPROBS, RoomLeft, SamplingParams
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 SEED_LIMIT = 2**63
@@ -90,10 +92,9 @@ def chat_messages(gateway: Gateway, messages: list[ChatMessage]) -> list[dict[st
             check_count(len(message.content), max_parts, where, "max_content_parts")
     out = []
     for i, message in enumerate(messages):
-        for name in ("tool_calls", "function_call"):
-            if getattr(message, name):  # the template would never see the calls
-                where = f"messages[{i}].{name}"
-                raise bad_request(f"{where} is not supported{TOOLS}", where)
+        if message.function_call:  # OpenAI's legacy functions
+            where = f"messages[{i}].function_call"
+            raise bad_request(f"{where} is not supported{TOOLS}", where)
         if message.role not in ROLES:
             raise bad_request(
                 f"messages[{i}].role must be one of {sorted(ROLES)}, got {message.role!r}",
@@ -112,8 +113,41 @@ def chat_messages(gateway: Gateway, messages: list[ChatMessage]) -> list[dict[st
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": content or ""})
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
+        if message.tool_calls:
+            if message.role != "assistant":
+                where = f"messages[{i}].tool_calls"
+                raise bad_request(f"{where}: only an assistant message carries calls", where)
+            entry["tool_calls"] = [
+                template_call(f"messages[{i}].tool_calls[{j}]", call)
+                for j, call in enumerate(message.tool_calls)
+            ]
+        if message.reasoning_content is not None:  # Qwen3's template renders it, others not
+            entry["reasoning_content"] = message.reasoning_content
+        if message.role == "tool":
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+            if message.name is not None:
+                entry["name"] = message.name
+        out.append(entry)
     gateway.check_prompt_size(None, out, "messages")
+    return out
+
+
+def template_call(where: str, call: ToolCall) -> dict[str, Any]:
+    """An assistant's call as chat templates read it: its arguments an object, not the JSON
+    text OpenAI sends (as vLLM hands them to the template)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        where = f"{where}.function.arguments"
+        raise bad_request(f"{where} must be a JSON object as text", where)
+    out: dict[str, Any] = {"type": "function"}
+    if call.id is not None:
+        out["id"] = call.id
+    out["function"] = {"name": call.function.name, "arguments": arguments}
     return out
 
 
@@ -184,6 +218,16 @@ class OpenAISampling:
         if self.values.get("max_new_tokens") == 0 and not self.echo:  # 0: only to score
             name = self.names["max_new_tokens"]
             raise bad_request(f"{name} must be >= 1 (0 only with echo), got 0", name)
+
+    def constrain(self, schema: str, name: str) -> None:
+        """The output must match `schema` (a tool choice's: api/http/chat_tools.py), asked by
+        the body's field `name`: 400 when the body constrains it already."""
+        given = [k for k in GRAMMAR_KINDS if self.values.get(k) is not None]
+        if given:
+            asked = self.names.get(given[0], given[0])
+            raise bad_request(f"{name} and {asked} both constrain the output; give one", name)
+        self.values["json_schema"] = schema
+        self.names["json_schema"] = name
 
     def _prompt_logprobs(self, body: OpenAIFields) -> int | None:
         """The prompt's logprobs the answer reports (vLLM's prompt_logprobs: its top k; None:

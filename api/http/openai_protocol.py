@@ -10,7 +10,7 @@ is never silently ignored.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -35,12 +35,25 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends and answers it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # refused unless empty: tools are not supported
-    function_call: Any | None = None  # refused unless null, as tool_calls
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, rendered by the template
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: Any | None = None  # OpenAI's legacy functions: refused unless null
+    reasoning_content: str | None = None  # an assistant's reasoning, for templates that show it
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -76,6 +89,11 @@ class OpenAIFields(RoomFields, kw_only=True):
 class _ChatFields(OpenAIFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer max_tokens; it wins
+    # the functions the model may call, and how (api/http/chat_tools.py)
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's variables
 
 
 class _CompletionFields(OpenAIFields, kw_only=True):
@@ -164,16 +182,28 @@ class PromptLogprob(msgspec.Struct):
 PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
 
 
-class AssistantMessage(msgspec.Struct):
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # --reasoning-parser: the <think> block's text
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall | None = None
+
+
+ChatFinishReason = FinishReason | Literal["tool_calls"]
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletion(msgspec.Struct):
@@ -189,13 +219,15 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: ChatFinishReason | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

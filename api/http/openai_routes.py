@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from shoal.api.http.body import decode_body, json_response
+from shoal.api.http.chat_tools import tool_plan
 from shoal.api.http.errors import bad_request
 from shoal.api.http.gateway import Gateway
 from shoal.api.http.openai_formats import Answer, ChatFormat, Format, TextFormat
@@ -40,20 +41,37 @@ from shoal.api.http.openai_protocol import (
     ModelList,
     OpenAIFields,
 )
+from shoal.api.http.reasoning import PARSERS as REASONING
 from shoal.api.http.relay import stream_sse
 from shoal.api.http.sessions import session_turn
 from shoal.api.http.submission import PromptInput, Submission
+from shoal.api.http.tool_parsers import parser_for_template
 from shoal.models.registry import family_of
+from shoal.params import ChatTemplateArgs
+from shoal.results import RequestError
 
 
 class OpenAIRoutes:
-    def __init__(self, gateway: Gateway, model_names: Sequence[str], max_n: int) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        model_names: Sequence[str],
+        max_n: int,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
+        """`tool_call_parser`: the format of tool calls for tool_choice auto (None: the one
+        the chat template shows, if any); `reasoning_parser`: a <think> block's split."""
         assert model_names, "serve at least one model name"
         self.gateway = gateway
         self.model_names = list(model_names)
         self.max_n = max_n
         self.tokens = TokenBytes(gateway.engine.tokenizer)
         self.created = int(time.time())
+        template = getattr(gateway.engine.tokenizer, "chat_template", None)
+        shown = parser_for_template(template if isinstance(template, str) else None)
+        self.tool_parser = tool_call_parser or shown
+        self.reasoning = None if reasoning_parser is None else REASONING[reasoning_parser]
 
     async def models(self, request: web.Request) -> web.Response:
         engine = self.gateway.engine
@@ -75,16 +93,31 @@ class OpenAIRoutes:
         check_sizes(gateway, body)
         model = check_model(body.model, self.model_names)
         refuse_unsupported(body)
-        prompt = PromptInput(name="messages", messages=chat_messages(gateway, body.messages))
+        messages = chat_messages(gateway, body.messages)
         wire = OpenAISampling(body)
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
+        if plan is not None and plan.schema is not None:
+            wire.constrain(plan.schema, "tool_choice")
+        template = None
+        if plan is not None or body.chat_template_kwargs:
+            tools = () if plan is None else plan.tools
+            template = ChatTemplateArgs(tools, dict(body.chat_template_kwargs or {}))
+            try:
+                template.check()
+            except RequestError as exc:  # named here: the engine's names know no such field
+                raise bad_request(str(exc), "chat_template_kwargs") from None
+        prompt = PromptInput(name="messages", messages=messages, template=template)
         session_id = None
         if body.session_params is not None:  # its session checks it against the history
+            if template is not None:
+                name = "tools" if body.tools else "chat_template_kwargs"
+                raise bad_request(f"{name} is not supported with session_params yet", name)
             session_id = session_turn(body.session_params, body.n or 1)
         n = check_n(body.n, self.max_n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = wire.choices(rid, [prompt], n, turn=session_id is not None)
         submission = Submission(rid, choices, arrived_at, wire.field_names, session_id, body)
-        fmt = ChatFormat(self._answer_of(rid, model, wire, n, body))
+        fmt = ChatFormat(self._answer_of(rid, model, wire, n, body), plan, self.reasoning)
         return await self._answer(request, bool(body.stream), submission, fmt)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -40,6 +40,7 @@ from shoal.api.http.metrics import Metrics
 from shoal.api.http.native import NativeRoutes
 from shoal.api.http.openai_routes import OpenAIRoutes
 from shoal.api.http.openapi import OpenAPIRoute
+from shoal.api.http.reasoning import PARSERS as REASONING_PARSERS
 from shoal.api.http.route_table import ROUTES
 from shoal.api.http.routing import Route, add_routes
 from shoal.api.http.sessions import SessionRoutes
@@ -50,6 +51,7 @@ from shoal.api.http.stream_writer import (
     StreamPolicy,
 )
 from shoal.api.http.tokenize_routes import TokenizeRoutes
+from shoal.api.http.tool_parsers import PARSERS as TOOL_PARSERS
 from shoal.api.http.weight_routes import WeightRoutes
 from shoal.api.http.ws_sessions import SessionSockets
 
@@ -83,6 +85,11 @@ class ServerOptions:
     stream_write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # a client reading nothing: cut
     sse_keepalive_s: float = DEFAULT_KEEPALIVE_S  # `: keep-alive` after this long idle; 0: none
     incremental_streaming_output: bool = False  # /generate events: only what is new (SGLang's)
+    # chat answers: tool calls read for tool_choice auto (None: the template's format, if it
+    # shows one) and a reasoning block split off (None: none): api/http/tool_parsers.py,
+    # api/http/reasoning.py
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # input limits of the HTTP doors (api/http/limits.py, docs/limits.md)
     max_json_depth: int = HTTP_LIMITS.max_json_depth
     max_prompts: int = HTTP_LIMITS.max_prompts
@@ -99,6 +106,16 @@ class ServerOptions:
         for name in ("max_body_bytes", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tool_call_parser not in (None, *TOOL_PARSERS):
+            raise ValueError(
+                f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got "
+                f"{self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got "
+                f"{self.reasoning_parser!r}"
+            )
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if not 0 <= self.port < 65536:
@@ -184,7 +201,13 @@ class Server:
             dropped=self.metrics.stream_cuts.inc,
         )
         owners = (  # the route classes whose handlers the table names
-            OpenAIRoutes(self.gateway, self.model_names, self.options.max_n),
+            OpenAIRoutes(
+                self.gateway,
+                self.model_names,
+                self.options.max_n,
+                self.options.tool_call_parser,
+                self.options.reasoning_parser,
+            ),
             NativeRoutes(
                 self.gateway, self.options.incremental_streaming_output, self.options.max_n
             ),

@@ -20,7 +20,7 @@ from typing import Any
 
 from shoal.api.http.bootstrap_fields import RoomFields
 from shoal.api.http.errors import FieldNames
-from shoal.params import RoomLeft, SamplingParams
+from shoal.params import ChatTemplateArgs, RoomLeft, SamplingParams
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +32,7 @@ class PromptInput:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    template: ChatTemplateArgs | None = None  # with messages: the template's tools and kwargs
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from engines import EngineFactory
+from grammar_cases import tiny_grammars
 from reference import Reference
 from tiny_model import make_tiny_model_folder
 from weight_pushes import checkpoint
@@ -18,7 +19,6 @@ from workload import idle_stats, prompt
 
 from shoal import Engine
 from shoal.actors.executor.device_state import DeviceState
-from shoal.kernels.grammars import Grammars
 from shoal.params import GrammarSpec
 from shoal.results import RequestStream
 
@@ -50,7 +50,7 @@ async def test_update_right_after_each_response_100_times(
     ids = prompt(10, 1)
     refs = {tiny_folder: tiny_reference, other_folder: other_reference}
     assert tiny_reference.greedy(ids, 6, True) != other_reference.greedy(ids, 6, True)
-    grammars = Grammars(engine.tokenizer, 512, (2,), 64 << 20)
+    grammars = tiny_grammars(engine.tokenizer)
     current = tiny_folder
     for i in range(100):
         bias = BIASES[i % 2]  # every other request with a row constraint (kernels/constraints.py)

@@ -20,13 +20,13 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
+from grammar_cases import tiny_grammars
 from reference import Reference
 from served import ServeFactory
 from weight_pushes import checkpoint
 
 from shoal import Engine
 from shoal.actors.scheduler import decode_set
-from shoal.kernels.grammars import Grammars
 from shoal.params import GrammarSpec
 
 OPERATIONS = 500
@@ -262,7 +262,7 @@ async def test_random_operations_against_a_running_server(
     assert len(stress.completed) > 60  # pauses in "abort" mode end some early
     assert sum(1 for c in stress.completed if c[2]) > 10  # biased rows among them
     assert sum(1 for c in stress.completed if c[5]) > 10  # and grammar rows
-    grammars = Grammars(served.engine.tokenizer, 512, (2,), 64 << 20)
+    grammars = tiny_grammars(served.engine.tokenizer)
     spec = GrammarSpec("regex", GRAMMAR)
     for prompt, max_new, bias, output, version, regex in stress.completed:
         reference = references[stress.folder_of_version[version]]

@@ -21,6 +21,7 @@ import jsonschema
 import pytest
 import regex
 from engines import EngineFactory
+from grammar_cases import heavy_schema, tiny_grammars
 from parity import mixed_prompts
 from reference import Reference
 
@@ -53,8 +54,7 @@ KINDS: list[GrammarSpec] = [
 
 
 def grammars_of(model: LoadedModel) -> Grammars:
-    config = model.config
-    return Grammars(model.tokenizer, config.vocab_size, config.eos_token_ids, 64 << 20)
+    return tiny_grammars(model.tokenizer)
 
 
 def masked_reference(
@@ -317,16 +317,7 @@ async def test_a_grammar_too_slow_to_compile_is_refused_and_others_are_served(
     """A compile past grammar_compile_timeout_s is refused (400 at the doors); the compile
     thread finishes it in the background, and every other request is served meanwhile."""
     engine = await make_engine(grammar_compile_timeout_s=0.05)
-    heavy = {
-        "type": "object",
-        "properties": {
-            f"f{i}": {"type": "array", "items": {"type": "object", "properties": {
-                "a": {"type": "string", "pattern": f"[a-z]{{1,{i + 5}}}"}, "b": {"type": "number"},
-            }}}
-            for i in range(40)
-        },
-    }  # fmt: skip
-    slow = engine.generate(input_ids=[5, 6, 7], json_schema=json.dumps(heavy))
+    slow = engine.generate(input_ids=[5, 6, 7], json_schema=heavy_schema(40))
     plain = engine.generate(input_ids=[5, 6, 7], max_new_tokens=3)
     with pytest.raises(RequestError) as raised:
         await slow.result()

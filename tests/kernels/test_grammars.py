@@ -5,11 +5,11 @@ so the event loop keeps answering while one runs on the compile thread)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import pytest
+from grammar_cases import heavy_schema, tiny_grammars
 from tiny_model import EOS_ID, make_tiny_tokenizer
 
 from shoal.kernels.grammars import Grammars
@@ -19,18 +19,7 @@ from shoal.results import RequestError
 
 @pytest.fixture(scope="module")
 def grammars() -> Grammars:
-    return Grammars(make_tiny_tokenizer(), 512, (EOS_ID,), 64 << 20)
-
-
-def heavy_schema(fields: int) -> str:
-    item = {"type": "object", "properties": {"b": {"type": "number"}}}
-    properties = {
-        f"f{i}": {"type": "array", "items": {**item, "properties": {
-            **item["properties"], "a": {"type": "string", "pattern": f"[a-z]{{1,{i + 5}}}"}
-        }}}
-        for i in range(fields)
-    }  # fmt: skip
-    return json.dumps({"type": "object", "properties": properties})
+    return tiny_grammars(make_tiny_tokenizer())
 
 
 def test_each_kind_compiles_and_its_matcher_ends_on_eos(grammars: Grammars) -> None:

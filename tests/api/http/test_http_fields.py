@@ -268,8 +268,8 @@ KINDS: dict[str, Kind] = {
     **{"guided_json": R({"type": "object"}, None), "guided_choice": R(["a", "b"], None)},
     **{"guided_decoding_backend": R("xgrammar", None), "guided_whitespace_pattern": R(" ", None)},
     **{"structured_outputs": R({"regex": "a+"}, None), "stop_regex": H(["zz+"])},
-    "tools": R([{"type": "function", "function": {"name": "f"}}], None, []),
-    "tool_choice": R("required", None, "none", "auto"),
+    "tools": H([{"type": "function", "function": {"name": "f"}}], tool_choice="required"),
+    "tool_choice": H("required", tools=[{"type": "function", "function": {"name": "f"}}]),
     "functions": R([{"name": "f"}], None, []),
     "function_call": R({"name": "f"}, None, "none", "auto"),
     **{"logit_bias": H({"5": 1.0}), "logits_processors": R(["m.P"], None, [])},
@@ -278,7 +278,7 @@ KINDS: dict[str, Kind] = {
     # the prompt: shoal renders it from the messages alone
     **{"chat_template": R("{{ messages }}", None), "reasoning_effort": R("low", None)},
     **{"reasoning": R({"effort": "low"}, None), "task": R("domain", None)},
-    **{"chat_template_kwargs": R({"enable_thinking": False}, None, {})},
+    **{"chat_template_kwargs": H({"enable_thinking": False})},
     **{"documents": R([{"title": "a", "text": "b"}], None, [])},
     **{
         "continue_final_message": R(True, None, False),
@@ -316,7 +316,10 @@ KINDS: dict[str, Kind] = {
         "prompt_cache_options": N({"ttl": "1h"}),
         "prediction": N({"type": "content", "content": "x"}),
     },
-    **{"parallel_tool_calls": N(False), "separate_reasoning": N(False)},
+    "parallel_tool_calls": H(
+        False, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"
+    ),
+    "separate_reasoning": N(False),
     **{"stream_reasoning": N(False), "include_reasoning": N(False)},
     **{"max_dynamic_patch": N(4), "min_dynamic_patch": N(1), "use_audio_in_video": N(True)},
     **{"images_config": N({"a": 1}), "mm_processor_kwargs": N({"a": 1})},
@@ -615,9 +618,9 @@ ISSUE: list[tuple[str, dict[str, Any], str]] = [  # door, field, what the messag
         for door in ("chat", "completions")
         for name, value in (("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]))
     ],
-    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "not supported yet"),
-    ("chat", {"tool_choice": "required"}, "not supported yet"),  # without tools
-    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "not supported"),
+    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "legacy functions"),
+    ("chat", {"tool_choice": "required"}, "needs tools"),  # without tools
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "needs tools"),
 ]
 
 
@@ -675,7 +678,11 @@ async def test_a_turn_through_chat_refuses_as_chat_does(serve: ServeFactory) -> 
     assert answer.error and answer.error["param"] == "session_params.offset", answer
 
 
-async def test_messages_carrying_tool_calls_are_refused(serve: ServeFactory) -> None:
+async def test_messages_carrying_tool_calls_are_taken_from_the_assistant_only(
+    serve: ServeFactory,
+) -> None:
+    """An assistant's calls go to the template (tests/api/http/test_tools_http.py checks
+    what it renders); calls on another role, and the legacy function_call, are refused."""
     s = await serve()
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     messages = [
@@ -683,11 +690,14 @@ async def test_messages_carrying_tool_calls_are_refused(serve: ServeFactory) -> 
         {"role": "assistant", "content": None, "tool_calls": calls},
         {"role": "user", "content": "and?"},
     ]
+    assert (await Doors(s).send("chat", {"messages": messages})).status == 200
+    messages[0] = {"role": "user", "content": "hi", "tool_calls": calls}
     answer = await Doors(s).send("chat", {"messages": messages})
     assert answer.status == 400 and answer.error, answer
-    assert answer.error["param"] == "messages[1].tool_calls", answer.error
-    messages[1] = {"role": "assistant", "content": "ok", "tool_calls": []}
-    assert (await Doors(s).send("chat", {"messages": messages})).status == 200
+    assert answer.error["param"] == "messages[0].tool_calls", answer.error
+    messages[0] = {"role": "user", "content": "hi", "function_call": {"name": "f"}}
+    answer = await Doors(s).send("chat", {"messages": messages})
+    assert answer.error and answer.error["param"] == "messages[0].function_call", answer
 
 
 def test_the_document_says_what_a_refused_field_takes() -> None:
@@ -695,7 +705,7 @@ def test_the_document_says_what_a_refused_field_takes() -> None:
     chat = schemas["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False
     assert chat["properties"]["guided_regex"]["enum"] == [None]
-    assert chat["properties"]["tool_choice"]["enum"] == [None, "none", "auto"]
+    assert chat["properties"]["function_call"]["enum"] == [None, "none", "auto"]
     assert "response_format" in chat["properties"]["guided_regex"]["description"]
     assert "accepted and ignored" in chat["properties"]["metadata"]["description"]
     assert schemas["GenerateRequest"]["additionalProperties"] is False

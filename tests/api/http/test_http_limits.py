@@ -414,11 +414,13 @@ async def test_health_answers_while_a_prompt_at_the_char_limit_is_encoded(
     encoding, finish = threading.Event(), threading.Event()
     real_encode = tokenizer_encode.encode_prompt
 
-    def held_encode(tokenizer: Any, text: str | None, ids: Any, messages: Any) -> list[int]:
+    def held_encode(
+        tokenizer: Any, text: str | None, ids: Any, messages: Any, template: Any = None
+    ) -> list[int]:
         if text is not None and len(text) == max_chars:
             encoding.set()
             assert finish.wait(30), "the test never let the encoding finish"
-        return real_encode(tokenizer, text, ids, messages)
+        return real_encode(tokenizer, text, ids, messages, template)
 
     monkeypatch.setattr(tokenizer_encode, "encode_prompt", held_encode)
     body = {"model": MODEL, "prompt": "the " * (max_chars // 4), "max_tokens": 1}

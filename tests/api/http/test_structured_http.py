@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import sys
 import time
@@ -18,6 +19,7 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
+from grammar_cases import heavy_schema
 from pydantic import BaseModel, Field
 from served import MODEL, ServeFactory, post, post_ok
 
@@ -35,15 +37,6 @@ PET_SCHEMA = {
     "type": "json_schema",
     "json_schema": {"name": "pet", "schema": Pet.model_json_schema()},
 }
-HEAVY_SCHEMA = {
-    "type": "object",
-    "properties": {
-        f"f{i}": {"type": "array", "items": {"type": "object", "properties": {
-            "a": {"type": "string", "pattern": f"[a-z]{{1,{i + 5}}}"}, "b": {"type": "number"},
-        }}}
-        for i in range(60)
-    },
-}  # fmt: skip
 
 
 def messages(text: str = "Describe a pet as JSON.") -> list[dict[str, str]]:
@@ -154,7 +147,7 @@ async def test_health_answers_while_a_grammar_compiles(
     monkeypatch.setattr(Grammars, "compile", slow)
     s = await serve(grammar_compile_timeout_s=60.0)
     body = {"model": MODEL, "messages": messages(), "max_tokens": 4,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": HEAVY_SCHEMA}}}  # fmt: skip  # noqa: E501
+            "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": json.loads(heavy_schema(60))}}}  # fmt: skip  # noqa: E501
     started = time.monotonic()
     heavy = asyncio.create_task(post(s, "/v1/chat/completions", body))
     slowest, probes = 0.0, 0
@@ -175,6 +168,7 @@ async def test_health_answers_while_a_grammar_compiles(
 async def test_serve_on_the_bundled_model_answers_parse(prebuilt_cpu_kernels: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "shoal", "serve", "--port", "0", "--served-model-name", "smol",
+        "--tool-call-parser", "hermes",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
@@ -196,7 +190,84 @@ async def test_serve_on_the_bundled_model_answers_parse(prebuilt_cpu_kernels: Pa
         )  # fmt: skip
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         jsonschema.validate(json.loads(text), PET_SCHEMA["json_schema"]["schema"])
+        # tools: a named and a required choice (grammars), auto read by the hermes parser
+        tool = {
+            "type": "function",
+            "function": {"name": "adopt", "parameters": Pet.model_json_schema()},
+        }
+        other = {"type": "function", "function": {"name": "wait", "parameters": {"type": "object"}}}
+        for choice in ({"type": "function", "function": {"name": "adopt"}}, "required"):
+            answer = await client.chat.completions.create(
+                model="smol", messages=messages(question), tools=[tool, other],
+                tool_choice=choice, temperature=0.0, max_tokens=300, parallel_tool_calls=False,
+            )  # fmt: skip
+            [call] = answer.choices[0].message.tool_calls or [None]
+            assert call is not None and answer.choices[0].finish_reason == "tool_calls"
+            if call.function.name == "adopt":
+                Pet.model_validate_json(call.function.arguments)
+        forced = (
+            'root ::= "<tool_call>" "{\\"name\\": \\"wait\\", \\"arguments\\": {}}" "</tool_call>"'
+        )
+        answer = await client.chat.completions.create(
+            model="smol", messages=messages(question), tools=[tool, other], max_tokens=100,
+            extra_body={"ebnf": forced},
+        )  # fmt: skip
+        [call] = answer.choices[0].message.tool_calls or [None]
+        assert call is not None and call.function.name == "wait", answer
         await client.close()
     finally:
         proc.terminate()
         await proc.wait()
+
+
+NEAR_MISSES = [
+    '{"type": "objekt"}',
+    '{"type": "string", "pattern": "(("}',
+    "root ::= r\nr ::= root",
+    '{"type": "structural_tag"}',
+    "[a-",
+]
+GRAMMAR_ALPHABET = "ab01{}[]()|*+?.\\^$:,\"' -=<>#/\n"
+
+
+def noise(rng: random.Random, size: int) -> str:
+    return "".join(rng.choice(GRAMMAR_ALPHABET) for _ in range(size))
+
+
+async def test_fuzzed_grammar_fields_are_answered_or_refused_never_a_5xx(
+    serve: ServeFactory,
+) -> None:
+    """Seeded garbage (and near-miss sources) in every grammar field and in response_format
+    at the chat route, /generate and completions: each answered 200 or refused 400 naming a
+    field, and the engine serves the same greedy tokens after as before."""
+    s = await serve()
+    rng = random.Random(34)
+    greedy = {
+        "input_ids": [5, 17, 42],
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0},
+    }
+    before = await post_ok(s, "/generate", greedy)
+    kinds = ("json_schema", "regex", "ebnf", "structural_tag")
+    statuses: set[int] = set()
+    for i in range(48):
+        kind = kinds[i % 4]
+        source = noise(rng, rng.randint(0, 40))
+        if i % 3 == 0:  # near misses: valid JSON, a rule or two
+            source = rng.choice(NEAR_MISSES)
+        fields = {kind: source, "max_new_tokens": 4}
+        if i % 4 == 0:
+            status, got = await post(s, "/generate", {"text": "x", "sampling_params": fields})
+        elif i % 4 == 1:
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 4, kind: source}
+            status, got = await post(s, "/v1/completions", body)
+        else:
+            fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": {"type": source}}}
+            body = {"model": MODEL, "messages": messages(), "max_tokens": 4}
+            body |= {"response_format": fmt} if i % 4 == 2 else {kind: source}
+            status, got = await post(s, "/v1/chat/completions", body)
+        statuses.add(status)
+        assert status in (200, 400), (kind, source, status, got)
+        if status == 400:
+            assert got["error"]["param"], got
+    assert 400 in statuses
+    assert (await post_ok(s, "/generate", greedy))["output_ids"] == before["output_ids"]
