@@ -10,8 +10,9 @@ Invariants:
   stop tokens): the row ends there with "stop" (actors/scheduler/request.py, finish_reason),
   whatever ignore_eos says.
 - A token the grammar refuses (nothing was left to allow: min_new_tokens banned the end it
-  reached) ends this row alone with an error (`advance` says why, once); every later call
-  of the row is a no-op until its request is gone.
+  reached), or a matcher that fails (xgrammar's recursion limit on a pathological grammar),
+  ends this row alone with an error (`advance` says why, once), never the step its
+  neighbours share; every later call of the row is a no-op until its request is gone.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class GrammarRow:
 
         self.matcher = matcher
         self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # int32, on the host
-        self.failed = False
+        self.error: str | None = None  # why the row cannot go on
+        self.told = False  # advance said it
 
     @classmethod
     def build(cls, params: SamplingParams, context: RowContext) -> GrammarRow | None:
@@ -50,19 +52,31 @@ class GrammarRow:
     def mask_(self, logits: torch.Tensor) -> None:
         import xgrammar
 
-        if self.failed or self.matcher.is_terminated():
+        if self.error is not None or self.matcher.is_terminated():
             return  # the row has ended: whatever it samples now is discarded
-        self.matcher.fill_next_token_bitmask(self.bitmask)
+        try:
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+        except RuntimeError as exc:  # the next advance ends the row with it
+            self.error = f"the grammar's matcher failed: {exc}"
+            return
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         xgrammar.apply_token_bitmask_inplace(logits.view(1, -1), bitmask)
 
     def advance(self, token_id: int) -> str | None:
-        if self.failed or self.matcher.is_terminated():
+        if self.error is None and not self.matcher.is_terminated():
+            try:
+                accepted = self.matcher.accept_token(token_id)
+            except RuntimeError as exc:
+                self.error = f"the grammar's matcher failed: {exc}"
+            else:
+                if accepted:
+                    return None
+                self.error = (
+                    f"the output cannot continue under its grammar: token {token_id} is not "
+                    "allowed there (nothing was: min_new_tokens or a stop token ban left no "
+                    "allowed token)"
+                )
+        if self.error is None or self.told:
             return None
-        if self.matcher.accept_token(token_id):
-            return None
-        self.failed = True
-        return (
-            f"the output cannot continue under its grammar: token {token_id} is not allowed "
-            "there (nothing was: min_new_tokens or a stop token ban left no allowed token)"
-        )
+        self.told = True
+        return self.error

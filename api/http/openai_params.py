@@ -26,7 +26,7 @@ from shoal.api.http.openai_protocol import (
     OpenAIFields,
     ToolCall,
 )
-from shoal.api.http.response_format import response_format_schema
+from shoal.api.http.response_format import response_format_grammar
 from shoal.api.http.submission import Choice, PromptInput
 from shoal.api.sampling_wire import sampling_from, wire_names, wire_values
 from shoal.params import GRAMMAR_KINDS, MAX_TOP_LOGPROBS, RoomLeft, SamplingParams
@@ -208,10 +208,11 @@ class OpenAISampling:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         if not chat and "top_logprobs" in self.values:  # any completions logprobs asks for them
             self.values["logprobs"] = True
-        schema = response_format_schema(body.response_format, self.values)
-        if schema is not None:
-            self.values["json_schema"] = schema
-            self.names["json_schema"] = "response_format"
+        grammar = response_format_grammar(body.response_format, self.values)
+        if grammar is not None:
+            kind, source = grammar
+            self.values[kind] = source
+            self.names[kind] = "response_format"
         self.logprobs = (bool(self.values.get("logprobs")), self.values.get("top_logprobs", 0))
         self.echo = isinstance(body, CompletionRequest) and bool(body.echo)
         self.prompt_top = self._prompt_logprobs(body)

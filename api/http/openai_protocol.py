@@ -70,6 +70,7 @@ class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str
     json_schema: JsonSchemaFormat | None = None
+    format: Any = None  # type structural_tag (SGLang's): the tag's format
 
 
 class OpenAIFields(RoomFields, kw_only=True):

@@ -1,10 +1,12 @@
 """OpenAI's response_format in the engine's terms: the grammar field it asks for
-(SamplingParams.json_schema), or nothing for plain text.
+(SamplingParams.json_schema or structural_tag), or nothing for plain text.
 
     {"type": "text"}                                        nothing
     {"type": "json_object"}                                 json_schema '{"type": "object"}'
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
                                                             json_schema: the schema as JSON
+    {"type": "structural_tag", "format": {...}}             structural_tag: the whole of it
+                                                            (SGLang's, xgrammar's format)
 
 The output always matches the schema exactly (strict or not: a strict answer is a valid
 non-strict one). SGLang's extra fields (json_schema, regex, ebnf, structural_tag) constrain
@@ -20,12 +22,12 @@ from shoal.api.http.errors import bad_request
 from shoal.params import GRAMMAR_KINDS
 
 JSON_OBJECT = '{"type": "object"}'
-TYPES = ("text", "json_object", "json_schema")
+TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 
-def response_format_schema(response_format: Any, values: dict[str, Any]) -> str | None:
-    """The JSON schema `response_format` asks the output to match (None: plain text), as JSON
-    text. 400 naming the part that is wrong, or when `values` (the body's sampling fields)
+def response_format_grammar(response_format: Any, values: dict[str, Any]) -> tuple[str, str] | None:
+    """The grammar field and source `response_format` asks the output to match (None: plain
+    text). 400 naming the part that is wrong, or when `values` (the body's sampling fields)
     already carry another constraint."""
     if response_format is None or response_format.type == "text":
         return None
@@ -42,7 +44,12 @@ def response_format_schema(response_format: Any, values: dict[str, Any]) -> str 
             "response_format",
         )
     if kind == "json_object":
-        return JSON_OBJECT
+        return "json_schema", JSON_OBJECT
+    if kind == "structural_tag":
+        if not isinstance(response_format.format, dict):
+            message = "response_format.format must be a structural tag's format object"
+            raise bad_request(message, "response_format.format")
+        return "structural_tag", json.dumps({"type": kind, "format": response_format.format})
     spec = response_format.json_schema
     if spec is None or spec.schema_ is None:
         where = "response_format.json_schema" + ("" if spec is None else ".schema")
@@ -53,4 +60,4 @@ def response_format_schema(response_format: Any, values: dict[str, Any]) -> str 
             f"{type(spec.schema_).__name__}",
             "response_format.json_schema.schema",
         )
-    return json.dumps(spec.schema_)
+    return "json_schema", json.dumps(spec.schema_)

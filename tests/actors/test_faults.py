@@ -29,6 +29,7 @@ from shoal.actors.messages import CacheMsg, SchedulerMsg, TokenizerMsg
 from shoal.api.engine import Engine
 from shoal.kernels import constraints
 from shoal.kernels.constraints import RowContext
+from shoal.kernels.grammar_row import GrammarRow
 from shoal.params import SamplingParams
 from shoal.results import EngineDeadError, InternalError, RequestError
 
@@ -289,6 +290,55 @@ async def test_a_row_constraint_that_fails_fails_its_step_and_the_engine_serves_
     assert (await _greedy(engine)).token_ids == before.token_ids
     biased = await _greedy(engine, logit_bias={7: 100.0})
     assert set(biased.token_ids) == {7}
+    await engine.check_integrity()
+
+
+class _BreakingMatcher:
+    """A grammar's matcher that fails after two tokens (as xgrammar's does past its recursion
+    limit), its other calls passed to the real one."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher, self.taken = matcher, 0
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor) -> Any:
+        if self.taken >= 2:
+            raise RuntimeError("max recursion depth exceeded")
+        return self.matcher.fill_next_token_bitmask(bitmask)
+
+    def accept_token(self, token_id: int) -> bool:
+        self.taken += 1
+        return bool(self.matcher.accept_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+async def test_a_grammar_whose_matcher_fails_ends_its_row_alone(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A matcher that raises (in its mask, on the launch thread) ends its own request with an
+    error; the row beside it, in the same steps, gives its tokens as alone."""
+    build = GrammarRow.build.__func__  # type: ignore[attr-defined]
+
+    def breaking(cls: type[GrammarRow], params: SamplingParams, context: RowContext) -> Any:
+        row = build(cls, params, context)
+        if row is not None and params.seed == 13:
+            row.matcher = _BreakingMatcher(row.matcher)
+        return row
+
+    monkeypatch.setattr(GrammarRow, "build", classmethod(breaking))
+    monkeypatch.setattr(
+        constraints, "ROW_CONSTRAINTS", (constraints.LogitBias.build, GrammarRow.build)
+    )
+    engine = await make_engine()
+    alone = await _greedy(engine)
+    broken = engine.generate(input_ids=PROMPT, regex="[a-z]{6,9}", seed=13)
+    beside = asyncio.ensure_future(_greedy(engine))
+    done = await broken.result()
+    assert done.finish_reason == "error" and "matcher failed" in done.message, done
+    assert (await beside).token_ids == alone.token_ids
+    again = await engine.generate(input_ids=PROMPT, regex="[a-z]{6,9}").result()
+    assert again.finish_reason == "stop" and 6 <= len(again.text) <= 9
     await engine.check_integrity()
 
 

@@ -323,3 +323,30 @@ async def test_a_grammar_too_slow_to_compile_is_refused_and_others_are_served(
         await slow.result()
     assert raised.value.field == "json_schema" and "grammar_compile_timeout_s" in str(raised.value)
     assert len((await plain.result()).token_ids) == 3
+
+
+@pytest.mark.slow
+async def test_every_sampled_output_of_smollm2_matches_its_grammar(
+    make_engine: EngineFactory, smollm2: LoadedModel
+) -> None:
+    """The property above on the bundled model, whose vocabulary is a real one (49,152 byte-
+    level tokens, many spanning JSON's punctuation and words together)."""
+    engine = await make_engine(smollm2)
+    config = smollm2.config
+    grammars = Grammars(smollm2.tokenizer, config.vocab_size, config.eos_token_ids, 64 << 20)
+    cases = generated_cases(35, 9)
+    ask = [{"role": "user", "content": "Answer in the format you are given."}]
+    streams = [
+        engine.generate(messages=ask, max_new_tokens=96, temperature=(0.7, 1.0, 1.5)[i % 3],
+                        seed=i, **{spec.kind: spec.source})
+        for i, spec in enumerate(cases)
+    ]  # fmt: skip
+    done = await asyncio.gather(*(s.result() for s in streams))
+    stopped = 0
+    for spec, completion in zip(cases, done, strict=True):
+        ended = completion.finish_reason == "stop"
+        assert matches(grammars, spec, completion.token_ids, ended), (spec, completion.text)
+        if ended:
+            stopped += 1
+            check_text(spec, completion.text)
+    assert stopped >= len(cases) // 2, stopped

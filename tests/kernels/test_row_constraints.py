@@ -23,7 +23,7 @@ from reference import Reference
 from shoal.actors.executor.pending_step import PendingStep, RowState, sampling_rows
 from shoal.actors.executor.streams import HostResult
 from shoal.kernels import constraints
-from shoal.kernels.constraints import RowConstraint
+from shoal.kernels.constraints import RowConstraint, RowContext
 from shoal.kernels.logit_bias import LogitBias
 from shoal.kernels.sampling import SamplingRow
 from shoal.params import SamplingParams
@@ -47,8 +47,9 @@ class Scripted:
         logits[: self.script[k]] = float("-inf")
         logits[self.script[k] + 1 :] = float("-inf")
 
-    def advance(self, token_id: int) -> None:
+    def advance(self, token_id: int) -> str | None:
         self.seen.append(token_id)
+        return None
 
 
 class Scripts:
@@ -61,7 +62,7 @@ class Scripts:
         kinds = (*constraints.ROW_CONSTRAINTS, self.build)
         monkeypatch.setattr(constraints, "ROW_CONSTRAINTS", kinds)
 
-    def build(self, params: SamplingParams, device: torch.device) -> RowConstraint | None:
+    def build(self, params: SamplingParams, context: RowContext) -> RowConstraint | None:
         if params.seed not in self.by_seed:
             return None
         scripted = Scripted(self.by_seed[params.seed], self.waits)

@@ -82,6 +82,14 @@ async def test_json_object_and_sglangs_fields_at_every_route(serve: ServeFactory
         assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
     else:  # a random model may run out of tokens inside a long string: still JSON so far
         assert (answer.choices[0].message.content or "").startswith("{")
+    tagged = {"type": "structural_tag", "format": {"type": "const_string", "value": "ok!"}}
+    answer = await s.client.chat.completions.create(
+        model=MODEL,
+        messages=messages(),
+        response_format=tagged,
+        max_tokens=20,  # type: ignore[arg-type]
+    )
+    assert answer.choices[0].message.content == "ok!"
     pattern = "[a-z]{2,5}-[0-9]{2}"
     completion = await s.client.completions.create(
         model=MODEL, prompt="code:", max_tokens=20, extra_body={"regex": pattern}
@@ -112,6 +120,7 @@ async def test_json_object_and_sglangs_fields_at_every_route(serve: ServeFactory
             "response_format.json_schema.schema",
         ),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format.format"),
         ({"response_format": {"type": "json_object"}, "regex": "a+"}, "response_format"),
         ({"regex": "(("}, "regex"),
         ({"ebnf": "root ::= nothing"}, "ebnf"),
