@@ -7,7 +7,8 @@
 #
 # Parts, in this order (each under `timeout`, all inside one deadline, GPU_CHECK_BUDGET_S,
 # default 540 s: a part that hangs or fails costs only its own share):
-#   T  tests/kernels/test_sampling*.py and tests/actors/executor, on CUDA where they can
+#   T  tests/kernels/test_sampling*.py, tests/kernels/test_grammars.py (a grammar row's mask on
+#      CUDA) and tests/actors/executor, on CUDA where they can
 #   A  bench/host_cost.py --paths graph: the host's cost of a decode step, the trivial forward
 #      captured into real CUDA graphs; batches 1 64 256, greedy and sampled (A5: --device-ms 5)
 #   B  bench/random_model.py + bench/offline.py (shoal, decode steps, generate at batch 256) on
@@ -19,7 +20,8 @@
 # carried too), A runs on it as well, and B's SmolLM2 run (without generate) three times on
 # each tree, alternating, same card.
 # Needs .whl/ (wheels for CPython 3.12 x86_64 the device lacks: msgspec 0.22.0, gguf 0.19.0,
-# py-spy 0.4.3, pytest 9.2.0, pytest-asyncio 1.5.0; each fetched with `pip download --no-deps
+# py-spy 0.4.3, pytest 9.2.0, pytest-asyncio 1.5.0, xgrammar 0.2.8 with apache-tvm-ffi
+# 0.1.15.post2 (4.6 MB together); each fetched with `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --implementation cp --platform
 # manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION`). Files in $OUT:
 # gpu_check.log (all output), host_cost_gpu.jsonl, gpu_offline.jsonl (a {"shape": ..} line
@@ -127,7 +129,8 @@ print("msgspec", md.version("msgspec"), "gguf", md.version("gguf"), "py-spy", sh
 # ---- T: the tests whose CUDA paths run nowhere else (sampling on the device, the executor's
 # per-row tensors, graphs fed on the device); the GGUF of tests/engine/test_cuda.py does not
 # travel (98 MB), so the end-to-end runs below stand in for it -------------------------------
-T_FILES=(tests/kernels/test_sampling.py tests/kernels/test_sampling_columns.py tests/actors/executor)
+T_FILES=(tests/kernels/test_sampling.py tests/kernels/test_sampling_columns.py
+         tests/kernels/test_grammars.py tests/actors/executor)
 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 part T-tests 150 "$PY" -m pytest -q -x -p asyncio \
   -p no:cacheprovider "${T_FILES[@]}"
 

@@ -58,6 +58,11 @@ class Grammars:
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
 
+    def ready(self) -> None:
+        """Import xgrammar and build the vocabulary's tables, once (a first grammar's cost,
+        which its compile timeout should not count)."""
+        self._compiler_()
+
     def _compiler_(self) -> xgrammar.GrammarCompiler:
         with self._lock:
             if self._compiler is None:

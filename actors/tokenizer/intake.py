@@ -36,12 +36,13 @@ A stateless request's prompt is measured as soon as it arrives, and its stream i
 (RequestStream.accept) or fails then, wherever it waits; it is admitted in its turn. A session
 turn's prompt is measured at the front, from its session as it is then (chat_turns.py).
 
-A request with a grammar (json_schema, regex, ebnf, structural_tag) has it compiled first, on a
-thread of its own (kernels/grammars.py: cached, the GIL released), then measured as any other:
-a grammar that does not compile, or takes longer than the engine's compile timeout, fails the
-request with a RequestError naming its field, and nothing of it is queued. A compile that runs
-on past its timeout keeps that thread (xgrammar cannot be stopped); the requests behind it
-wait their own timeouts, and every other request is measured meanwhile.
+A request with a grammar (json_schema, regex, ebnf, structural_tag) has it compiled first, on
+the compile threads (COMPILE_THREADS; kernels/grammars.py: cached, the GIL released), then
+measured as any other: a grammar that does not compile, or takes longer than the engine's
+compile timeout, fails the request with a RequestError naming its field, and nothing of it is
+queued. A compile that runs on past its timeout keeps its thread (xgrammar cannot be stopped)
+until it ends, and caches its grammar; the other threads compile the grammars behind it, and
+every request is measured meanwhile.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ from shoal.kernels.grammars import Grammars
 from shoal.loading.hf_tokenizer import HFTokenizer
 from shoal.params import GrammarSpec
 from shoal.results import RequestError
+
+# Grammars compiled at once: one runaway compile (past its timeout) leaves the rest of them
+COMPILE_THREADS = 4
 
 
 @dataclass(eq=False)
@@ -92,7 +96,7 @@ class Intake:
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.compile_timeout_s = compile_timeout_s
-        self.compiler = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar")
+        self.compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="shoal-grammar")
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.post = post  # into the actor's own mailbox
@@ -228,6 +232,7 @@ class Intake:
         if self.grammars is None:
             raise RequestError(" is not available on this engine", grammar.kind, named=True)
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.compiler, self.grammars.ready)  # once: not timed
         compiling = loop.run_in_executor(self.compiler, self.grammars.compile, grammar)
         try:
             await asyncio.wait_for(compiling, self.compile_timeout_s)

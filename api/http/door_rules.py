@@ -62,16 +62,8 @@ MULTIMODAL_KNOBS = _accepted(
 # ---- the OpenAI doors -----------------------------------------------------------------------
 
 _OPENAI: dict[str, Refused | Accepted] = {
-    **_refused(
-        STRUCTURED,
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "guided_whitespace_pattern",
-        "structured_outputs",
-    ),
+    "guided_decoding_backend": Accepted("xgrammar is shoal's one grammar backend"),
+    "guided_whitespace_pattern": STRUCTURED,
     "logits_processors": Refused(LOGITS, ([],)),
     "custom_logit_processor": Refused(LOGITS),
     "custom_params": Refused(LOGITS, ({},)),

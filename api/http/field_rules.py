@@ -89,8 +89,7 @@ def refuse(body: Any, rules: Rules, prefix: str = "") -> None:
 # ---- why ------------------------------------------------------------------------------------
 
 STRUCTURED = Refused(
-    ": vLLM's guided decoding fields are not read; constrain the output with response_format "
-    "or SGLang's json_schema, regex, ebnf or structural_tag"
+    ": a JSON schema's whitespace is the server's (--json-any-whitespace), not a pattern's"
 )
 TOOLS = ": OpenAI's legacy functions; send tools and tool_choice"
 LOGITS = " yet: shoal biases logits per request (logit_bias) but does not mask or process them"

@@ -28,6 +28,7 @@ from shoal.api.http.openai_protocol import (
 )
 from shoal.api.http.response_format import response_format_grammar
 from shoal.api.http.submission import Choice, PromptInput
+from shoal.api.http.vllm_guided import vllm_constraints
 from shoal.api.sampling_wire import sampling_from, wire_names, wire_values
 from shoal.params import GRAMMAR_KINDS, MAX_TOP_LOGPROBS, RoomLeft, SamplingParams
 
@@ -213,6 +214,8 @@ class OpenAISampling:
             kind, source = grammar
             self.values[kind] = source
             self.names[kind] = "response_format"
+        for name, kind, source in vllm_constraints(body):
+            self.constrain(kind, source, name)
         self.logprobs = (bool(self.values.get("logprobs")), self.values.get("top_logprobs", 0))
         self.echo = isinstance(body, CompletionRequest) and bool(body.echo)
         self.prompt_top = self._prompt_logprobs(body)
@@ -220,15 +223,16 @@ class OpenAISampling:
             name = self.names["max_new_tokens"]
             raise bad_request(f"{name} must be >= 1 (0 only with echo), got 0", name)
 
-    def constrain(self, schema: str, name: str) -> None:
-        """The output must match `schema` (a tool choice's: api/http/chat_tools.py), asked by
-        the body's field `name`: 400 when the body constrains it already."""
+    def constrain(self, kind: str, source: str, name: str) -> None:
+        """The output must match `source` (a grammar field's: a tool choice's schema, vLLM's
+        constraints), asked by the body's field `name`: 400 when the body constrains it
+        already."""
         given = [k for k in GRAMMAR_KINDS if self.values.get(k) is not None]
         if given:
             asked = self.names.get(given[0], given[0])
             raise bad_request(f"{name} and {asked} both constrain the output; give one", name)
-        self.values["json_schema"] = schema
-        self.names["json_schema"] = name
+        self.values[kind] = source
+        self.names[kind] = name
 
     def _prompt_logprobs(self, body: OpenAIFields) -> int | None:
         """The prompt's logprobs the answer reports (vLLM's prompt_logprobs: its top k; None:

@@ -67,6 +67,17 @@ class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     description: str | None = None
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's structured_outputs: one constraint (api/http/vllm_guided.py)."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
 class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: str
     json_schema: JsonSchemaFormat | None = None
@@ -82,6 +93,12 @@ class OpenAIFields(RoomFields, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None  # json_object, json_schema or text
+    # vLLM's constraints (api/http/vllm_guided.py)
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
     session_params: SessionParams | None = None  # chat: the messages are the turn's new ones
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, with this many top

@@ -97,7 +97,7 @@ class OpenAIRoutes:
         wire = OpenAISampling(body)
         plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
         if plan is not None and plan.schema is not None:
-            wire.constrain(plan.schema, "tool_choice")
+            wire.constrain("json_schema", plan.schema, "tool_choice")
         template = None
         if plan is not None or body.chat_template_kwargs:
             tools = () if plan is None else plan.tools

@@ -89,3 +89,25 @@ def test_a_compile_lets_other_threads_run(grammars: Grammars) -> None:
     elapsed_ms = (time.perf_counter() - started) * 1000
     assert elapsed_ms > 50, elapsed_ms  # heavy enough to tell
     assert ticks[0] > elapsed_ms / 10, (ticks[0], elapsed_ms)
+
+
+@pytest.mark.gpu
+def test_a_rows_mask_on_cuda_equals_its_mask_on_the_cpu(grammars: Grammars) -> None:
+    """GrammarRow's bitmask goes to the logits' device: the same bans on CUDA as on the CPU,
+    applied to one row of a batch and not its neighbours."""
+    import torch
+
+    from shoal.kernels.grammar_row import GrammarRow
+
+    spec = GrammarSpec("json_schema", heavy_schema(3))
+    logits = torch.randn(3, 512)
+    banned = {}
+    for device in ("cpu", "cuda"):
+        row = GrammarRow(grammars.matcher(spec), 512)
+        batch = logits.to(device)
+        for token in grammars.tokenizer.encode('{"f0": [', add_special_tokens=False):
+            assert row.advance(token) is None
+        row.mask_(batch[1])
+        banned[device] = torch.isinf(batch).cpu()
+    assert torch.equal(banned["cpu"], banned["cuda"])
+    assert banned["cpu"][1].any() and not banned["cpu"][0].any() and not banned["cpu"][2].any()

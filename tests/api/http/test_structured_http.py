@@ -280,3 +280,42 @@ async def test_fuzzed_grammar_fields_are_answered_or_refused_never_a_5xx(
             assert got["error"]["param"], got
     assert 400 in statuses
     assert (await post_ok(s, "/generate", greedy))["output_ids"] == before["output_ids"]
+
+
+async def test_vllms_guided_fields_and_structured_outputs(serve: ServeFactory) -> None:
+    """vLLM's names for the same constraints (api/http/vllm_guided.py), as vLLM clients send
+    them in extra_body; one constraint a request, whatever names it."""
+    s = await serve()
+    choices = ['say "yes"', "nein", "ünï 😀"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        for seed in range(3):
+            answer = await s.client.completions.create(
+                model=MODEL, prompt="pick:", max_tokens=30, seed=seed, extra_body=extra
+            )
+            assert answer.choices[0].text in choices, (extra, answer.choices[0].text)
+    schema = PET_SCHEMA["json_schema"]["schema"]
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": json.dumps(schema)}}):
+        answer = await s.client.chat.completions.create(
+            model=MODEL, messages=messages(), max_tokens=200, extra_body=extra
+        )
+        jsonschema.validate(json.loads(answer.choices[0].message.content or ""), schema)
+    extra = {"structured_outputs": {"regex": "[0-9]{3}"}, "guided_decoding_backend": "xgrammar"}
+    answer = await s.client.chat.completions.create(
+        model=MODEL, messages=messages(), max_tokens=20, extra_body=extra
+    )
+    assert re.fullmatch("[0-9]{3}", answer.choices[0].message.content or "")
+    base = {"model": MODEL, "messages": messages(), "max_tokens": 4}
+    for body, param in [
+        ({"guided_regex": "a+", "regex": "b+"}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]"),
+        (
+            {"structured_outputs": {"regex": "a", "grammar": 'root ::= "a"'}},
+            "structured_outputs.grammar",
+        ),
+        ({"guided_json": 3}, "guided_json"),
+    ]:
+        status, got = await post(s, "/v1/chat/completions", {**base, **body})
+        assert status == 400 and got["error"]["param"] == param, (body, got)
+    status, got = await post(s, "/v1/chat/completions", {**base, "structured_outputs": {"x": 1}})
+    assert status == 400, got
