@@ -20,7 +20,9 @@ def test_structured_smoke(tiny_folder: Path, prebuilt_cpu_kernels: Path) -> None
     lines = done.stdout.splitlines()
     runs = [fields(line) for line in lines if line.startswith("structured kind=")]
     assert [(r["kind"], r["streams"]) for r in runs] == [
-        (kind, streams) for streams in ("1", "2") for kind in ("plain", "json_schema", "regex")
+        (kind, streams)
+        for streams in ("1", "2")
+        for kind in ("plain", "json_schema", "json_bounded", "regex")
     ]
     assert all(float(r["output_tok_s"]) > 0 for r in runs)
     ratios = [fields(line) for line in lines if line.startswith("structured ratio ")]

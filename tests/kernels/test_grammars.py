@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 from grammar_cases import heavy_schema, tiny_grammars
@@ -103,7 +104,7 @@ def test_a_rows_mask_on_cuda_equals_its_mask_on_the_cpu(grammars: Grammars) -> N
     logits = torch.randn(3, 512)
     banned = {}
     for device in ("cpu", "cuda"):
-        row = GrammarRow(grammars.matcher(spec), 512)
+        row = GrammarRow(grammars.matcher(spec), 512, torch.device(device))
         batch = logits.to(device)
         for token in grammars.tokenizer.encode('{"f0": [', add_special_tokens=False):
             assert row.advance(token) is None
@@ -111,3 +112,40 @@ def test_a_rows_mask_on_cuda_equals_its_mask_on_the_cpu(grammars: Grammars) -> N
         banned[device] = torch.isinf(batch).cpu()
     assert torch.equal(banned["cpu"], banned["cuda"])
     assert banned["cpu"][1].any() and not banned["cpu"][0].any() and not banned["cpu"][2].any()
+
+
+class _RandomMatcher:
+    """A matcher whose every mask is random bits (for the host path's byte table)."""
+
+    def __init__(self, seed: int) -> None:
+        import torch
+
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def fill_next_token_bitmask(self, bitmask: Any) -> None:
+        import torch
+
+        bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=self.gen,
+                                    dtype=torch.int32))  # fmt: skip
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("vocab", [512, 1000, 49152])
+def test_the_host_mask_bans_what_xgrammars_kernel_bans(vocab: int) -> None:
+    """GrammarRow's host path (each bitmask byte through a table of 0 and -inf, added to the
+    logits) equals xgrammar's own apply, at vocabularies that fill their last word or not."""
+    import torch
+    import xgrammar
+
+    from shoal.kernels.grammar_row import GrammarRow
+
+    row = GrammarRow(_RandomMatcher(vocab), vocab, torch.device("cpu"))  # type: ignore[arg-type]
+    for _ in range(3):
+        logits = torch.randn(2, vocab)
+        want = logits[1:].clone()
+        row.mask_(logits[1])
+        xgrammar.apply_token_bitmask_inplace(want, row.bitmask, vocab_size=vocab)
+        assert torch.equal(logits[1:], want)
+        assert torch.isinf(logits[1]).any() and not torch.isinf(logits[0]).any()
