@@ -14,8 +14,9 @@ Invariants:
   hook is one loop over the rows that have any.
 - `mask_` edits one row's float32 logits [V] in place and never reads another row's.
 - A constraint that `waits_for_tokens` reads state that `advance` moved; a launch that samples
-  such a row first waits until all its earlier tokens have arrived (its row gives up overlap,
-  as rows with penalties do), so `mask_` always sees every earlier token advanced.
+  such a row first waits until all its earlier tokens have arrived, as rows with penalties
+  do (on one stage after its forward is launched: the step's sampling, not its forward,
+  waits), so `mask_` always sees every earlier token advanced.
 - `advance` runs on the executor's completion thread, `mask_` on its launch thread (or the
   last pipeline stage's); the executor's `arrived` condition orders the two.
 - `advance` answers a message when the row cannot go on (a grammar that refused the token):

@@ -1,7 +1,7 @@
 """OpenAI's tools at the chat door: the functions a request offers (to the chat template),
 how the model must use them (`tool_choice`), and its answer's text as `tool_calls`.
 
-    plan = tool_plan(body, parser_name)      # 400 naming the field for a bad tools/choice
+    plan = tool_plan(tools, tool_choice, parallel_tool_calls, parser_name)   # 400 if bad
     plan.schema                              # the grammar "required" and a named choice add
     calls = plan.calls_of(text)              # the answer's calls (after its finish)
 
@@ -54,11 +54,12 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-            except ValueError:
+                calls = [
+                    (str(item["name"]), json.dumps(item["parameters"], ensure_ascii=False))
+                    for item in items
+                ]
+            except (ValueError, TypeError, KeyError):  # not what the schema makes: text
                 return text, []
-            calls = [
-                (item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items
-            ]
             return None, calls
         if self.parser is not None:
             content, calls = self.parser.parse(text)

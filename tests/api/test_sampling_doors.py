@@ -17,11 +17,11 @@ from typing import Any
 
 import msgspec
 import pytest
+from admitted import Admitted
 from doors import PROMPT, ws_turn
 from sampling_examples import EXAMPLES, GRAMMAR_EXAMPLES
 from served import MODEL, Served, ServeFactory, post_ok
 
-from shoal.actors.messages import Admit
 from shoal.api.cli import build_parser
 from shoal.api.sampling_wire import (
     IN_SAMPLING,
@@ -85,21 +85,11 @@ class Received:
     once its prompt is measured (where a max tokens not given is sized to the room)."""
 
     def __init__(self, s: Served, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.sampling: list[SamplingParams] = []
-        box = s.engine.actors.scheduler_box
-        put = box.put
-
-        def spy(msg: Any) -> None:
-            if isinstance(msg, Admit):
-                self.sampling.append(msg.sampling)
-            put(msg)
-
-        monkeypatch.setattr(box, "put", spy)
+        self.admitted = Admitted(s.engine, monkeypatch)
 
     def take(self) -> SamplingParams:
-        [sampling] = self.sampling
-        self.sampling.clear()
-        return sampling
+        [admit] = self.admitted.take()
+        return admit.sampling
 
 
 def test_the_command_line_takes_every_field_and_defaults_to_the_declaration() -> None:

@@ -58,7 +58,7 @@ class Stress:
         if self.rng.random() < 0.3:  # a row constraint (kernels/constraints.py) beside plain rows
             tokens = self.rng.sample(range(3, 500), 3)
             sampling["logit_bias"] = {str(t): self.rng.choice([-100.0, 4.0, 9.0]) for t in tokens}
-        elif self.rng.random() < 0.3:  # a grammar row: waits for its tokens, gives up overlap
+        elif self.rng.random() < 0.3:  # a grammar row: its sampling waits for its tokens
             sampling["regex"] = GRAMMAR
         body: dict[str, Any] = {
             "input_ids": self.rng.choice(PROMPTS),

@@ -12,9 +12,9 @@ from typing import Any
 
 import jsonschema
 import pytest
-from served import MODEL, Served, ServeFactory, post
+from admitted import Admitted
+from served import MODEL, ServeFactory, post
 
-from shoal.actors.messages import Admit
 from shoal.models.load import LoadedModel
 
 WEATHER = {
@@ -158,22 +158,6 @@ async def test_auto_without_a_parser_and_bad_tools_are_400s(serve: ServeFactory)
     assert none.choices[0].message.tool_calls is None
 
 
-class Prompts:
-    """The prompt text of every request the engine admits."""
-
-    def __init__(self, s: Served, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.texts: list[str] = []
-        box = s.engine.actors.scheduler_box
-        put = box.put
-
-        def spy(msg: Any) -> None:
-            if isinstance(msg, Admit):
-                self.texts.append(s.engine.tokenizer.decode(list(msg.prompt_ids)))
-            put(msg)
-
-        monkeypatch.setattr(box, "put", spy)
-
-
 async def test_tools_calls_and_results_reach_the_template(
     serve: ServeFactory, tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -182,7 +166,7 @@ async def test_tools_calls_and_results_reach_the_template(
     rendered, never dropped; chat_template_kwargs reach the template."""
     monkeypatch.setattr(tiny_model.tokenizer, "chat_template", TOOL_TEMPLATE)
     s = await serve()
-    prompts = Prompts(s, monkeypatch)
+    admitted = Admitted(s.engine, monkeypatch)
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}  # fmt: skip  # noqa: E501
     history = [
@@ -195,7 +179,8 @@ async def test_tools_calls_and_results_reach_the_template(
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )  # fmt: skip
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    [text] = prompts.texts
+    [admit] = admitted.take()
+    text = s.engine.tokenizer.decode(list(admit.prompt_ids))
     assert "Tools: get_weather,get_time" in text
     assert '<tool_call>get_weather {"city": "Oslo", "days": 1}</tool_call>' in text
     assert "<|im_start|>toolSunny, 21 C<|im_end|>" in text and "NOTHINK" in text
