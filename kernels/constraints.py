@@ -78,11 +78,9 @@ def row_constraints(params: SamplingParams, context: RowContext) -> tuple[RowCon
     return tuple(c for c in built if c is not None)
 
 
-def advance_all(constraints: tuple[RowConstraint, ...], token_ids: list[int]) -> str | None:
-    """Tell each constraint the tokens a row sampled, in order (a retracted row's replay):
-    the first message of a constraint that cannot go on, if any."""
-    error = None
+def advance_all(constraints: tuple[RowConstraint, ...], token_ids: list[int]) -> None:
+    """Tell each constraint the tokens a row sampled, in order (a retracted row's replay:
+    tokens each constraint took before, so none has anything to say)."""
     for token_id in token_ids:
         for constraint in constraints:
-            error = constraint.advance(token_id) or error
-    return error
+            constraint.advance(token_id)

@@ -82,8 +82,6 @@ class GrammarRow:
         self.ready = True
 
     def mask_(self, logits: torch.Tensor) -> None:
-        import xgrammar
-
         self.live = True
         if self.error is not None or self.matcher.is_terminated():
             return  # the row has ended: whatever it samples now is discarded
@@ -97,6 +95,8 @@ class GrammarRow:
         if self.on_host:
             logits.add_(self.bias)
             return
+        import xgrammar
+
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         xgrammar.apply_token_bitmask_inplace(logits.view(1, -1), bitmask)
 

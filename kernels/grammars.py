@@ -58,6 +58,10 @@ class Grammars:
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
 
+    @property
+    def is_ready(self) -> bool:
+        return self._compiler is not None
+
     def ready(self) -> None:
         """Import xgrammar and build the vocabulary's tables, once (a first grammar's cost,
         which its compile timeout should not count)."""

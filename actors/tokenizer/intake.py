@@ -232,7 +232,8 @@ class Intake:
         if self.grammars is None:
             raise RequestError(" is not available on this engine", grammar.kind, named=True)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.compiler, self.grammars.ready)  # once: not timed
+        if not self.grammars.is_ready:  # once: not timed
+            await loop.run_in_executor(self.compiler, self.grammars.ready)
         compiling = loop.run_in_executor(self.compiler, self.grammars.compile, grammar)
         try:
             await asyncio.wait_for(compiling, self.compile_timeout_s)

@@ -33,7 +33,6 @@ class ToolPlan:
     tools: tuple[dict[str, Any], ...]  # as the chat template takes them (OpenAI's shape)
     mode: str  # none | auto | required | named
     named: str | None = None
-    parallel: bool = True
     schema: str | None = None  # the json_schema constraint of required and named
     parser: ToolParser | None = None  # auto's
 
@@ -87,7 +86,7 @@ def tool_plan(
                 f"({', '.join(PARSERS)}), or send tool_choice required or a named function",
                 "tool_choice",
             )
-        return ToolPlan(offered, "auto", parallel=parallel, parser=PARSERS[parser_name])
+        return ToolPlan(offered, "auto", parser=PARSERS[parser_name])
     if choice == "required":
         items = [
             {
@@ -103,7 +102,7 @@ def tool_plan(
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not parallel:
             schema["maxItems"] = 1
-        return ToolPlan(offered, "required", parallel=parallel, schema=json.dumps(schema))
+        return ToolPlan(offered, "required", schema=json.dumps(schema))
     name = _named(choice)
     by_name = {f["name"]: f for f in functions}
     if name not in by_name:
@@ -112,7 +111,7 @@ def tool_plan(
             "tool_choice",
         )
     parameters = by_name[name].get("parameters") or ANY_OBJECT
-    return ToolPlan(offered, "named", name, parallel, json.dumps(parameters))
+    return ToolPlan(offered, "named", name, json.dumps(parameters))
 
 
 def _functions(tools: list[Any]) -> list[dict[str, Any]]:

@@ -209,11 +209,9 @@ class OpenAISampling:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         if not chat and "top_logprobs" in self.values:  # any completions logprobs asks for them
             self.values["logprobs"] = True
-        grammar = response_format_grammar(body.response_format, self.values)
+        grammar = response_format_grammar(body.response_format)
         if grammar is not None:
-            kind, source = grammar
-            self.values[kind] = source
-            self.names[kind] = "response_format"
+            self.constrain(*grammar, "response_format")
         for name, kind, source in vllm_constraints(body):
             self.constrain(kind, source, name)
         self.logprobs = (bool(self.values.get("logprobs")), self.values.get("top_logprobs", 0))

@@ -19,16 +19,14 @@ import json
 from typing import Any
 
 from shoal.api.http.errors import bad_request
-from shoal.params import GRAMMAR_KINDS
 
 JSON_OBJECT = '{"type": "object"}'
 TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 
-def response_format_grammar(response_format: Any, values: dict[str, Any]) -> tuple[str, str] | None:
+def response_format_grammar(response_format: Any) -> tuple[str, str] | None:
     """The grammar field and source `response_format` asks the output to match (None: plain
-    text). 400 naming the part that is wrong, or when `values` (the body's sampling fields)
-    already carry another constraint."""
+    text). 400 naming the part that is wrong."""
     if response_format is None or response_format.type == "text":
         return None
     kind = response_format.type
@@ -36,12 +34,6 @@ def response_format_grammar(response_format: Any, values: dict[str, Any]) -> tup
         raise bad_request(
             f"response_format.type must be one of {list(TYPES)}, got {kind!r}",
             "response_format.type",
-        )
-    given = [k for k in GRAMMAR_KINDS if values.get(k) is not None]
-    if given:
-        raise bad_request(
-            f"response_format and {given[0]} both constrain the output; give one",
-            "response_format",
         )
     if kind == "json_object":
         return "json_schema", JSON_OBJECT
