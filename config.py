@@ -179,6 +179,22 @@ class EngineOptions:
     grammar_cache_mb: int = option(
         256, "memory for compiled grammars, least recently used dropped first"
     )
+    speculative_algorithm: Literal["ngram"] | None = option(
+        None,
+        "speculative decoding: ngram drafts the tokens that followed the latest earlier "
+        "occurrence of a request's last tokens (its prompt and output) and verifies them in "
+        "one step (unset: off)",
+    )
+    speculative_num_draft_tokens: int = option(4, "drafts one request verifies in a step")
+    speculative_ngram_min_match_window_size: int = option(
+        1, "the shortest run of a request's last tokens an ngram draft is looked up by"
+    )
+    speculative_ngram_max_match_window_size: int = option(
+        4, "the longest run of a request's last tokens an ngram draft is looked up by"
+    )
+    speculative_max_running: int = option(
+        8, "a step speculates only while at most this many requests run (more: off)"
+    )
 
     def input_limits(self) -> InputLimits:
         return InputLimits(**{name: getattr(self, name) for name in InputLimits.__struct_fields__})
@@ -194,6 +210,9 @@ class EngineOptions:
             "max_inflight",
             "pipeline_stages",
             "max_sessions_per_client",
+            "speculative_num_draft_tokens",
+            "speculative_ngram_min_match_window_size",
+            "speculative_max_running",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -202,6 +221,15 @@ class EngineOptions:
         ):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        low, high = (
+            self.speculative_ngram_min_match_window_size,
+            self.speculative_ngram_max_match_window_size,
+        )
+        if high < low:
+            raise ValueError(
+                "speculative_ngram_max_match_window_size must be >= "
+                f"speculative_ngram_min_match_window_size ({low}), got {high}"
+            )
         if self.grammar_cache_mb < 1:
             raise ValueError(f"grammar_cache_mb must be >= 1, got {self.grammar_cache_mb}")
         for name in (

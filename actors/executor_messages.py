@@ -35,6 +35,7 @@ class SeqChunk(msgspec.Struct, frozen=True):
     """One sequence of a batch: new tokens at positions start .. start + n - 1 of its row.
 
     input_ids None means a decode step whose input is the row's last sampled token.
+    `num_drafts` > 0 makes it a speculating decode (see the field).
     `logprob_targets` asks for prompt logprobs (SamplingParams.logprob_start_len): position
     `logprobs_from + i` of the chunk gives the logprob of the next prompt token,
     logprob_targets[i] (the prompt's last position, which samples, is never among them).
@@ -48,6 +49,9 @@ class SeqChunk(msgspec.Struct, frozen=True):
     init: RowInit | None = None
     logprob_targets: tuple[int, ...] = ()
     logprobs_from: int = 0
+    # A speculating decode (actors/executor/draft_asks.py): input_ids are the row's last token
+    # and this many drafts, and its sampled token follows the drafts it keeps
+    num_drafts: int = 0
 
 
 class Launch(msgspec.Struct, frozen=True, tag=True):

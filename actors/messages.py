@@ -186,6 +186,9 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
     # (place in batch order, why) per sequence whose row constraint cannot go on (a grammar
     # that refused its token): that request alone ends with the error
     row_errors: tuple[tuple[int, str], ...] = ()
+    # (place in sampling order, its kept drafts) per speculating decode that kept any: its
+    # tokens are those, then its next_tokens entry (actors/executor/draft_asks.py)
+    drafted: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 class TransferEnded(msgspec.Struct, frozen=True, tag=True):

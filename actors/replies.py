@@ -55,6 +55,11 @@ class SchedulerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     idle: bool  # law 1: no request anywhere, no batch in flight, no plan outstanding
     held_results: tuple[int, ...] = ()  # test stepping: results waiting for a Deliver
     transfer: tuple[str, ...] = ()  # disaggregation: pages being written (planner_transfers)
+    # speculative decoding since start (actors/scheduler/speculation.py): verifications, the
+    # drafts they verified, the drafts kept
+    spec_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
     def busy_summary(self) -> str:
         """What keeps the engine from being idle, as "2 running, 1 finishing"."""

@@ -28,6 +28,7 @@ from shoal.actors.scheduler.pacing import FreeRun
 from shoal.actors.scheduler.planner import Planner
 from shoal.actors.scheduler.request import PlannerConfig
 from shoal.actors.scheduler.scheduler import Scheduler
+from shoal.actors.scheduler.speculation import SpecConfig
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.tokenizer.tokenizer import Tokenizer
 from shoal.actors.transfer_messages import TransferMsg
@@ -149,6 +150,18 @@ def build_stages(
     return stages
 
 
+def spec_config(options: EngineOptions) -> SpecConfig | None:
+    """Speculative decoding's settings (actors/scheduler/speculation.py), None when off."""
+    if options.speculative_algorithm is None:
+        return None
+    return SpecConfig(
+        options.speculative_num_draft_tokens,
+        options.speculative_ngram_min_match_window_size,
+        options.speculative_ngram_max_match_window_size,
+        options.speculative_max_running,
+    )
+
+
 def max_inflight(options: EngineOptions) -> int:
     """Batches launched ahead of their results: with pipeline stages, one a stage and
     `pipeline_depth` more."""
@@ -217,6 +230,7 @@ def start_actors(
             page_size=layout.page_size,
             stages=len(stages),
             disaggregation=options.disaggregation_mode,
+            speculative=spec_config(options),
         ),
         kv_window=config.kv_window,
     )

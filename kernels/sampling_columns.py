@@ -153,6 +153,15 @@ def sample_columns(logits: torch.Tensor, columns: SamplingColumns) -> torch.Tens
     return torch.where(greedy, logits.argmax(dim=-1), tokens)
 
 
+def target_probs(logits: torch.Tensor, columns: SamplingColumns) -> torch.Tensor:
+    """float32 [B, V]: the distribution `sample_columns` draws each row's token from, summing
+    to 1 (every row sampled: `columns.host.all_sampled`)."""
+    assert columns.host.all_sampled
+    probs = torch.softmax(logits.float() / columns.temperature.unsqueeze(1), dim=-1)
+    probs = _filtered(probs, columns)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
 def row_uniforms(counter: torch.Tensor) -> torch.Tensor:
     """float32 [B] in [0, 1 - 2^-24]: (mix_seed(seed, step) >> 39) / 2^24 for each row's
     counter = stream_counter(seed, step) (int64 arithmetic wraps, as the 64-bit hash wants)."""

@@ -1,6 +1,6 @@
-"""Verifying drafted tokens (issue 35, the verifying half; not wired into the executor yet):
-a row's target distributions at its k drafted positions and one more, in one forward, decide
-how many drafts it keeps and the token after them.
+"""Verifying drafted tokens (issue 35; the executor's side: actors/executor/draft_asks.py): a
+row's target distributions at its k drafted positions and one more, in one forward, decide how
+many drafts it keeps and the token after them.
 
     accepted, tokens = verify_greedy(logits, drafts, lengths)          # exact for greedy
     accepted, tokens = verify_sampled(probs, drafts, lengths, accept_u, draw_u)
@@ -46,7 +46,13 @@ def _emitted(drafts: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -
 def verify_greedy(
     logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    targets = logits.argmax(dim=-1)  # [R, K + 1]
+    return verify_targets(logits.argmax(dim=-1), drafts, lengths)
+
+
+def verify_targets(
+    targets: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_greedy from the argmaxes [R, K + 1] alone."""
     accepted = _first_refused(targets[:, :-1] == drafts, lengths)
     last = targets.gather(1, accepted.unsqueeze(1)).squeeze(1)
     return accepted, _emitted(drafts, accepted, last)

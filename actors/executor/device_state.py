@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shoal.actors.executor.draft_asks import DraftAsks, draft_asks
 from shoal.actors.executor.pending_step import PendingStep, RowState, sampling_rows
 from shoal.actors.executor.prompt_asks import PromptAsks, prompt_asks
 from shoal.actors.executor.routed_asks import RoutedAsks, routed_asks
@@ -205,16 +206,20 @@ class DeviceState:
         step = step_inputs(launch, self.last_token, self.counting)
         asks = prompt_asks(launch, self.rows, self.models[-1].device)
         routed = routed_asks(launch, self.rows, self.routed_rows, self.model.device)
+        drafts = draft_asks(launch, self.model.device)
         if self.pipeline is not None:
             assert routed is None, "the engine refuses return_routed_experts over stages"
+            assert drafts is None, "the planner never speculates over stages"
             return self._launch_stages(step, asks)
         self.monitor.gate(0)  # the tests' hold of stage 0 holds a one-stage engine too
         num_sampling = len(step.sample_rows_host)
         prompt = None
         experts = None
-        if asks is not None or routed is not None:
+        draft_logits = None
+        if asks is not None or routed is not None or drafts is not None:
             # eager: the prompt positions' logits from the same hidden states, the routed
-            # experts recorded by the layer loop (never a CUDA graph, never the fused decode)
+            # experts recorded by the layer loop, the drafts' targets from one head with the
+            # sampling rows' (never a CUDA graph, never the fused decode)
             attention = self.attention.prepare(self.page_table, step.shape)
             model = self.model
             recorder = None
@@ -223,7 +228,11 @@ class DeviceState:
                 recorder = routed.recorder(model.config.num_layers, model.config.moe.top_k)
             h = model.embed(step.ids)
             h = model.run_layers(h, step.positions, attention, self.kv, recorder)
-            logits = model.head(h, step.sample_index)
+            if drafts is None:
+                logits = model.head(h, step.sample_index)
+            else:
+                both = model.head(h, torch.cat((step.sample_index, drafts.places)))
+                logits, draft_logits = both[:num_sampling], both[num_sampling:]
             if asks is not None:
                 prompt = self._prompt_logprobs(model, h, asks)
             experts = recorder.ids() if recorder is not None else None
@@ -234,7 +243,8 @@ class DeviceState:
             logits = self.model.forward(
                 step.ids, step.positions, attention, self.kv, step.sample_index
             )
-        return self._sample(logits, step, asks, prompt, routed, experts)
+        verifying = None if drafts is None else (drafts, draft_logits)
+        return self._sample(logits, step, asks, prompt, routed, experts, verifying)
 
     def _prompt_logprobs(
         self, model: DecoderModel, h: torch.Tensor, asks: PromptAsks
@@ -259,16 +269,24 @@ class DeviceState:
         prompt: LogprobColumns | None,
         routed: RoutedAsks | None = None,
         experts: torch.Tensor | None = None,
+        verifying: tuple[DraftAsks, torch.Tensor | None] | None = None,
     ) -> PendingStep:
         """Sample the step's rows from their columns (SamplingSlots); only tracked rows cost
         Python, each (their edits, their tokens' way back). `experts`: the `routed` places'
-        ids (routed_asks.py), copied to the host last."""
+        ids (routed_asks.py), copied to the host after the rest; `verifying`: the step's
+        speculating decodes and their drafts' logits (draft_asks.py), whose emitted tokens
+        go last."""
         rows_host, rows = step.sample_rows_host, step.sample_rows
         tracked_at = self.slots.tracked_at(rows_host)
         states = [self.rows[int(rows_host[i])] for i in tracked_at]
         views = sampling_rows(states, self.arrived)  # waits for a penalized row's tokens
         edited = edit_logits(logits, views, tracked_at, self.eos_token_ids)
         next_tokens = self.slots.sample(edited, rows, rows_host)
+        emitted = None
+        if verifying is not None:
+            drafts, draft_logits = verifying
+            assert draft_logits is not None and not self.slots.tracked[drafts.rows_host].any()
+            emitted = drafts.verify(draft_logits, logits, next_tokens, self.slots)
         self.last_token.index_copy_(0, rows, next_tokens)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
         want: list[tuple[int, int, int]] = []
@@ -281,10 +299,17 @@ class DeviceState:
             to_copy += prompt
         if experts is not None:
             to_copy += (experts,)
+        if emitted is not None:
+            to_copy += (emitted,)
         host = self.streams.to_host(to_copy)
-        pending = PendingStep(states, host, want, self.arrived, tracked_at, asks, routed)
+        drafts_asked = None if verifying is None else verifying[0]
+        pending = PendingStep(
+            states, host, want, self.arrived, tracked_at, asks, routed, drafts_asked
+        )
         # last: a launch that raised above sampled nothing
         self.slots.advance(rows)
+        if drafts_asked is not None:  # a speculating row drew 1 + k uniforms
+            self.slots.advance(drafts_asked.rows, drafts_asked.lengths)
         for state, i in zip(states, tracked_at, strict=True):
             state.num_sampled += 1
             if not self._tracks(state):  # its min_new_tokens mask is over

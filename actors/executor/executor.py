@@ -144,6 +144,7 @@ class Executor:
                     prompt_logprobs=result.prompt_logprobs,
                     routed_experts=result.routed_experts,
                     row_errors=result.row_errors,
+                    drafted=result.drafted,
                 )
             )
 

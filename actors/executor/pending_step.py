@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from shoal.actors.executor.draft_asks import DraftAsks
 from shoal.actors.executor.prompt_asks import PromptAsks
 from shoal.actors.executor.routed_asks import RoutedAsks
 from shoal.actors.executor.streams import HostResult
@@ -45,6 +46,8 @@ class StepResult(NamedTuple):
     routed_experts: tuple[tuple[int, ExpertRows], ...] = ()
     # (place in batch order, why) per row whose constraint cannot go on: it ends alone
     row_errors: tuple[tuple[int, str], ...] = ()
+    # (place, kept drafts) per speculating decode that kept any (StepDone.drafted)
+    drafted: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclass
@@ -76,7 +79,8 @@ class PendingStep:
     asked for logprobs, in order; `prompt` the step's asked prompt positions, if any;
     `routed` its positions recording their routed experts, if any. The host tensors are the
     tokens, then the logprob rows' five columns (logprob_gather.py) if any, then the prompt
-    positions' five, then the routed experts' ids."""
+    positions' five, then the routed experts' ids, then the speculating rows' emitted tokens
+    (`drafts`, draft_asks.py)."""
 
     def __init__(
         self,
@@ -87,6 +91,7 @@ class PendingStep:
         at: list[int] | None = None,
         prompt: PromptAsks | None = None,
         routed: RoutedAsks | None = None,
+        drafts: DraftAsks | None = None,
     ) -> None:
         self.states = states
         self.at = list(range(len(states))) if at is None else at
@@ -95,6 +100,7 @@ class PendingStep:
         self.arrived = arrived
         self.prompt = prompt
         self.routed = routed
+        self.drafts = drafts
 
     def result(self) -> StepResult:
         try:
@@ -106,6 +112,10 @@ class PendingStep:
             raise
         row_errors = self._arrive(tokens) if self.states else ()
         rest = tensors[1:]
+        drafted: tuple[tuple[int, tuple[int, ...]], ...] = ()
+        if self.drafts is not None:
+            drafted = self.drafts.unpack(rest[-1])
+            rest = rest[:-1]
         routed: tuple[tuple[int, ExpertRows], ...] = ()
         if self.routed is not None:
             routed = self.routed.unpack(rest[-1])
@@ -115,13 +125,13 @@ class PendingStep:
             prompt = self.prompt.unpack(rest[-5:])
             rest = rest[:-5]
         if not self.logprob_rows:
-            return StepResult(tokens, (), prompt, routed, row_errors)
+            return StepResult(tokens, (), prompt, routed, row_errors, drafted)
         chosen, rank, values, ids, listed = (t.tolist() for t in rest)
         out: list[TokenLogprob | None] = [None] * len(tokens)
         for j, (i, k, n) in enumerate(self.logprob_rows):
             top = tuple(zip(ids[j][:k], values[j][:k], strict=True))
             out[i] = TokenLogprob(tokens[i], float(chosen[j]), top, tuple(listed[j][:n]), rank[j])
-        return StepResult(tokens, tuple(out), prompt, routed, row_errors)
+        return StepResult(tokens, tuple(out), prompt, routed, row_errors, drafted)
 
     def _arrive(self, tokens: tuple[int, ...]) -> tuple[tuple[int, str], ...]:
         """The tracked rows' tokens: appended, their constraints advanced, waiters woken.

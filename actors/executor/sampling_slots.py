@@ -99,10 +99,18 @@ class SamplingSlots:
         host = columns_host(self.codes[rows_host])
         if host is GREEDY:
             return logits.argmax(dim=-1)
+        return sample_columns(logits, self.columns(rows, rows_host))
+
+    def columns(self, rows: torch.Tensor, rows_host: np.ndarray) -> SamplingColumns:
+        """The rows' parameters and seed-stream counters as a batch's columns."""
         floats = self.floats.index_select(0, rows).unbind(1)
         ints = self.ints.index_select(0, rows).unbind(1)
-        columns = SamplingColumns(floats[0], floats[1], floats[2], ints[0], ints[1], host)
-        return sample_columns(logits, columns)
+        host = columns_host(self.codes[rows_host])
+        return SamplingColumns(floats[0], floats[1], floats[2], ints[0], ints[1], host)
+
+    def greedy(self, rows_host: np.ndarray) -> np.ndarray:
+        """bool per row: it samples greedily (temperature 0)."""
+        return self.codes[rows_host] == 0
 
     def tracked_at(self, rows_host: np.ndarray) -> list[int]:
         """The places in the batch of its tracked rows."""
@@ -114,8 +122,8 @@ class SamplingSlots:
         places = np.flatnonzero(wanted >= 0)
         return list(zip(places.tolist(), wanted[places].tolist(), strict=True))
 
-    def advance(self, rows: torch.Tensor) -> None:
-        """Each of `rows` (distinct) launched one more token for sampling: its counter moves
-        to the next step."""
+    def advance(self, rows: torch.Tensor, steps: torch.Tensor | None = None) -> None:
+        """Each of `rows` (distinct) launched one more token for sampling, or `steps` [R]
+        more (a speculating decode's draws): its counter moves on as many."""
         counters = self.ints[:, 1]
-        counters.index_add_(0, rows, self.ones[: rows.shape[0]])
+        counters.index_add_(0, rows, self.ones[: rows.shape[0]] if steps is None else steps)

@@ -32,6 +32,7 @@ from shoal.actors.scheduler import planner_transfers as transfers
 from shoal.actors.scheduler.decode_set import DecodeSet, Ints
 from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, finish_reason
 from shoal.actors.scheduler.request_table import Outbox
+from shoal.actors.scheduler.speculation import Speculation
 from shoal.results import TokenLogprob
 
 
@@ -43,6 +44,7 @@ class Member(NamedTuple):
     end: int  # its KV is written up to this position once the batch completes
     start: int  # its first query's position: it reads keys from start - kv_window + 1 on
     asks_logprobs: bool = False  # a prompt chunk that asked for prompt logprobs
+    num_drafts: int = 0  # a speculating decode: its last token and this many drafts
 
 
 @dataclass(slots=True)
@@ -76,6 +78,7 @@ def wants_decode(req: Req, config: PlannerConfig) -> bool:
 class LaunchedBatches:
     config: PlannerConfig
     outbox: Outbox
+    spec: Speculation | None = None  # speculative decoding's counters and backoffs
     by_id: dict[int, LaunchedBatch] = field(default_factory=dict)  # launched, result pending
     next_batch_id: int = 0
     pending_writes: list[RowWriteMsg] = field(default_factory=list)  # for the next launch
@@ -98,6 +101,24 @@ class LaunchedBatches:
             decodes = decodes[: -(-num_running // config.stages)]
         decode_rows: list[int] = []
         decode_starts: list[int] = []
+        num_drafted = 0
+        plain: list[Req] = []
+        for req in decodes:
+            draft, req.draft = req.draft, ()
+            if not draft or req.num_launched + len(draft) >= req.capacity:
+                plain.append(req)  # no drafts, or its row could not take them
+                continue
+            assert req.row is not None and not req.pending and not req.inflight
+            start = req.num_launched
+            chunk = (req.tokens[start], *draft)
+            seqs.append(SeqChunk(req.row, start, len(chunk), chunk, True, num_drafts=len(draft)))
+            members.append(Member(req.rid, True, start + len(chunk), start, False, len(draft)))
+            num_drafted += len(draft)
+            req.num_launched = start + len(chunk)
+            req.pending += 1
+            req.inflight += 1
+            req.verifying = True
+        decodes = plain
         for req in decodes:
             assert req.row is not None
             assert req.num_launched == len(req.tokens) + req.pending - 1
@@ -107,7 +128,7 @@ class LaunchedBatches:
             req.num_launched = start + 1
             req.pending += 1
             req.inflight += 1
-        budget = config.prefill_budget(len(decode_rows))
+        budget = config.prefill_budget(len(decode_rows) + len(members)) - num_drafted
         for req in holding:
             if req.phase is not Phase.PREFILL or budget <= 0:
                 continue
@@ -186,10 +207,18 @@ class LaunchedBatches:
             self._sampled(req, token, logprob, outputs, routed.get(place), errors.get(place))
         i = len(batch.decodes)
         prompt_logprobs = iter(done.prompt_logprobs)
-        for place, (rid, samples, end, start, asks_logprobs) in enumerate(batch.chunks, i):
+        drafted = dict(done.drafted)  # place in sampling order -> tokens before its last
+        for place, (rid, samples, end, start, asks_logprobs, num_drafts) in enumerate(
+            batch.chunks, i
+        ):
             req = reqs[rid]
-            experts = routed.get(place)
             req.inflight -= 1
+            if num_drafts:
+                req.pending -= 1
+                self._verified(req, start, num_drafts, (*drafted.get(i, ()), tokens[i]), outputs)
+                i += 1
+                continue
+            experts = routed.get(place)
             if end > req.num_computed:
                 req.num_computed = end
                 if start < req.num_prompt:
@@ -255,6 +284,22 @@ class LaunchedBatches:
         if finish is not None:
             req.phase, req.finish = Phase.FINISHING, finish
 
+    def _verified(
+        self, req: Req, start: int, num_drafts: int, tokens: tuple[int, ...], outputs: list[Output]
+    ) -> None:
+        """A speculating decode's tokens came back: its kept drafts and one more. Each goes
+        out as a decode's would, up to a finish; the row's KV counts up to its last kept
+        draft (a rejected draft's KV is overwritten by later steps, never kept)."""
+        accepted = len(tokens) - 1
+        assert self.spec is not None and 0 <= accepted <= num_drafts
+        req.verifying = False
+        self.spec.verified(req, num_drafts, accepted)
+        for token in tokens:
+            self._sampled(req, token, None, outputs)
+            if req.phase is Phase.FINISHING:
+                break
+        req.num_launched = req.num_computed = min(start + 1 + accepted, len(req.tokens))
+
     def take_prompt_progress(self) -> bool:
         """Whether a result computed prompt positions since the last call."""
         progress, self.prompt_progress = self.prompt_progress, False
@@ -266,4 +311,6 @@ class LaunchedBatches:
         for req in batch.decodes:
             req.inflight -= 1
         for member in batch.chunks:
-            reqs[member.rid].inflight -= 1
+            req = reqs[member.rid]
+            req.inflight -= 1
+            req.verifying = False

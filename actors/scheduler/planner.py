@@ -25,6 +25,8 @@ nothing new.
 
 from __future__ import annotations
 
+import msgspec
+
 from shoal.actors.executor_messages import Launch
 from shoal.actors.messages import (
     Admit,
@@ -47,6 +49,7 @@ from shoal.actors.scheduler.launched_batches import LaunchedBatch, LaunchedBatch
 from shoal.actors.scheduler.prefix_sharing import publishes_due
 from shoal.actors.scheduler.request import Phase, PlannerConfig, Req, released_now
 from shoal.actors.scheduler.request_table import Outbox, RequestTable
+from shoal.actors.scheduler.speculation import Speculation
 from shoal.actors.scheduler.steady_steps import SteadySteps
 from shoal.actors.scheduler.window_trims import window_trims
 from shoal.actors.transfer_messages import TransferMsg
@@ -59,7 +62,9 @@ class Planner:
         self.kv_window = kv_window  # W when every layer attends to the last W keys only
         self.outbox = Outbox()
         self.requests = RequestTable(config, self.outbox)
-        self.launched = LaunchedBatches(config, self.outbox)
+        spec = config.speculative
+        self.spec = None if spec is None or config.disjoint else Speculation(spec)
+        self.launched = LaunchedBatches(config, self.outbox, self.spec)
         self.plan_pending = False
         self.pressure = False
         self.stalled = False  # the last plan changed nothing: wait for a result or a request
@@ -106,7 +111,16 @@ class Planner:
     def snapshot(self) -> SchedulerSnapshot:
         self._dissolve()
         launched = {b: tuple(m.rid for m in batch.members()) for b, batch in self.batches.items()}
-        return self.requests.snapshot(launched, self.plan_pending, self.paused, self.idle)
+        snapshot = self.requests.snapshot(launched, self.plan_pending, self.paused, self.idle)
+        if self.spec is None:
+            return snapshot
+        counters = self.spec.counters
+        return msgspec.structs.replace(
+            snapshot,
+            spec_steps=counters.steps,
+            spec_drafted=counters.drafted,
+            spec_accepted=counters.accepted,
+        )
 
     # ---- events: each that changes a request ends a stall ---------------------------------
 
@@ -185,10 +199,15 @@ class Planner:
         releases = []
         decodes: list[Req] = []  # running requests with a token to decode
         has_prefill = False
+        spec = self.spec if self._speculates() else None
         for req in holding:
             phase = req.phase
             if phase is Phase.RUNNING:
-                if wants_decode(req, config):
+                if wants_decode(req, config) and not req.verifying:
+                    draft = () if spec is None else spec.draft(req)
+                    if draft is None:
+                        continue  # it drafts once its tokens on their way are back
+                    req.draft = draft
                     decodes.append(req)
             elif phase is Phase.PREFILL:
                 has_prefill = True
@@ -208,7 +227,9 @@ class Planner:
         # A steady decode asks nothing of the cache manager: only a request about to cross
         # its row's last page is extended.
         extends = [
-            ExtendReq(r.rid, r.num_launched + 1) for r in decodes if r.num_launched >= r.capacity
+            ExtendReq(r.rid, r.num_launched + 1 + len(r.draft))
+            for r in decodes
+            if r.num_launched + len(r.draft) >= r.capacity
         ]
         publishes: tuple[PublishReq, ...] = ()
         if self.publishes_may_be_due:  # only a prompt's progress makes one due
@@ -287,8 +308,13 @@ class Planner:
 
     # ---- a steady step (steady_steps.py) --------------------------------------------------
 
+    def _speculates(self) -> bool:
+        """Whether this step's decodes may carry drafts (speculation.py: few rows run)."""
+        return self.spec is not None and self.spec.active(len(self.requests.reqs))
+
     def _steady_set(self) -> DecodeSet | None:
         busy = self.paused or self.config.disjoint or self.publishes_may_be_due
+        busy = busy or self._speculates()
         quiet = not busy and self.kv_window is None
         return self.steady.current(quiet, self.requests, self.batches)
 

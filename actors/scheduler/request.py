@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from shoal.params import Bootstrap, SamplingParams
 from shoal.results import FinishReason, TokenLogprob
+
+if TYPE_CHECKING:
+    from shoal.actors.scheduler.speculation import RowDrafts, SpecConfig
 
 Role = Literal["send", "receive"]  # a disaggregated request's half (docs/disaggregation.md)
 
@@ -37,6 +40,8 @@ class PlannerConfig:
     # Prefill/decode disaggregation: a request with a bootstrap sends its prompt's KV
     # ("prefill") or receives it ("decode"); "null" serves every request alone.
     disaggregation: Literal["null", "prefill", "decode"] = "null"
+    # Speculative decoding (speculation.py): None, off
+    speculative: SpecConfig | None = None
 
     def role(self, bootstrap: Bootstrap | None) -> Role | None:
         if bootstrap is None or self.disaggregation == "null":
@@ -95,6 +100,11 @@ class Req:
     # position (it samples) once none is left. No cached KV is reused from here on
     # (`reuse_limit`), so every position asked for is computed, once.
     logprobs_next: int = field(init=False)
+    # Speculative decoding (speculation.py): its n-gram index and backoff, once it drafted;
+    # the drafts proposed for its next decode
+    drafts: RowDrafts | None = None
+    draft: tuple[int, ...] = ()
+    verifying: bool = False  # a launched batch verifies its drafts: nothing else decodes it
 
     def __post_init__(self) -> None:
         start, last = self.sampling.logprob_start_len, self.num_prompt - 1

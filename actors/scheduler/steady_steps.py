@@ -80,13 +80,14 @@ class SteadySteps:
         return PlanRequest(step, tuple(releases), extends, ())
 
     def extended(self, rids: Sequence[str], reqs: Mapping[str, Req], page_size: int) -> None:
-        """The plan extended these requests to cover their next position, on whole pages."""
+        """The plan extended these requests to cover their next position (and their drafts'),
+        on whole pages."""
         for rid in rids:
             if self.decode_set is not None:
                 self.decode_set.extended(rid, page_size)
                 continue
             req = reqs[rid]
-            covers = pages_for(req.num_launched + 1, page_size) * page_size
+            covers = pages_for(req.num_launched + 1 + len(req.draft), page_size) * page_size
             req.capacity = max(req.capacity, covers)
 
     def dissolve(self, batches: Mapping[int, LaunchedBatch]) -> list[Req] | None:

@@ -32,7 +32,7 @@ from shoal.api.http.body import decode_body, json_response
 from shoal.api.http.errors import ApiError, FieldNames, bad_request, from_engine
 from shoal.api.http.gateway import Gateway
 from shoal.api.http.limits import check_id
-from shoal.api.http.metrics import CONTENT_TYPE, Metrics
+from shoal.api.http.metrics import CONTENT_TYPE, Metrics, spec_rates
 from shoal.api.http.native_protocol import AbortRequest
 from shoal.models.registry import family_of
 from shoal.params import SamplingParams
@@ -141,6 +141,7 @@ class AdminRoutes:
         except Exception as exc:
             raise from_engine(exc, FieldNames()) from None
         options = engine.options
+        rate, per_step = spec_rates(snapshot)
         return json_response(
             {
                 "version": package_version(),
@@ -162,6 +163,15 @@ class AdminRoutes:
                 "finishing": len(snapshot.finishing),
                 "idle": snapshot.idle,
                 "num_retractions": snapshot.num_retractions,
+                # speculative decoding since start (README, "Speculative decoding")
+                "speculative": {
+                    "algorithm": options.speculative_algorithm,
+                    "verify_steps": snapshot.spec_steps,
+                    "draft_tokens": snapshot.spec_drafted,
+                    "accepted_tokens": snapshot.spec_accepted,
+                    "acceptance_rate": rate,
+                    "accepted_per_step": per_step,
+                },
                 # microbatches launched and not yet back, and how many sit in each stage
                 "in_flight_batches": len(snapshot.launched_batches),
                 "stage_microbatches": list(stages),

@@ -12,6 +12,9 @@ gauges (running, waiting, KV usage, prefix-cache hit rate) are read from the eng
     shoal_prefix_cache_hit_rate                    cached / prompt tokens since start
     shoal_time_to_first_token_seconds, shoal_inter_token_latency_seconds,
     shoal_e2e_request_latency_seconds              histograms
+    shoal_spec_verify_steps_total, shoal_spec_draft_tokens_total,
+    shoal_spec_accepted_tokens_total               speculative decoding (read when scraped)
+    shoal_spec_acceptance_rate, shoal_spec_accepted_per_step
     shoal_http_requests_total{route, status}
     shoal_http_stream_cuts_total                   streams cut: the client read nothing in time
 """
@@ -99,6 +102,25 @@ class Metrics:
             ["state"],
             registry=r,
         )
+        self.spec_steps = Gauge(
+            "shoal_spec_verify_steps_total",
+            "Speculating decodes verified since start (one row's drafts in one step)",
+            registry=r,
+        )
+        self.spec_drafted = Gauge(
+            "shoal_spec_draft_tokens_total", "Drafted tokens verified since start", registry=r
+        )
+        self.spec_accepted = Gauge(
+            "shoal_spec_accepted_tokens_total", "Drafted tokens kept since start", registry=r
+        )
+        self.spec_rate = Gauge(
+            "shoal_spec_acceptance_rate", "Kept / verified drafts since start", registry=r
+        )
+        self.spec_per_step = Gauge(
+            "shoal_spec_accepted_per_step",
+            "Tokens a speculating decode emitted on average (kept drafts and one more)",
+            registry=r,
+        )
         self.http = Counter(
             "shoal_http_requests",
             "HTTP answers by route and status",
@@ -148,9 +170,23 @@ class Metrics:
         self.evictable_pages.set(cache.evictable_pages)
         held = total - cache.free_pages - cache.evictable_pages
         self.kv_usage.set(held / total if total else 0.0)
+        rate, per_step = spec_rates(snapshot)
+        self.spec_steps.set(snapshot.spec_steps)
+        self.spec_drafted.set(snapshot.spec_drafted)
+        self.spec_accepted.set(snapshot.spec_accepted)
+        self.spec_rate.set(rate)
+        self.spec_per_step.set(per_step)
         prompt = self.num_prompt_tokens
         self.hit_rate.set(self.num_cached_tokens / prompt if prompt else 0.0)
         return generate_latest(self.registry)
+
+
+def spec_rates(snapshot: SchedulerSnapshot) -> tuple[float, float]:
+    """Speculative decoding's acceptance rate and tokens emitted per verification (0: none)."""
+    steps, drafted, accepted = snapshot.spec_steps, snapshot.spec_drafted, snapshot.spec_accepted
+    rate = accepted / drafted if drafted else 0.0
+    per_step = (accepted + steps) / steps if steps else 0.0
+    return rate, per_step
 
 
 class RequestTimer:

@@ -24,6 +24,7 @@ import torch
 from engines import EngineFactory, message_kinds
 from served import ServeFactory
 
+from shoal.actors.executor.draft_asks import DraftAsks
 from shoal.actors.executor_messages import ExecutorMsg
 from shoal.actors.messages import CacheMsg, SchedulerMsg, TokenizerMsg
 from shoal.api.engine import Engine
@@ -357,4 +358,40 @@ async def test_a_grammar_that_cannot_go_on_ends_its_row_alone(make_engine: Engin
     assert engine.dead_reason is None
     again = await engine.generate(input_ids=PROMPT, ebnf='root ::= "ab"').result()
     assert (again.finish_reason, again.text) == ("stop", "ab")
+    await engine.check_integrity()
+
+
+async def test_a_verification_that_fails_fails_its_step_and_the_engine_serves_on(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative decoding's verification (actors/executor/draft_asks.py) failing inside a
+    step is that Launch failing: the requests in it end with an error, their rows and pages
+    come back, and the next speculating requests are served with the right tokens."""
+    engine = await make_engine(speculative_algorithm="ngram")
+
+    def copying() -> Awaitable[Any]:
+        return engine.generate(
+            input_ids=PROMPT * 4, max_new_tokens=16, ignore_eos=True, temperature=0.0
+        ).result()
+
+    before = await copying()
+    verify = DraftAsks.verify
+    calls = 0
+
+    def once_broken(self: DraftAsks, *args: Any) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("the verification broke")
+        return verify(self, *args)
+
+    monkeypatch.setattr(DraftAsks, "verify", once_broken)
+    outcomes: dict[str, str] = {}
+    await _step("failing", copying, outcomes)
+    assert outcomes["failing"].startswith("finish error"), outcomes
+    assert "the verification broke" not in outcomes["failing"]
+    await engine.wait_idle()
+    assert engine.dead_reason is None
+    assert (await copying()).token_ids == before.token_ids
+    assert calls > 1 and (await engine.snapshot()).spec_steps > 0
     await engine.check_integrity()

@@ -5,8 +5,9 @@ every completed greedy request equal to its reference for the weights it ran on.
 carry a logit_bias, some a grammar (a regex: kernels/grammar_row.py), beside plain ones; a
 grammar row's reference is transformers' greedy under the same mask.
 
-Each seed runs with one executor stage and with two pipeline stages (actors/executor/stages.py).
-STRESS_SEED=N runs one more seed instead of the default two."""
+Each seed runs with one executor stage, with two pipeline stages (actors/executor/stages.py)
+and with speculative decoding (n-gram drafts verified in one step; some prompts repeat a
+phrase so that drafts are kept). STRESS_SEED=N runs one more seed instead of the default two."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ Done = tuple[list[int], int, dict[int, float], list[int], Any, str | None]
 PROMPTS = [[random.Random(i).randrange(3, 500) for _ in range(4 + 5 * i)] for i in range(8)]
 # Three more share a 40-token prefix, so requests wait for each other's published pages.
 PROMPTS += [[*PROMPTS[7][:40], 100 + i, 200 + i, 300 + i] for i in range(3)]
+# Two repeat a phrase: speculation's drafts from them are kept
+PROMPTS += [[*PROMPTS[i][:6]] * 5 for i in (2, 3)]
 
 
 class Stress:
@@ -224,11 +227,16 @@ SEEDS = [int(os.environ["STRESS_SEED"])] if "STRESS_SEED" in os.environ else [20
 
 
 # Two stages: the tiny model's two layers one a stage (actors/executor/stages.py).
-@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
+@pytest.mark.parametrize(
+    ("stages", "speculative"),
+    [(1, False), (2, False), (1, True)],
+    ids=["one-stage", "two-stages", "speculative"],
+)
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_random_operations_against_a_running_server(
     seed: int,
     stages: int,
+    speculative: bool,
     serve: ServeFactory,
     tiny_folder: Path,
     other_folder: Path,
@@ -238,7 +246,11 @@ async def test_random_operations_against_a_running_server(
     # A decode set from the first running request (16 in production): its steady steps,
     # finishes and dissolving meet every operation here (one stage; stages never build one)
     monkeypatch.setattr(decode_set, "MIN_MEMBERS", 1)
-    served = await serve(page_size=4, chunk_size=16, kv_cache_tokens=1024, pipeline_stages=stages)
+    # speculating at any load, so drafts meet every operation (8 running at most by default)
+    spec = {"speculative_algorithm": "ngram", "speculative_max_running": 64} if speculative else {}
+    served = await serve(
+        page_size=4, chunk_size=16, kv_cache_tokens=1024, pipeline_stages=stages, **spec
+    )
     start = await served.engine.cache_stats()
     stress = Stress(served.url, served.http, seed, served.engine)
     stress.folder_of_version["0"] = tiny_folder
@@ -294,6 +306,9 @@ async def test_random_operations_against_a_running_server(
             expected = reference.greedy(prompt, max_new, True, bias)
         assert output == expected[: len(output)], f"aborted, version {version}"
 
+    snapshot = await served.engine.snapshot()
+    if speculative:
+        assert snapshot.spec_steps > 20 and snapshot.spec_accepted > 0
     await served.engine.wait_idle()
     await served.engine.check_integrity()
     end = await served.engine.cache_stats()

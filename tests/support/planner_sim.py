@@ -11,6 +11,7 @@ from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import Admit, Output, StepDone
 from shoal.actors.scheduler.planner import Planner
 from shoal.actors.scheduler.request import PlannerConfig
+from shoal.actors.scheduler.speculation import SpecConfig
 from shoal.cache.kv import KVCache
 from shoal.params import SamplingParams
 
@@ -19,25 +20,46 @@ EOS = 2
 
 class FakeDevice:
     """Next token = a hash of (position, input token); the 'model' never looks further back,
-    so a request's tokens do not depend on batching, chunking or retraction."""
+    so a request's tokens do not depend on batching, chunking or retraction. `counting`: the
+    next token is the input's successor in a cycle of 50 ids (3 .. 52), whatever the
+    position, so a prompt holding the cycle has every n-gram draft kept. A speculating decode
+    (SeqChunk.num_drafts) is verified greedily: its drafts kept while each is the token its
+    input before gives, then one more (StepDone.drafted)."""
 
-    def __init__(self, eos_after: dict[int, int] | None = None) -> None:
+    def __init__(self, counting: bool = False) -> None:
         self.last_token: dict[int, int] = {}
         self.rows_read: list[set[int]] = []
+        self.counting = counting
+
+    def next(self, last: int, pos: int) -> int:
+        if self.counting:
+            return (last - 3 + 1) % 50 + 3
+        return (last * 31 + pos * 7) % 89 + 3
 
     def run(self, launch: Launch) -> StepDone:
         out = []
+        drafted: list[tuple[int, tuple[int, ...]]] = []
         self.rows_read.append({s.row for s in launch.all_seqs()})
         for seq in launch.all_seqs():
-            if seq.input_ids is None:
+            if seq.num_drafts:
+                assert seq.input_ids is not None
+                kept: list[int] = []
+                for j, draft in enumerate(seq.input_ids[1:]):
+                    if self.next(seq.input_ids[j], seq.start + j) != draft:
+                        break
+                    kept.append(draft)
+                last, pos = seq.input_ids[len(kept)], seq.start + len(kept)
+                if kept:
+                    drafted.append((len(out), tuple(kept)))
+            elif seq.input_ids is None:
                 last, pos = self.last_token[seq.row], seq.start
             else:
                 last, pos = seq.input_ids[-1], seq.start + seq.num_tokens - 1
             if seq.sample:
-                token = (last * 31 + pos * 7) % 89 + 3
+                token = self.next(last, pos)
                 self.last_token[seq.row] = token
                 out.append(token)
-        return StepDone(launch.batch_id, tuple(out))
+        return StepDone(launch.batch_id, tuple(out), drafted=tuple(drafted))
 
 
 class Sim:
@@ -51,6 +73,8 @@ class Sim:
         max_inflight: int = 2,
         eos: tuple[int, ...] = (EOS,),
         max_mixed_prefill_tokens: int = 0,
+        speculative: SpecConfig | None = None,
+        counting: bool = False,
     ) -> None:
         self.kv = KVCache(
             num_pages=num_pages, page_size=page_size, num_rows=num_rows, max_pages_per_row=64
@@ -64,9 +88,10 @@ class Sim:
                 eos,
                 max_mixed_prefill_tokens=max_mixed_prefill_tokens,
                 page_size=page_size,
+                speculative=speculative,
             )
         )
-        self.device = FakeDevice()
+        self.device = FakeDevice(counting)
         self.max_inflight = max_inflight
         self.launched: deque[Launch] = deque()
         self.outputs: dict[str, list[Output]] = {}
@@ -120,8 +145,8 @@ class Sim:
         return self.outputs[rid][-1].finish
 
 
-def solo(prompt: list[int], **sampling: object) -> list[int]:
-    sim = Sim(max_inflight=1)
+def solo(prompt: list[int], counting: bool = False, **sampling: object) -> list[int]:
+    sim = Sim(max_inflight=1, counting=counting)
     sim.add("solo", prompt, **sampling)
     sim.run()
     return sim.tokens("solo")

@@ -1,0 +1,120 @@
+"""Which decodes speculate, and with what drafts (issue 35): plain Python, no asyncio, no torch.
+
+A speculating decode launches its row's last token and k drafted ones as one chunk of 1 + k
+positions; the executor keeps the longest prefix of drafts its target agrees with and one more
+token (actors/executor/draft_asks.py), so a step emits 1 .. k + 1 tokens for the row.
+
+    spec = Speculation(SpecConfig(...))
+    spec.active(num_running)         # this step may speculate: few enough rows decode
+    draft = spec.draft(req)          # its next decode's drafts; (): none; None: wait
+    spec.verified(req, k, accepted)  # its result: the row's backoff, the counters
+
+Switched by load: a step speculates only while at most `max_batch` requests run (a bigger
+batch already reads each weight once for many rows); a row speculates only when it has caught
+up (no token of it on its way: drafts need its last token), its sampling edits nothing a
+draft would need per position (`drafts_allowed`), and its recent drafts paid: a row whose
+verification kept nothing waits 1, 2, 4 .. `MAX_BACKOFF` decodes before it drafts again.
+A row about to draft waits for its tokens on their way (no overlap: `draft` answers None);
+one that skips decodes overlapped as usual, and one whose n-grams found nothing skips one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shoal.actors.scheduler.ngram_drafts import NgramDrafts
+from shoal.actors.scheduler.request import Req
+from shoal.params import SamplingParams
+
+MAX_BACKOFF = 16
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_draft_tokens: int = 4  # drafts verified per row and step at most
+    min_n: int = 1  # the n-gram sizes looked up, longest first
+    max_n: int = 4
+    max_batch: int = 8  # a step with more running requests does not speculate
+
+
+def drafts_allowed(sampling: SamplingParams) -> bool:
+    """Whether a request's sampling lets it speculate: nothing in its row's sampling depends
+    on its earlier tokens or is reported per token (penalties, logit_bias, a grammar,
+    logprobs, routed experts); its min_new_tokens mask is checked per step (`Speculation`)."""
+    return (
+        sampling.repetition_penalty == 1.0
+        and sampling.frequency_penalty == 0.0
+        and sampling.presence_penalty == 0.0
+        and not sampling.logit_bias
+        and sampling.grammar is None
+        and not sampling.wants_logprobs
+        and not sampling.return_routed_experts
+    )
+
+
+@dataclass
+class RowDrafts:
+    """One request's n-gram index over its tokens so far and its acceptance backoff."""
+
+    ngrams: NgramDrafts
+    indexed: int = 0  # tokens of the request given to `ngrams`
+    skip: int = 0  # decodes left before it drafts again
+    backoff: int = 1  # the next wait after a verification that kept nothing
+
+
+@dataclass
+class SpecCounters:
+    """Since start: verifications, tokens drafted, drafts kept (for /metrics)."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class Speculation:
+    config: SpecConfig
+    counters: SpecCounters = field(default_factory=SpecCounters)
+
+    def active(self, num_running: int) -> bool:
+        return num_running <= self.config.max_batch
+
+    def draft(self, req: Req) -> tuple[int, ...] | None:
+        """The drafts for `req`'s next decode: () when it decodes one token as usual, None
+        when it waits for its tokens on their way (its drafts need its last one)."""
+        sampling = req.sampling
+        room = sampling.max_new_tokens - req.num_outputs - req.pending - 1  # +1: not a draft
+        # its eos and stop tokens are masked until min_new_tokens (kernels/sampling.py)
+        masked = req.num_outputs < sampling.min_new_tokens
+        if room < 1 or masked or req.role == "send" or not drafts_allowed(sampling):
+            return ()
+        rows = req.drafts
+        if rows is None:
+            config = self.config
+            ngrams = NgramDrafts(config.min_n, config.max_n, config.num_draft_tokens)
+            rows = req.drafts = RowDrafts(ngrams)
+        if rows.skip:  # its recent drafts did not pay: it decodes as usual, overlapped
+            rows.skip -= 1
+            return ()
+        if req.pending or req.inflight:
+            return None
+        rows.ngrams.extend(req.tokens[rows.indexed :])
+        rows.indexed = len(req.tokens)
+        proposed = tuple(rows.ngrams.propose()[:room])
+        if not proposed:
+            rows.skip = 1  # the next decode overlaps; the one after looks again
+        return proposed
+
+    def verified(self, req: Req, num_drafts: int, accepted: int) -> None:
+        """A verification of `num_drafts` of `req`'s drafts kept `accepted` of them."""
+        counters = self.counters
+        counters.steps += 1
+        counters.drafted += num_drafts
+        counters.accepted += accepted
+        rows = req.drafts
+        assert rows is not None
+        if accepted:
+            rows.backoff = 1
+        else:  # nothing kept: wait longer each time before drafting again
+            rows.skip = rows.backoff
+            rows.backoff = min(2 * rows.backoff, MAX_BACKOFF)

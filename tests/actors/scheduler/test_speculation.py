@@ -1,0 +1,140 @@
+"""Speculative decoding in the planner (actors/scheduler/speculation.py): which decodes draft,
+how a verified chunk's tokens come out and where the row's counters go, against the fake
+device's greedy verification (support/planner_sim.py)."""
+
+from __future__ import annotations
+
+from planner_sim import Sim, solo
+
+from shoal.actors.executor_messages import Launch
+from shoal.actors.scheduler.speculation import SpecConfig, drafts_allowed
+from shoal.params import SamplingParams
+
+SPEC = SpecConfig(num_draft_tokens=4, min_n=1, max_n=3, max_batch=4)
+CYCLE = list(range(3, 53))  # the counting device's cycle: every draft from it is kept
+
+
+def drafted_seqs(launches: list[Launch]) -> list[tuple[int, int]]:
+    """(start, drafts) of every speculating decode launched."""
+    return [(s.start, s.num_drafts) for launch in launches for s in launch.seqs if s.num_drafts]
+
+
+class Recording(Sim):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.all_launches: list[Launch] = []
+        self.live: list[int] = []  # requests live when each launch was planned
+
+    def plan_and_launch(self) -> bool:
+        live = len(self.planner.requests.reqs)
+        planned = super().plan_and_launch()
+        if planned and self.last_launch is not None:
+            self.all_launches.append(self.last_launch)
+            self.live.append(live)
+        return planned
+
+
+def test_copying_request_keeps_every_draft_and_matches_one_at_a_time() -> None:
+    sim = Recording(speculative=SPEC, counting=True)
+    sim.add("a", CYCLE + CYCLE[:5], max_new_tokens=30, ignore_eos=True)
+    sim.run()
+    assert sim.tokens("a") == solo(CYCLE + CYCLE[:5], counting=True, max_new_tokens=30)
+    spec = sim.planner.spec
+    assert spec is not None
+    counters = spec.counters
+    assert counters.accepted == counters.drafted > 0
+    # 30 tokens: the first from the prompt, then 5 a step (4 kept drafts and one more)
+    assert counters.steps == 6 and sim.finish("a") == "length"
+    assert drafted_seqs(sim.all_launches)[0] == (len(CYCLE) + 5, 4)
+
+
+def test_rejected_drafts_give_the_same_tokens() -> None:
+    prompts = {f"r{i}": [(7 * i + j * j) % 40 + 3 for j in range(20 + i)] for i in range(4)}
+    sim = Recording(speculative=SPEC, page_size=1)
+    for rid, prompt in prompts.items():
+        sim.add(rid, prompt, max_new_tokens=25)
+    sim.run()
+    for rid, prompt in prompts.items():
+        assert sim.tokens(rid) == solo(prompt, max_new_tokens=25), rid
+    spec = sim.planner.spec
+    assert spec is not None and spec.counters.steps > 0
+
+
+def test_stop_token_among_kept_drafts_ends_there() -> None:
+    prompt = CYCLE + CYCLE[:5]
+    stop = CYCLE[8]  # the 4th token after the prompt: inside the first verified chunk
+    sim = Recording(speculative=SPEC, counting=True)
+    sim.add("a", prompt, max_new_tokens=30, stop_token_ids=(stop,))
+    sim.run()
+    assert sim.tokens("a") == CYCLE[5:9]
+    assert sim.finish("a") == "stop"
+    assert sum(len(out.token_ids) for out in sim.outputs["a"]) == 4
+
+
+def test_drafts_never_pass_max_new_tokens() -> None:
+    prompt = CYCLE + CYCLE[:5]
+    sim = Recording(speculative=SPEC, counting=True)
+    sim.add("a", prompt, max_new_tokens=7)
+    sim.run()
+    assert sim.tokens("a") == CYCLE[5:12]
+    # after the first token 6 are left: one verify of 4 drafts (5 tokens), then 1 left to draft
+    assert [k for _, k in drafted_seqs(sim.all_launches)] == [4]
+
+
+def test_more_running_than_max_batch_speculates_nothing() -> None:
+    sim = Recording(speculative=SpecConfig(max_batch=2), counting=True)
+    for i in range(3):
+        sim.add(f"a{i}", CYCLE + CYCLE[: 5 + i], max_new_tokens=10 + 10 * i)
+    sim.run()
+    launches = zip(sim.all_launches, sim.live, strict=True)
+    live = [n for launch, n in launches if drafted_seqs([launch])]
+    assert live and max(live) <= 2  # the last two, once the first ended
+    assert all(sim.tokens(f"a{i}") == CYCLE[5 + i : 15 + 11 * i] for i in range(3))
+
+
+def test_a_row_whose_drafts_fail_backs_off() -> None:
+    sim = Recording(speculative=SPEC)
+    prompt = [5, 6, 5, 6, 5, 6, 5, 6]  # drafts 5, 6 ...; the hash device disagrees
+    sim.add("a", prompt, max_new_tokens=60, ignore_eos=True)
+    sim.run()
+    assert sim.tokens("a") == solo(prompt, max_new_tokens=60, ignore_eos=True)
+    spec = sim.planner.spec
+    assert spec is not None
+    drafted = spec.counters.steps
+    assert 0 < drafted < 60 // 4  # backed off: most decodes drafted nothing
+    req_decodes = sum(1 for launch in sim.all_launches if launch.decode_rows)
+    assert req_decodes > drafted
+
+
+def test_sampling_that_edits_per_token_never_drafts() -> None:
+    assert drafts_allowed(SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1))
+    for refused in (
+        SamplingParams(repetition_penalty=1.1),
+        SamplingParams(frequency_penalty=0.5),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(logit_bias={5: 1.0}),
+        SamplingParams(logprobs=True),
+        SamplingParams(regex="[a-z]+"),
+    ):
+        assert not drafts_allowed(refused)
+    sim = Recording(speculative=SPEC, counting=True)
+    sim.add("a", CYCLE + CYCLE[:5], max_new_tokens=12, presence_penalty=0.5)
+    sim.add("b", CYCLE + CYCLE[:5], max_new_tokens=12, min_new_tokens=6, ignore_eos=True)
+    sim.run()
+    assert sim.tokens("a") == sim.tokens("b") == CYCLE[5:17]
+    starts = [start for start, _ in drafted_seqs(sim.all_launches)]
+    # only b, and only once its min_new_tokens are out (its stop tokens are masked till then)
+    assert starts and min(starts) >= len(CYCLE) + 5 + 6 - 1
+
+
+def test_retraction_with_drafts_in_flight_loses_nothing() -> None:
+    prompts = {f"r{i}": CYCLE[i:] + CYCLE[: 5 + i] for i in range(4)}
+    sim = Recording(speculative=SPEC, counting=True, num_pages=40, page_size=4)
+    for rid, prompt in prompts.items():
+        sim.add(rid, prompt, max_new_tokens=40, ignore_eos=True)
+    sim.run()
+    for rid, prompt in prompts.items():
+        assert sim.tokens(rid) == solo(prompt, counting=True, max_new_tokens=40), rid
+    assert sim.planner.num_retractions > 0
+    spec = sim.planner.spec
+    assert spec is not None and spec.counters.accepted > 0
