@@ -185,7 +185,9 @@ class EngineOptions:
         "occurrence of a request's last tokens (its prompt and output) and verifies them in "
         "one step (unset: off)",
     )
-    speculative_num_draft_tokens: int = option(4, "drafts one request verifies in a step")
+    speculative_num_draft_tokens: int = option(
+        8, "drafts one request verifies in a step at most (fewer while its drafts are refused)"
+    )
     speculative_ngram_min_match_window_size: int = option(
         1, "the shortest run of a request's last tokens an ngram draft is looked up by"
     )

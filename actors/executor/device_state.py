@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from shoal.actors.executor.draft_asks import DraftAsks, draft_asks
@@ -54,6 +55,12 @@ from shoal.kernels.sampling import (
     masks_stop_tokens,
     sample,
 )
+from shoal.kernels.sampling_columns import (
+    MIN_TEMPERATURE,
+    SamplingColumns,
+    stream_counter,
+)
+from shoal.kernels.sampling_columns import columns_of as sampling_columns
 from shoal.models.decoder import DecoderModel
 from shoal.models.kv_pool import KVPool
 
@@ -206,11 +213,10 @@ class DeviceState:
         step = step_inputs(launch, self.last_token, self.counting)
         asks = prompt_asks(launch, self.rows, self.models[-1].device)
         routed = routed_asks(launch, self.rows, self.routed_rows, self.model.device)
-        drafts = draft_asks(launch, self.model.device)
+        drafts = draft_asks(launch, self.models[-1].device)  # verified where the head runs
         if self.pipeline is not None:
             assert routed is None, "the engine refuses return_routed_experts over stages"
-            assert drafts is None, "the planner never speculates over stages"
-            return self._launch_stages(step, asks)
+            return self._launch_stages(step, asks, drafts)
         self.monitor.gate(0)  # the tests' hold of stage 0 holds a one-stage engine too
         num_sampling = len(step.sample_rows_host)
         prompt = None
@@ -286,7 +292,13 @@ class DeviceState:
         if verifying is not None:
             drafts, draft_logits = verifying
             assert draft_logits is not None and not self.slots.tracked[drafts.rows_host].any()
-            emitted = drafts.verify(draft_logits, logits, next_tokens, self.slots)
+            slots, rows_at = self.slots, drafts.rows_host
+
+            def columns_of(at: np.ndarray) -> SamplingColumns:
+                return slots.columns(torch.from_numpy(rows_at[at]).to(rows.device), rows_at[at])
+
+            greedy = slots.greedy(rows_at)
+            emitted = drafts.verify(draft_logits, logits, next_tokens, greedy, columns_of)
         self.last_token.index_copy_(0, rows, next_tokens)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
         want: list[tuple[int, int, int]] = []
@@ -316,7 +328,9 @@ class DeviceState:
                 self.slots.untrack(int(rows_host[i]))
         return pending
 
-    def _launch_stages(self, step: StepInputs, asks: PromptAsks | None) -> PendingStep:
+    def _launch_stages(
+        self, step: StepInputs, asks: PromptAsks | None, drafts: DraftAsks | None
+    ) -> PendingStep:
         """Stage 0's part here (on the launch thread), the rest on the stages' threads. Every
         row is tracked here (`_tracks`): the last stage samples from the rows' views."""
         monitor = self.monitor
@@ -337,22 +351,42 @@ class DeviceState:
             for i, s in enumerate(states)
             if s.sampling.wants_logprobs
         ]
-        context = (states, rows, step.sample_rows, want, asks)
+        context = (states, rows, step.sample_rows, want, asks, drafts)
         micro = Microbatch(step.shape, step.positions, step.sample_index, context)
         assert self.pipeline is not None
         future = self.pipeline.submit(h, micro)
-        pending = PendingStep(states, future, want, self.arrived, prompt=asks)
+        pending = PendingStep(states, future, want, self.arrived, prompt=asks, drafts=drafts)
         for state in states:  # last: a launch that raised above sampled nothing
             state.num_sampled += 1
+        if drafts is not None:  # a speculating row drew 1 + k uniforms (draft_asks.py)
+            for place, k in zip(drafts.sample_at_host, drafts.lengths_host, strict=True):
+                states[place].num_sampled += k
         return pending
 
     def _finish(self, stage: Stage, h: torch.Tensor, micro: Microbatch) -> HostResult:
         """The last stage's end: norm, head, sampling, the row's last token (on stage 0's
         device, where the next decode reads it) and the copy to the host."""
-        states, rows, rows_t, want, asks = micro.context
+        states, rows, rows_t, want, asks, drafts = micro.context
         device = stage.model.device
-        logits = stage.model.head(h, micro.sample_index.to(device))
+        sample_index = micro.sample_index.to(device)
+        if drafts is None:
+            logits = stage.model.head(h, sample_index)
+        else:
+            both = stage.model.head(h, torch.cat((sample_index, drafts.places)))
+            logits, draft_logits = both[: len(rows)], both[len(rows) :]
         next_tokens = sample(logits, rows, self.eos_token_ids)
+        emitted = None
+        if drafts is not None:
+            views = [rows[place] for place in drafts.sample_at_host]
+
+            def columns_of(at: np.ndarray) -> SamplingColumns:
+                chosen = [views[i] for i in at.tolist()]
+                counters = [stream_counter(view.seed, view.step) for view in chosen]
+                params = [view.params for view in chosen]
+                return sampling_columns(params, counters, logits.shape[1], device)
+
+            greedy = np.array([v.params.temperature < MIN_TEMPERATURE for v in views])
+            emitted = drafts.verify(draft_logits, logits, next_tokens, greedy, columns_of)
         if states:
             self.last_token[rows_t] = next_tokens.to(self.last_token.device)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
@@ -361,6 +395,8 @@ class DeviceState:
             to_copy += _output_logprobs(logits, next_tokens, want, lists)
         if asks is not None:
             to_copy += self._prompt_logprobs(stage.model, h, asks)
+        if emitted is not None:
+            to_copy += (emitted,)
         return stage.streams.to_host(to_copy)
 
     def _start_rows(self, launch: Launch) -> None:

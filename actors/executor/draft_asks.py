@@ -25,12 +25,12 @@ token (actors/scheduler/speculation.py's `drafts_allowed`): it is never a tracke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from shoal.actors.executor.sampling_slots import SamplingSlots
 from shoal.actors.executor_messages import Launch
 from shoal.kernels.device_copy import to_device
 from shoal.kernels.sampling_columns import SamplingColumns, row_uniforms, target_probs
@@ -43,6 +43,7 @@ class DraftAsks:
     index: torch.Tensor  # int64 [R, K + 1]: each row's places in cat(draft logits, sampled)
     drafts: torch.Tensor  # int64 [R, K]: each row's drafts, -1 past its length
     lengths: torch.Tensor  # int64 [R]
+    lengths_host: tuple[int, ...]
     sample_at: torch.Tensor  # int64 [R]: each row's place among the step's sampling rows
     sample_at_host: tuple[int, ...]
     rows: torch.Tensor  # int64 [R]: each row's request-slot row
@@ -53,31 +54,35 @@ class DraftAsks:
         draft_logits: torch.Tensor,
         logits: torch.Tensor,
         next_tokens: torch.Tensor,
-        slots: SamplingSlots,
+        greedy: np.ndarray,
+        columns_of: Callable[[np.ndarray], SamplingColumns],
     ) -> torch.Tensor:
         """Each row's emitted tokens [R, K + 1] (its kept drafts, then one more, then -1);
-        writes its last into `next_tokens`. The caller then moves each row's seed counter on
+        writes its last into `next_tokens`. `greedy`: bool [R], the rows sampling greedily;
+        `columns_of(at)`: the sampling columns of the rows at `at` (all sampled), with the
+        seed counters of this step's draw. The caller then moves each row's seed counter on
         by its k draws past the one every sampling row makes (`lengths`)."""
-        greedy = slots.greedy(self.rows_host)
         both = torch.cat((draft_logits, logits))
         emitted = torch.empty_like(self.index)
+        device = self.index.device
         if greedy.any():
-            at = torch.from_numpy(np.flatnonzero(greedy)).to(self.index.device)
+            at = torch.from_numpy(np.flatnonzero(greedy)).to(device)
             targets = both.argmax(dim=-1)[self.index[at]]
             emitted[at] = verify_targets(targets, self.drafts[at], self.lengths[at])[1]
         if not greedy.all():
-            at = torch.from_numpy(np.flatnonzero(~greedy)).to(self.index.device)
-            emitted[at] = self._sampled(both, at, slots)
+            at_host = np.flatnonzero(~greedy)
+            at = torch.from_numpy(at_host).to(device)
+            emitted[at] = self._sampled(both, at, columns_of(at_host))
         accepted = (emitted >= 0).sum(dim=1) - 1
         last = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
         next_tokens.index_copy_(0, self.sample_at, last)
         return emitted
 
-    def _sampled(self, both: torch.Tensor, at: torch.Tensor, slots: SamplingSlots) -> torch.Tensor:
-        """Rejection sampling for the sampled rows `at`: [len(at), K + 1] emitted."""
+    def _sampled(self, both: torch.Tensor, at: torch.Tensor, base: SamplingColumns) -> torch.Tensor:
+        """Rejection sampling for the sampled rows `at`, whose columns are `base`:
+        [len(at), K + 1] emitted."""
         index = self.index[at]
         rows, width = index.shape
-        base = slots.columns(self.rows[at], self.rows_host[at.cpu().numpy()])
         repeat = torch.arange(rows, device=index.device).repeat_interleave(width)
         columns = SamplingColumns(
             base.temperature[repeat],
@@ -138,6 +143,7 @@ def draft_asks(launch: Launch, device: torch.device) -> DraftAsks | None:
         to_device(index, torch.int64, device).view(r, width + 1),
         to_device([t for d in padded for t in d], torch.int64, device).view(r, width),
         to_device([len(d) for d in drafts], torch.int64, device),
+        tuple(len(d) for d in drafts),
         to_device(sample_at, torch.int64, device),
         tuple(sample_at),
         to_device(rows, torch.int64, device),

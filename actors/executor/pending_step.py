@@ -7,7 +7,10 @@ a plain row's step lives on the device (`SamplingSlots`) and its tokens only go 
 scheduler, so a step of plain rows costs the host no per-row work here.
 
 - `RowState.num_sampled` counts tokens launched for sampling; only the launch thread writes it.
-  It is the row's seed-stream step, known without waiting for the device.
+  It is the row's seed-stream step, known without waiting for the device. A speculating row
+  (tracked only over pipeline stages) moves it on by 1 + k, its draws; it never waits for its
+  tokens (no penalty, no constraint: actors/scheduler/speculation.py), so that count is never
+  held against them.
 - `RowState.output_ids` are the sampled tokens that reached the host; only the completion
   thread appends (`PendingStep.result`). Penalties need them all, so a launch that samples a
   row with penalties first waits until that row's earlier tokens have arrived (such rows give
@@ -110,12 +113,12 @@ class PendingStep:
         except BaseException:
             self._lose()  # nobody may wait for these tokens any longer
             raise
-        row_errors = self._arrive(tokens) if self.states else ()
         rest = tensors[1:]
         drafted: tuple[tuple[int, tuple[int, ...]], ...] = ()
         if self.drafts is not None:
             drafted = self.drafts.unpack(rest[-1])
             rest = rest[:-1]
+        row_errors = self._arrive(tokens, dict(drafted)) if self.states else ()
         routed: tuple[tuple[int, ExpertRows], ...] = ()
         if self.routed is not None:
             routed = self.routed.unpack(rest[-1])
@@ -133,14 +136,18 @@ class PendingStep:
             out[i] = TokenLogprob(tokens[i], float(chosen[j]), top, tuple(listed[j][:n]), rank[j])
         return StepResult(tokens, tuple(out), prompt, routed, row_errors, drafted)
 
-    def _arrive(self, tokens: tuple[int, ...]) -> tuple[tuple[int, str], ...]:
-        """The tracked rows' tokens: appended, their constraints advanced, waiters woken.
-        Returns (place, why) for each row a constraint cannot take further."""
+    def _arrive(
+        self, tokens: tuple[int, ...], drafted: dict[int, tuple[int, ...]]
+    ) -> tuple[tuple[int, str], ...]:
+        """The tracked rows' tokens (a speculating row's kept drafts before its token):
+        appended, their constraints advanced, waiters woken. Returns (place, why) for each
+        row a constraint cannot take further."""
         errors: list[tuple[int, str]] = []
         with self.arrived:
             try:
                 for state, i in zip(self.states, self.at, strict=True):
                     token = tokens[i]
+                    state.output_ids.extend(drafted.get(i, ()))
                     state.output_ids.append(token)
                     for constraint in state.constraints:
                         error = constraint.advance(token)

@@ -87,17 +87,30 @@ def _mixed_inputs(launch: Launch, last_token: torch.Tensor, counting: torch.Tens
         all_ids[parts[6]] = last_token.index_select(0, parts[7])
     rows_end = len(host) - len(fill_at) - len(fill_rows)
     rows_host = np.concatenate((host[:num_decodes], host[rows_end - len(sample_rows) : rows_end]))
-    seqs = launch.seqs
-    shape = BatchShape(
-        launch.decode_rows + tuple(s.row for s in seqs),
-        launch.decode_starts + tuple(s.start for s in seqs),
-        (1,) * num_decodes + tuple(s.num_tokens for s in seqs),
-    )
     return StepInputs(
         all_ids,
         torch.cat((decode_starts, chunk_positions)),
         torch.cat((counting[:num_decodes], chunk_index)),
         torch.cat((decode_rows, chunk_rows)),
         rows_host,
-        shape,
+        _shape(launch),
     )
+
+
+def _shape(launch: Launch) -> BatchShape:
+    """The batch as attention sees it. A speculating decode (SeqChunk.num_drafts) is one
+    decode per position, each on the same row and seeing the keys up to its own: attention
+    stores every new key before any query reads (kernels/batch.py), so each reads its
+    row's earlier drafts as a chunk would, through the decode kernels."""
+    rows, starts = list(launch.decode_rows), list(launch.decode_starts)
+    lengths = [1] * len(rows)
+    for seq in launch.seqs:
+        if seq.num_drafts:
+            rows += [seq.row] * seq.num_tokens
+            starts += range(seq.start, seq.start + seq.num_tokens)
+            lengths += [1] * seq.num_tokens
+        else:
+            rows.append(seq.row)
+            starts.append(seq.start)
+            lengths.append(seq.num_tokens)
+    return BatchShape(tuple(rows), tuple(starts), tuple(lengths))

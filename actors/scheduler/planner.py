@@ -63,7 +63,7 @@ class Planner:
         self.outbox = Outbox()
         self.requests = RequestTable(config, self.outbox)
         spec = config.speculative
-        self.spec = None if spec is None or config.disjoint else Speculation(spec)
+        self.spec = None if spec is None else Speculation(spec)
         self.launched = LaunchedBatches(config, self.outbox, self.spec)
         self.plan_pending = False
         self.pressure = False

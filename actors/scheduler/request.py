@@ -102,7 +102,7 @@ class Req:
     logprobs_next: int = field(init=False)
     # Speculative decoding (speculation.py): its n-gram index and backoff, once it drafted;
     # the drafts proposed for its next decode
-    drafts: RowDrafts | None = None
+    draft_state: RowDrafts | None = None
     draft: tuple[int, ...] = ()
     verifying: bool = False  # a launched batch verifies its drafts: nothing else decodes it
 

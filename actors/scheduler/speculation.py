@@ -11,15 +11,18 @@ token (actors/executor/draft_asks.py), so a step emits 1 .. k + 1 tokens for the
 
 Switched by load: a step speculates only while at most `max_batch` requests run (a bigger
 batch already reads each weight once for many rows); a row speculates only when it has caught
-up (no token of it on its way: drafts need its last token), its sampling edits nothing a
-draft would need per position (`drafts_allowed`), and its recent drafts paid: a row whose
-verification kept nothing waits 1, 2, 4 .. `MAX_BACKOFF` decodes before it drafts again.
-A row about to draft waits for its tokens on their way (no overlap: `draft` answers None);
-one that skips decodes overlapped as usual, and one whose n-grams found nothing skips one.
+up (no token of it on its way: drafts need its last token) and its sampling edits nothing a
+draft would need per position (`drafts_allowed`). Per row, what its drafts paid decides:
+it sends as many drafts as each has a chance above DRAFT_COST of being kept with those before
+it (`RowDrafts.length`: 2 at first, up to `num_draft_tokens`), and a verification that kept
+nothing makes it wait 1, 2, 4 .. `MAX_BACKOFF` decodes before it drafts again. A row about to
+draft waits for its tokens on their way (no overlap: `draft` answers None); one that skips
+decodes overlapped as usual.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shoal.actors.scheduler.ngram_drafts import NgramDrafts
@@ -27,11 +30,16 @@ from shoal.actors.scheduler.request import Req
 from shoal.params import SamplingParams
 
 MAX_BACKOFF = 16
+# What one draft position adds to a decode's step, as a share of it (a CPU step of SmolLM2
+# verifying 4 drafts: 1.26x a decode in float32, 1.66x in int8): a draft is worth sending
+# while the chance that it and those before it are kept is above this.
+DRAFT_COST = 0.15
+KEEP_MEMORY = 0.8  # how much of a row's earlier verifications its estimate keeps
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    num_draft_tokens: int = 4  # drafts verified per row and step at most
+    num_draft_tokens: int = 8  # drafts verified per row and step at most
     min_n: int = 1  # the n-gram sizes looked up, longest first
     max_n: int = 4
     max_batch: int = 8  # a step with more running requests does not speculate
@@ -60,6 +68,19 @@ class RowDrafts:
     indexed: int = 0  # tokens of the request given to `ngrams`
     skip: int = 0  # decodes left before it drafts again
     backoff: int = 1  # the next wait after a verification that kept nothing
+    # drafts kept and verifications that refused one, decayed by KEEP_MEMORY each time:
+    # kept / (kept + refused) estimates the chance that a draft is kept after the one before
+    kept: float = 1.0
+    refused: float = 1.0
+
+    def length(self, most: int) -> int:
+        """How many drafts to send (at least 1): as many as each has a chance above
+        DRAFT_COST of being kept with those before it, at most `most`."""
+        p = self.kept / (self.kept + self.refused)
+        if p >= 1.0:
+            return most
+        n = int(math.log(DRAFT_COST) / math.log(p)) if p > 0 else 0
+        return max(1, min(most, n))
 
 
 @dataclass
@@ -88,11 +109,11 @@ class Speculation:
         masked = req.num_outputs < sampling.min_new_tokens
         if room < 1 or masked or req.role == "send" or not drafts_allowed(sampling):
             return ()
-        rows = req.drafts
+        rows = req.draft_state
         if rows is None:
             config = self.config
             ngrams = NgramDrafts(config.min_n, config.max_n, config.num_draft_tokens)
-            rows = req.drafts = RowDrafts(ngrams)
+            rows = req.draft_state = RowDrafts(ngrams)
         if rows.skip:  # its recent drafts did not pay: it decodes as usual, overlapped
             rows.skip -= 1
             return ()
@@ -100,9 +121,9 @@ class Speculation:
             return None
         rows.ngrams.extend(req.tokens[rows.indexed :])
         rows.indexed = len(req.tokens)
-        proposed = tuple(rows.ngrams.propose()[:room])
-        if not proposed:
-            rows.skip = 1  # the next decode overlaps; the one after looks again
+        proposed = tuple(
+            rows.ngrams.propose()[: min(room, rows.length(self.config.num_draft_tokens))]
+        )
         return proposed
 
     def verified(self, req: Req, num_drafts: int, accepted: int) -> None:
@@ -111,8 +132,10 @@ class Speculation:
         counters.steps += 1
         counters.drafted += num_drafts
         counters.accepted += accepted
-        rows = req.drafts
+        rows = req.draft_state
         assert rows is not None
+        rows.kept = KEEP_MEMORY * rows.kept + accepted
+        rows.refused = KEEP_MEMORY * rows.refused + (accepted < num_drafts)
         if accepted:
             rows.backoff = 1
         else:  # nothing kept: wait longer each time before drafting again

@@ -26,7 +26,7 @@ import msgspec
 import pytest
 from disagg_helpers import NEW_TOKENS, WAIT_S, free_port, wait_for_counts
 from engines import EngineFactory, message_kinds
-from parity import mixed_prompts
+from parity import copying_prompts, mixed_prompts
 from reference import Reference
 
 from shoal import Engine
@@ -113,6 +113,23 @@ async def served_after(pair: Pair, reference: Reference, vocab: int) -> None:
 
 
 # ---- the output is one engine's ---------------------------------------------------------
+
+
+async def test_greedy_with_drafts_through_both_equals_one_engine(
+    make_pair: PairFactory, tiny_model: LoadedModel, tiny_reference: Reference
+) -> None:
+    """Speculative decoding on the decode server: its drafts are verified over the prompt's
+    KV the prefill server wrote, and the tokens are one engine's."""
+    pair = await make_pair(page_size=4, speculative_algorithm="ngram")
+    prompts = copying_prompts(tiny_model.config.vocab_size)
+    outcomes = await asyncio.gather(*(pair.run(p, max_new_tokens=24) for p in prompts))
+    for prompt, (first, second) in zip(prompts, outcomes, strict=True):
+        want = tiny_reference.greedy(prompt, 24)
+        assert first.token_ids == (want[0],)
+        assert list(second.token_ids) == want
+    await pair.idle()
+    assert (await pair.decode.snapshot()).spec_accepted > 0
+    assert (await pair.prefill.snapshot()).spec_steps == 0  # its requests end at a first token
 
 
 @pytest.mark.parametrize("page_size", [16, 1])

@@ -5,9 +5,10 @@ every completed greedy request equal to its reference for the weights it ran on.
 carry a logit_bias, some a grammar (a regex: kernels/grammar_row.py), beside plain ones; a
 grammar row's reference is transformers' greedy under the same mask.
 
-Each seed runs with one executor stage, with two pipeline stages (actors/executor/stages.py)
-and with speculative decoding (n-gram drafts verified in one step; some prompts repeat a
-phrase so that drafts are kept). STRESS_SEED=N runs one more seed instead of the default two."""
+Each seed runs with one executor stage and with two pipeline stages (actors/executor/stages.py),
+each without and with speculative decoding (n-gram drafts verified in one step; some prompts
+repeat a phrase so that drafts are kept). STRESS_SEED=N runs one more seed instead of the
+default two."""
 
 from __future__ import annotations
 
@@ -229,8 +230,8 @@ SEEDS = [int(os.environ["STRESS_SEED"])] if "STRESS_SEED" in os.environ else [20
 # Two stages: the tiny model's two layers one a stage (actors/executor/stages.py).
 @pytest.mark.parametrize(
     ("stages", "speculative"),
-    [(1, False), (2, False), (1, True)],
-    ids=["one-stage", "two-stages", "speculative"],
+    [(1, False), (2, False), (1, True), (2, True)],
+    ids=["one-stage", "two-stages", "speculative", "two-stages-speculative"],
 )
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_random_operations_against_a_running_server(

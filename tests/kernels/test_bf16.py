@@ -107,7 +107,11 @@ def test_the_heads_top_logits_are_float32s() -> None:
 
 
 def fake_cpu(monkeypatch: pytest.MonkeyPatch, cpu: CpuFeatures) -> None:
+    """The CPU `cpu` as the engine reads it: its flags, and oneDNN's own check of the matrix
+    units as its flags say (on a CPU with AVX512-BF16 and no AMX, oneDNN's bfloat16 matmul runs
+    without tiles, so `needs_onednn_bf16` passes while the real check would say no AMX)."""
     monkeypatch.setattr("shoal.config.read_cpu_features", lambda: cpu)
+    monkeypatch.setattr(cpu_features, "amx_bf16", lambda: cpu.amx_bf16)
 
 
 @needs_onednn_bf16

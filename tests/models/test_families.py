@@ -1,6 +1,7 @@
 """Every model family shoal serves: greedy tokens equal transformers' `generate` on a tiny random
 model of that family (tests/support/tiny_families.py), under batching, chunked prefill, prefix hits,
-page sizes 1 and 16, a session, and a weight update between two checkpoints.
+page sizes 1 and 16, a session, a weight update between two checkpoints, and speculative
+decoding's drafts.
 
 Windowed families (Mistral, Qwen3's upper layers, Gemma 2 and 3, Phi-3) have a window of 16
 tokens here, so the prompts (up to 100 tokens, and a session's history past 150) are several
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from engines import EngineFactory
-from parity import mixed_prompts
+from parity import copying_prompts, mixed_prompts
 from reference import Reference
 from served import ServeFactory
 from tiny_families import FAMILIES, WINDOW, make_family_folder
@@ -65,6 +66,21 @@ async def test_greedy_tokens_equal_transformers(
     assert all(
         d.usage.cached_tokens > 0 for d, p in zip(again, prompts, strict=True) if len(p) > 17
     )
+
+
+async def test_greedy_tokens_with_drafts_equal_transformers(
+    make_engine: EngineFactory, case: Case
+) -> None:
+    """Speculative decoding: drafts verified in one step over the paged KV (a windowed
+    family's window included) keep transformers' greedy tokens."""
+    engine = await make_engine(case.loaded, page_size=4, speculative_algorithm="ngram")
+    prompts = copying_prompts(case.loaded.config.vocab_size)
+    new = 2 * NEW_TOKENS
+    expected = [case.reference.greedy(p, new) for p in prompts]
+    streams = [engine.generate(input_ids=p, max_new_tokens=new, temperature=0.0) for p in prompts]
+    done = await asyncio.gather(*(s.result() for s in streams))
+    assert [list(d.token_ids) for d in done] == expected
+    assert (await engine.snapshot()).spec_steps > 0
 
 
 async def test_session_turns_equal_stateless_requests(

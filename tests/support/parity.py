@@ -27,6 +27,17 @@ def mixed_prompts(vocab: int, seed: int = 7) -> list[list[int]]:
     return prompts
 
 
+def copying_prompts(vocab: int, seed: int = 3) -> list[list[int]]:
+    """4 prompts that repeat a phrase: the tiny model's greedy answer then often repeats
+    too, so speculative decoding's drafts from the prompt and the output get kept."""
+    rng = random.Random(seed)
+    prompts = []
+    for n, times in ((5, 6), (9, 4), (3, 10), (17, 3)):
+        phrase = [rng.randrange(3, vocab) for _ in range(n)]
+        prompts.append(phrase * times + phrase[: n // 2])
+    return prompts
+
+
 async def run_all(engine: Any, prompts: list[list[int]], **sampling: Any) -> list[Any]:
     """Every prompt at once, NEW_TOKENS each at temperature 0; their final outputs."""
     streams = [

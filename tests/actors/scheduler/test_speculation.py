@@ -7,7 +7,8 @@ from __future__ import annotations
 from planner_sim import Sim, solo
 
 from shoal.actors.executor_messages import Launch
-from shoal.actors.scheduler.speculation import SpecConfig, drafts_allowed
+from shoal.actors.scheduler.ngram_drafts import NgramDrafts
+from shoal.actors.scheduler.speculation import DRAFT_COST, RowDrafts, SpecConfig, drafts_allowed
 from shoal.params import SamplingParams
 
 SPEC = SpecConfig(num_draft_tokens=4, min_n=1, max_n=3, max_batch=4)
@@ -43,9 +44,11 @@ def test_copying_request_keeps_every_draft_and_matches_one_at_a_time() -> None:
     assert spec is not None
     counters = spec.counters
     assert counters.accepted == counters.drafted > 0
-    # 30 tokens: the first from the prompt, then 5 a step (4 kept drafts and one more)
+    # 30 tokens: the first from the prompt, then 3 (a new row sends 2 drafts: its estimate
+    # starts at one in two kept), then 5 a step (4 kept drafts and one more), then the last
     assert counters.steps == 6 and sim.finish("a") == "length"
-    assert drafted_seqs(sim.all_launches)[0] == (len(CYCLE) + 5, 4)
+    start = len(CYCLE) + 5
+    assert drafted_seqs(sim.all_launches)[:3] == [(start, 2), (start + 3, 4), (start + 8, 4)]
 
 
 def test_rejected_drafts_give_the_same_tokens() -> None:
@@ -77,8 +80,8 @@ def test_drafts_never_pass_max_new_tokens() -> None:
     sim.add("a", prompt, max_new_tokens=7)
     sim.run()
     assert sim.tokens("a") == CYCLE[5:12]
-    # after the first token 6 are left: one verify of 4 drafts (5 tokens), then 1 left to draft
-    assert [k for _, k in drafted_seqs(sim.all_launches)] == [4]
+    # after the first token 6 are left: 2 drafts (3 tokens), then 2 (the room left: 3 tokens)
+    assert [k for _, k in drafted_seqs(sim.all_launches)] == [2, 2]
 
 
 def test_more_running_than_max_batch_speculates_nothing() -> None:
@@ -104,6 +107,16 @@ def test_a_row_whose_drafts_fail_backs_off() -> None:
     assert 0 < drafted < 60 // 4  # backed off: most decodes drafted nothing
     req_decodes = sum(1 for launch in sim.all_launches if launch.decode_rows)
     assert req_decodes > drafted
+
+
+def test_a_row_sends_as_many_drafts_as_its_kept_ones_pay_for() -> None:
+    rows = RowDrafts(NgramDrafts())
+    assert rows.length(8) == 2  # one in two kept: the third's chance is below DRAFT_COST
+    rows.kept, rows.refused = 9.0, 1.0  # nine in ten
+    assert rows.length(8) == 8 and rows.length(4) == 4
+    rows.kept, rows.refused = 0.0, 5.0
+    assert rows.length(8) == 1  # still one, to learn again
+    assert DRAFT_COST < 0.5**2  # two drafts at one in two: worth sending
 
 
 def test_sampling_that_edits_per_token_never_drafts() -> None:

@@ -5,27 +5,16 @@ sessions; sampled rows stay seeded; the counters show drafts were verified and k
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any
 
 import pytest
 from engines import EngineFactory
+from parity import copying_prompts
 from reference import Reference
 from workload import greedy
 
 SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
 NEW = 24
-
-
-def copying_prompts(vocab: int, seed: int = 3) -> list[list[int]]:
-    """Prompts that repeat a phrase: the tiny model's greedy output then often repeats too,
-    so drafts from the prompt and the output get kept."""
-    rng = random.Random(seed)
-    prompts = []
-    for n, times in ((5, 6), (9, 4), (3, 10), (17, 3)):
-        phrase = [rng.randrange(3, vocab) for _ in range(n)]
-        prompts.append(phrase * times + phrase[: n // 2])
-    return prompts
 
 
 async def run(engine: Any, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
@@ -94,3 +83,39 @@ async def test_past_max_running_drafts_nothing(make_engine: EngineFactory) -> No
     prompts = copying_prompts(engine.loaded.config.vocab_size)
     await run(engine, prompts, 8)  # four at once: more than 2 run
     assert (await engine.snapshot()).spec_steps == 0
+
+
+async def test_pipeline_stages_verify_drafts_on_the_last_stage(
+    make_engine: EngineFactory, tiny_reference: Reference
+) -> None:
+    """Two stages (the tiny model's two layers one a stage): the last stage's head gives the
+    drafts' targets, and greedy rows keep transformers' tokens; sampled rows repeat."""
+    engine = await make_engine(page_size=4, pipeline_stages=2, **SPEC)
+    prompts = copying_prompts(engine.loaded.config.vocab_size)
+    assert await run(engine, prompts) == [tiny_reference.greedy(p, NEW) for p in prompts]
+    greedy_steps = (await engine.snapshot()).spec_steps
+    assert greedy_steps > 0
+    # near greedy, so the answers repeat as the greedy ones do and drafts are sent
+    sampling = {"temperature": 0.3, "max_new_tokens": NEW, "ignore_eos": True, "seed": 4}
+    firsts = [await engine.generate(input_ids=p, **sampling).result() for p in prompts]
+    agains = [await engine.generate(input_ids=p, **sampling).result() for p in prompts]
+    assert [d.token_ids for d in firsts] == [d.token_ids for d in agains]
+    assert all(len(d.token_ids) == NEW for d in firsts)
+    assert (await engine.snapshot()).spec_steps > greedy_steps
+
+
+async def test_min_new_tokens_and_stop_ids_with_drafts(
+    make_engine: EngineFactory, tiny_reference: Reference
+) -> None:
+    """A request drafts only once its min_new_tokens are out (its stop tokens are masked
+    till then, a per-token edit), and a stop id among kept drafts ends it there."""
+    engine = await make_engine(page_size=4, **SPEC)
+    prompt = copying_prompts(engine.loaded.config.vocab_size)[2]
+    want = tiny_reference.greedy(prompt, NEW, True)
+    done = await engine.generate(input_ids=prompt, min_new_tokens=8, **greedy(NEW)).result()
+    assert list(done.token_ids) == want
+    stop = want[10]
+    cut = want[: want.index(stop) + 1]
+    done = await engine.generate(input_ids=prompt, stop_token_ids=[stop], **greedy(NEW)).result()
+    assert list(done.token_ids) == cut and done.finish_reason == "stop"
+    assert (await engine.snapshot()).spec_steps > 0

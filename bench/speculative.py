@@ -1,0 +1,172 @@
+"""Speculative decoding's gain (issue 35): n-gram drafts verified in one step, on against off,
+on a copy-heavy workload (give a code block back with one name changed) and one with nothing
+to copy (a new story), at 1 and 16 streams, beside llama.cpp with and without its prompt-lookup
+decoding on the same GGUF and prompts (one stream: llama-cpp-python serves one at a time).
+
+Two engines live in one process, speculation off and on, and the rounds interleave them (and
+the peer) so that a noisy machine's drift falls on each alike. Greedy, the model's chat
+template; a request's rate is its output tokens over its wall time, prompt included, for
+every system alike (N streams: all their tokens over the round's wall time).
+
+    python bench/speculative.py                      # bundled SmolLM2 in float32 and int8
+    python bench/speculative.py --modes float32 --streams 1 --rounds 3
+    python bench/speculative.py --llamacpp-python /path/to/venv/bin/python   # the peer
+    python bench/speculative.py --smoke
+
+Prints per mode, workload and stream count the median of the rounds:
+    speculative system=<shoal|llamacpp> mode=<float32|int8|Q4_1> workload=<copy|prose>
+                streams=<n> spec=<off|on> output_tok_s=<x> tokens=<n> machine=<desc>
+    speculative ratio mode=<m> workload=<w> streams=<n> on_over_off=<x>
+                on_over_llamacpp_lookup=<x> acceptance=<x> accepted_per_step=<x>
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from bench_format import emit, machine
+from speculative_prompts import WORKLOADS
+
+HERE = Path(__file__).parent
+
+
+async def one_round(engine: Any, workload: str, streams: int, max_tokens: int) -> tuple[float, int]:
+    messages = WORKLOADS[workload]
+    started = time.perf_counter()
+    runs = [
+        engine.generate(messages=messages(i), max_new_tokens=max_tokens, temperature=0.0)
+        for i in range(streams)
+    ]
+    done = await asyncio.gather(*(r.result() for r in runs))
+    tokens = sum(len(d.token_ids) for d in done)
+    return tokens / (time.perf_counter() - started), tokens
+
+
+def peer_round(python: str, gguf: Path, max_tokens: int) -> dict[tuple[str, bool], float]:
+    """llama.cpp's one-stream rates, lookup off and on, per workload (llamacpp_lookup.py)."""
+    command = [python, str(HERE / "llamacpp_lookup.py"), "--gguf", str(gguf)]
+    command += ["--max-tokens", str(max_tokens), "--threads", str(os.cpu_count() or 1)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    rates = {}
+    for line in out.splitlines():
+        item = json.loads(line)
+        rates[(item["workload"], item["lookup"])] = item["tokens"] / item["seconds"]
+    return rates
+
+
+async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[float]]) -> None:
+    from shoal import Engine
+
+    options: dict[str, Any] = {"seed": 0}
+    if mode == "int8":
+        options["quantization"] = "int8"
+    else:
+        options["dtype"] = mode
+    spec = {"speculative_algorithm": "ngram"}
+    async with Engine(args.model, **options) as off, Engine(args.model, **options, **spec) as on:
+        for engine in (off, on):
+            await engine.generate(prompt="warm up", max_new_tokens=8).result()
+        for streams in args.streams:
+            rates: dict[tuple[str, str], list[float]] = {}
+            tokens: dict[tuple[str, str], int] = {}
+            # speculation's verifications, drafted and kept tokens, per workload
+            counted: dict[str, list[int]] = {w: [0, 0, 0] for w in WORKLOADS}
+            for _ in range(args.rounds):
+                for workload in WORKLOADS:
+                    for name, engine in (("off", off), ("on", on)):
+                        before = await on.snapshot()
+                        rate, count = await one_round(engine, workload, streams, args.max_tokens)
+                        rates.setdefault((workload, name), []).append(rate)
+                        tokens[(workload, name)] = count
+                        after = await on.snapshot()
+                        moved = (
+                            after.spec_steps - before.spec_steps,
+                            after.spec_drafted - before.spec_drafted,
+                            after.spec_accepted - before.spec_accepted,
+                        )
+                        total = counted[workload]
+                        counted[workload] = [a + b for a, b in zip(total, moved, strict=True)]
+                if args.gguf is not None and streams == 1 and args.llamacpp_python:
+                    for (workload, lookup), rate in peer_round(
+                        args.llamacpp_python, args.gguf, args.max_tokens
+                    ).items():
+                        peer.setdefault(f"{workload} {lookup}", []).append(rate)
+            for (workload, name), values in rates.items():
+                line = {
+                    "system": "shoal", "mode": mode, "workload": workload, "streams": streams,
+                    "spec": name, "output_tok_s": round(median(values), 2),
+                    "rounds": " ".join(f"{v:.1f}" for v in values),
+                    "tokens": tokens[(workload, name)], "machine": machine(),
+                }  # fmt: skip
+                emit("speculative", line, args.out)
+            for workload in WORKLOADS:
+                on_rate = median(rates[(workload, "on")])
+                ratio: dict[str, Any] = {
+                    "mode": mode, "workload": workload, "streams": streams,
+                    "on_over_off": round(on_rate / median(rates[(workload, "off")]), 3),
+                }  # fmt: skip
+                lookup = peer.get(f"{workload} True")
+                if streams == 1 and lookup:
+                    ratio["on_over_llamacpp_lookup"] = round(on_rate / median(lookup), 3)
+                steps, drafted, accepted = counted[workload]
+                ratio["acceptance"] = round(accepted / drafted, 3) if drafted else 0
+                ratio["accepted_per_step"] = round((accepted + steps) / steps, 2) if steps else 0
+                emit("speculative ratio", ratio, args.out)
+
+
+async def main(args: argparse.Namespace) -> None:
+    peer: dict[str, list[float]] = {}
+    for mode in args.modes:
+        await run_mode(args, mode, peer)
+        if mode == args.modes[0]:
+            for key, values in sorted(peer.items()):
+                workload, lookup = key.split()
+                line = {
+                    "system": "llamacpp", "mode": "Q4_1", "workload": workload, "streams": 1,
+                    "spec": "lookup" if lookup == "True" else "off",
+                    "output_tok_s": round(median(values), 2),
+                    "rounds": " ".join(f"{v:.1f}" for v in values), "machine": machine(),
+                }  # fmt: skip
+                emit("speculative", line, args.out)
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a model folder or GGUF (default: bundled)")
+    parser.add_argument("--modes", nargs="+", default=["float32", "int8"])
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--llamacpp-python",
+        default=os.environ.get("SHOAL_BENCH_LLAMACPP_PYTHON"),
+        help="the Python of llama.cpp's environment (default: $SHOAL_BENCH_LLAMACPP_PYTHON; "
+        "unset: no peer)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="append the lines as JSON")
+    parser.add_argument("--smoke", action="store_true", help="1 and 2 streams, 1 round, 8 tokens")
+    args = parser.parse_args()
+    if args.smoke:
+        args.streams, args.rounds, args.max_tokens, args.modes = [1, 2], 1, 8, ["float32"]
+    args.gguf = None
+    if args.llamacpp_python:
+        from shoal.loading.loader import bundled_model_path
+
+        given = Path(args.model) if args.model else bundled_model_path()
+        args.gguf = given if given.suffix == ".gguf" else None
+        if args.gguf is None:
+            sys.exit("the llama.cpp peer needs a GGUF: give --model FILE.gguf")
+    return args
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse()))

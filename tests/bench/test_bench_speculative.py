@@ -1,0 +1,34 @@
+"""bench/speculative.py runs (`--smoke` on the tiny model: 1 and 2 streams, one round, no
+peer) and prints its fixed format: a line per workload, stream count and setting with a
+positive rate, and a ratio per workload and stream count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_scripts import BENCH, fields
+
+
+def test_speculative_smoke(tiny_folder: Path, prebuilt_cpu_kernels: Path) -> None:
+    argv = [sys.executable, str(BENCH / "speculative.py"), "--smoke", "--model", str(tiny_folder)]
+    env = os.environ | {"SHOAL_CACHE_DIR": str(prebuilt_cpu_kernels)}
+    env.pop("SHOAL_BENCH_LLAMACPP_PYTHON", None)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    runs = [fields(line) for line in lines if line.startswith("speculative system=")]
+    assert [(r["workload"], r["streams"], r["spec"]) for r in runs] == [
+        (workload, streams, spec)
+        for streams in ("1", "2")
+        for workload in ("copy", "prose")
+        for spec in ("off", "on")
+    ]
+    assert all(float(r["output_tok_s"]) > 0 and r["system"] == "shoal" for r in runs)
+    ratios = [fields(line) for line in lines if line.startswith("speculative ratio ")]
+    assert [(r["workload"], r["streams"]) for r in ratios] == [
+        (workload, streams) for streams in ("1", "2") for workload in ("copy", "prose")
+    ]
+    assert all(float(r["on_over_off"]) > 0 for r in ratios)
