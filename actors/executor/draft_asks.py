@@ -4,7 +4,7 @@ the host: which logits verify which drafts, the verification, and its tokens bac
     drafts = draft_asks(launch, device)        # None: no sequence drafts (every plain step)
     logits = model.head(h, cat(sample_index, drafts.places))   # one head for both
     next_tokens = slots.sample(logits[:S], ...)                # as every step
-    emitted = drafts.verify(logits[S:], logits[:S], next_tokens, slots)
+    emitted = drafts.verify(logits[S:], logits[:S], next_tokens, greedy, columns_of)
     ... emitted goes to the host with the step's tokens ...
     drafts.unpack(emitted on the host)         # StepResult.drafted
 
@@ -20,7 +20,9 @@ becomes its last emitted token (the row's next input); the kept drafts before it
 `StepResult.drafted`.
 
 A row drafts only when nothing in its sampling reads its earlier tokens or is reported per
-token (actors/scheduler/speculation.py's `drafts_allowed`): it is never a tracked row.
+token (actors/scheduler/speculation.py's `drafts_allowed`): without pipeline stages it is never
+a tracked row; over stages the last stage verifies from the rows' views
+(`DeviceState._finish`).
 """
 
 from __future__ import annotations
