@@ -1,6 +1,6 @@
-"""Prompt-lookup drafts (issue 35, the drafting half; not wired into the planner yet): the
-tokens that followed the latest earlier occurrence of a request's last n tokens, for n from
-`max_n` down to `min_n`, as llama.cpp's prompt lookup and vLLM's n-gram proposer draft them.
+"""Prompt-lookup drafts (issue 35; what asks for them: speculation.py): the tokens that
+followed the latest earlier occurrence of a request's last n tokens, for n from `max_n` down
+to `min_n`, as llama.cpp's prompt lookup and vLLM's n-gram proposer draft them.
 
     drafts = NgramDrafts(min_n=1, max_n=4, max_draft=4)
     drafts.extend(prompt_ids)             # then each token as it comes
