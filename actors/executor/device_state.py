@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from shoal.actors.executor.draft_asks import DraftAsks, draft_asks
@@ -55,12 +54,6 @@ from shoal.kernels.sampling import (
     masks_stop_tokens,
     sample,
 )
-from shoal.kernels.sampling_columns import (
-    MIN_TEMPERATURE,
-    SamplingColumns,
-    stream_counter,
-)
-from shoal.kernels.sampling_columns import columns_of as sampling_columns
 from shoal.models.decoder import DecoderModel
 from shoal.models.kv_pool import KVPool
 
@@ -292,13 +285,7 @@ class DeviceState:
         if verifying is not None:
             drafts, draft_logits = verifying
             assert draft_logits is not None and not self.slots.tracked[drafts.rows_host].any()
-            slots, rows_at = self.slots, drafts.rows_host
-
-            def columns_of(at: np.ndarray) -> SamplingColumns:
-                return slots.columns(torch.from_numpy(rows_at[at]).to(rows.device), rows_at[at])
-
-            greedy = slots.greedy(rows_at)
-            emitted = drafts.verify(draft_logits, logits, next_tokens, greedy, columns_of)
+            emitted = drafts.verify_slots(draft_logits, logits, next_tokens, self.slots)
         self.last_token.index_copy_(0, rows, next_tokens)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
         want: list[tuple[int, int, int]] = []
@@ -377,16 +364,7 @@ class DeviceState:
         next_tokens = sample(logits, rows, self.eos_token_ids)
         emitted = None
         if drafts is not None:
-            views = [rows[place] for place in drafts.sample_at_host]
-
-            def columns_of(at: np.ndarray) -> SamplingColumns:
-                chosen = [views[i] for i in at.tolist()]
-                counters = [stream_counter(view.seed, view.step) for view in chosen]
-                params = [view.params for view in chosen]
-                return sampling_columns(params, counters, logits.shape[1], device)
-
-            greedy = np.array([v.params.temperature < MIN_TEMPERATURE for v in views])
-            emitted = drafts.verify(draft_logits, logits, next_tokens, greedy, columns_of)
+            emitted = drafts.verify_views(draft_logits, logits, next_tokens, rows)
         if states:
             self.last_token[rows_t] = next_tokens.to(self.last_token.device)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)

@@ -4,7 +4,7 @@ the host: which logits verify which drafts, the verification, and its tokens bac
     drafts = draft_asks(launch, device)        # None: no sequence drafts (every plain step)
     logits = model.head(h, cat(sample_index, drafts.places))   # one head for both
     next_tokens = slots.sample(logits[:S], ...)                # as every step
-    emitted = drafts.verify(logits[S:], logits[:S], next_tokens, greedy, columns_of)
+    emitted = drafts.verify_slots(logits[S:], logits[:S], next_tokens, slots)
     ... emitted goes to the host with the step's tokens ...
     drafts.unpack(emitted on the host)         # StepResult.drafted
 
@@ -27,15 +27,24 @@ a tracked row; over stages the last stage verifies from the rows' views
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from shoal.actors.executor.sampling_slots import SamplingSlots
 from shoal.actors.executor_messages import Launch
 from shoal.kernels.device_copy import to_device
-from shoal.kernels.sampling_columns import SamplingColumns, row_uniforms, target_probs
+from shoal.kernels.sampling import SamplingRow
+from shoal.kernels.sampling_columns import (
+    MIN_TEMPERATURE,
+    SamplingColumns,
+    row_uniforms,
+    stream_counter,
+    target_probs,
+)
+from shoal.kernels.sampling_columns import columns_of as sampling_columns
 from shoal.kernels.speculative import verify_sampled, verify_targets
 
 
@@ -79,6 +88,42 @@ class DraftAsks:
         last = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
         next_tokens.index_copy_(0, self.sample_at, last)
         return emitted
+
+    def verify_slots(
+        self,
+        draft_logits: torch.Tensor,
+        logits: torch.Tensor,
+        next_tokens: torch.Tensor,
+        slots: SamplingSlots,
+    ) -> torch.Tensor:
+        """`verify` for rows whose parameters live in `slots` (one executor stage)."""
+        rows_host, device = self.rows_host, self.rows.device
+
+        def columns_of(at: np.ndarray) -> SamplingColumns:
+            return slots.columns(torch.from_numpy(rows_host[at]).to(device), rows_host[at])
+
+        greedy = slots.greedy(rows_host)
+        return self.verify(draft_logits, logits, next_tokens, greedy, columns_of)
+
+    def verify_views(
+        self,
+        draft_logits: torch.Tensor,
+        logits: torch.Tensor,
+        next_tokens: torch.Tensor,
+        rows: Sequence[SamplingRow],
+    ) -> torch.Tensor:
+        """`verify` for rows sampled from their views (pipeline stages' last stage): `rows`
+        are the step's sampling rows, in order."""
+        views = [rows[place] for place in self.sample_at_host]
+
+        def columns_of(at: np.ndarray) -> SamplingColumns:
+            chosen = [views[i] for i in at.tolist()]
+            counters = [stream_counter(view.seed, view.step) for view in chosen]
+            params = [view.params for view in chosen]
+            return sampling_columns(params, counters, logits.shape[1], logits.device)
+
+        greedy = np.array([view.params.temperature < MIN_TEMPERATURE for view in views])
+        return self.verify(draft_logits, logits, next_tokens, greedy, columns_of)
 
     def _sampled(self, both: torch.Tensor, at: torch.Tensor, base: SamplingColumns) -> torch.Tensor:
         """Rejection sampling for the sampled rows `at`, whose columns are `base`:
