@@ -8,17 +8,20 @@
 # Parts, in this order (each under `timeout`, all inside one deadline, GPU_CHECK_BUDGET_S,
 # default 540 s: a part that hangs or fails costs only its own share):
 #   T  tests/kernels/test_sampling*.py, tests/kernels/test_grammars.py (a grammar row's mask on
-#      CUDA) and tests/actors/executor, on CUDA where they can
+#      CUDA) and tests/actors/executor, on CUDA where they can; then the engine on CUDA against
+#      transformers: tests/engine/test_engine_triton.py, test_speculative_decoding.py
 #   A  bench/host_cost.py --paths graph: the host's cost of a decode step, the trivial forward
 #      captured into real CUDA graphs; batches 1 64 256, greedy and sampled (A5: --device-ms 5)
 #   B  bench/random_model.py + bench/offline.py (shoal, decode steps, generate at batch 256) on
 #      the SmolLM2-135M shape, then the Llama-3.1-8B shape's decode steps alone (built in the
 #      background during C)
+#   S  speculative decoding on CUDA (issue 35): one stream's decode on the SmolLM2 shape with
+#      n-gram drafts and without (bench/offline.py --speculative-algorithm ngram)
 #   C  py-spy over the decode windows of host_cost at batch 256, greedy: on-CPU samples
 #      (pyspy.txt), then every thread's samples, idle too (pyspy_idle.txt); --threads, raw
 # With a .before/ folder (an earlier commit's tree: `git archive REV | tar -x -C .before`,
-# carried too), A runs on it as well, and B's SmolLM2 run (without generate) three times on
-# each tree, alternating, same card.
+# carried too), A runs on it as well, and B's SmolLM2 run (without generate) GPU_CHECK_ROUNDS
+# (default 3) times on each tree, alternating, same card.
 # Needs .whl/ (wheels for CPython 3.12 x86_64 the device lacks: msgspec 0.22.0, gguf 0.19.0,
 # py-spy 0.4.3, pytest 9.2.0, pytest-asyncio 1.5.0, xgrammar 0.2.8 with apache-tvm-ffi
 # 0.1.15.post2 (4.6 MB together); each fetched with `pip download --no-deps
@@ -58,6 +61,8 @@ if [ "$DRY" = 1 ]; then
               --decode-batch 1 4 --decode-output-len 8 --prompt-len 8 16 --output-len 4 8
               --requests 8 --peers)
   OFF_BIG=("${OFF_ALONE[@]}" --requests 0)
+  SPEC=(--device cpu --requests 0 --peers --max-running 4 --kv-cache-tokens 4096
+        --decode-batch 1 --decode-output-len 16)
   BIG_SHAPE=smollm2  # the 8B's commands, run on the small folder (reused, not rebuilt)
 else
   SITE=/tmp/site PKG=/tmp/pkg MODELS=/tmp/models TAGS=()
@@ -71,6 +76,8 @@ else
               --decode-batch 1 64 256 --decode-output-len 128 --requests 256 --peers)
   OFF_BIG=(--device cuda --max-running 256 --kv-cache-tokens 131072 --cuda-graph-max-batch 256
            --decode-batch 1 64 256 --decode-output-len 128 --requests 0 --peers)
+  SPEC=(--device cuda --requests 0 --peers --max-running 8 --kv-cache-tokens 16384
+        --cuda-graph-max-batch 8 --decode-batch 1 --decode-output-len 256)
   BIG_SHAPE=llama-8b
 fi
 # The 8B shape's 16 GB of weights: in /dev/shm (memory) when /tmp has less than 24 GB free.
@@ -134,6 +141,11 @@ T_FILES=(tests/kernels/test_sampling.py tests/kernels/test_sampling_columns.py
 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 part T-tests 150 "$PY" -m pytest -q -x -p asyncio \
   -p no:cacheprovider "${T_FILES[@]}"
 
+# The engine on CUDA (device auto) with the tiny model, against transformers' float32 tokens:
+# the Triton backend, and speculative decoding's drafts through it (issue 35)
+PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 part T-engine 150 "$PY" -m pytest -q -p asyncio \
+  -p no:cacheprovider tests/engine/test_engine_triton.py tests/engine/test_speculative_decoding.py
+
 # ---- A: the host's cost of a decode step on CUDA graphs -------------------------------------
 HC=(bench/host_cost.py --paths graph --batches "${HC_BATCHES[@]}" --steps "$HC_STEPS"
     --sampling greedy sampled --out "$OUT/host_cost_gpu.jsonl")
@@ -172,7 +184,7 @@ if part B-build-smollm2 120 "$PY" bench/random_model.py smollm2 "$MODELS/smollm2
   offline smollm2 "$MODELS/smollm2" 200 "${OFF[@]}"
   if [ -d .before ]; then  # the before tree, same card: shoal alone, no generate, alternating
     # with this tree's, three rounds (the first of a fresh machine compiles Triton's kernels)
-    for round in 1 2 3; do
+    for ((round = 1; round <= ${GPU_CHECK_ROUNDS:-3}; round++)); do
       echo "{\"shape\": \"smollm2-after-$round\"}" >>"$OUT/gpu_offline.jsonl"
       part "B-offline-smollm2-after-$round" 60 "$PY" bench/offline.py \
         --model "$MODELS/smollm2" "${OFF_ALONE[@]}" --out "$OUT/gpu_offline.jsonl"
@@ -181,6 +193,9 @@ if part B-build-smollm2 120 "$PY" bench/random_model.py smollm2 "$MODELS/smollm2
         --model "$MODELS/smollm2" "${OFF_ALONE[@]}" --out "$OUT/gpu_offline.jsonl"
     done
   fi
+  # S: a speculating decode runs eagerly (no CUDA graph): what one stream gains or loses
+  offline smollm2-spec-on "$MODELS/smollm2" 90 "${SPEC[@]}" --speculative-algorithm ngram
+  offline smollm2-spec-off "$MODELS/smollm2" 90 "${SPEC[@]}"
 fi
 
 # ---- the 8B shape's weights, built in the background while C runs -------------------------
@@ -321,8 +336,10 @@ for d in lines("gpu_offline.jsonl"):
         print(f"  {d['system']:<22} tok/s={d['tok_per_s']:<9} s={d['seconds']:<7}"
               f" setup_s={d['setup_s']} {d['setup']}")
     elif "batch" in d:
+        spec = "".join(f" {k}={d[k]}" for k in ("spec_steps", "spec_accepted") if k in d)
         print(f"  decode b={d['batch']:<4} step_ms={d['step_ms']:<8} roofline_ms="
-              f"{d['roofline_ms']:<8} fraction={d['fraction_of_roofline']} steps={d['steps']}")
+              f"{d['roofline_ms']:<8} fraction={d['fraction_of_roofline']} steps={d['steps']}"
+              f"{spec}")
 print("\nfiles:", ", ".join(f"{n} {os.path.getsize(os.path.join(out, n))}B"
                              for n in sorted(os.listdir(out))))
 EOF

@@ -30,10 +30,13 @@ each only when that system ran):
 and one line per decode batch size (roofline and fraction "unknown" without a bandwidth):
     decode batch=<B> prompt_tokens=<n> output_tokens=<n> steps=<n> context_tokens=<x>
            step_ms=<x> roofline_ms=<y> fraction_of_roofline=<y/x> hbm_gbps=<x>
-           weight_mb=<x> kv_mb=<x> setup=<desc> machine=<desc>
+           weight_mb=<x> kv_mb=<x> [spec_steps=<n> spec_drafted=<n> spec_accepted=<n>]
+           setup=<desc> machine=<desc>
+(with --speculative-algorithm, step_ms is a token's time and the spec_ counts cover both of a
+batch size's runs, the untimed one too);
 setup: shoal's <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>:<how>
-[-kv<dtype>][-stages<n>], as the engine resolved them (dtype: the activations'; linear: dense,
-packed, bf16 or int8 weights, and how they multiply, e.g. bf16:onednn-amx,
+[-kv<dtype>][-stages<n>][-ngram<k>], as the engine resolved them (dtype: the activations';
+linear: dense, packed, bf16 or int8 weights, and how they multiply, e.g. bf16:onednn-amx,
 packed:panels-avx512_vnni, int8:blocks-avx2; kv: the KV cache's dtype where it is not the
 activations'); machine: the CPU's model and features first; vLLM's
 <device>-<dtype>-vllm<version>; generate's <device>-<dtype>-hf.
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_graph_max_batch": 0 if args.no_cuda_graphs else args.cuda_graph_max_batch,
         "max_inflight": 1 if args.no_overlap else EngineOptions().max_inflight,
         "pipeline_stages": args.pipeline_stages,
+        "speculative_algorithm": args.speculative_algorithm,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
     }
     device, dtype = resolve_device(EngineOptions(**options))
     hbm_gbps = args.hbm_gbps

@@ -95,6 +95,18 @@ def parse_args(argv: list[str] | None, description: str | None) -> argparse.Name
     parser.add_argument("--no-cuda-graphs", action="store_true", help="cuda_graph_max_batch=0")
     parser.add_argument("--no-overlap", action="store_true", help="max_inflight=1")
     parser.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        choices=["ngram"],
+        help="shoal's speculative decoding (default off); a decode line's step_ms is then a "
+        "token's time, and the line counts the drafts verified and kept",
+    )
+    parser.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=defaults.speculative_num_draft_tokens,
+    )
+    parser.add_argument(
         "--pipeline-stages",
         "--pp",
         type=int,

@@ -2,8 +2,9 @@
 timed work, the decode steps at each batch size (bench/roofline.py) and the page-accounting
 line (bench/window_pages.py); and its setup string,
 <device>-<dtype>-<attention>-graphs<max batch, 0 off>-inflight<n>-<linear>:<how>[-kv<dtype>]
-[-stages<n>] (dtype: the activations'; linear and how as kernels/cpu_features.kernel_choice
-names them; kv: the KV cache's dtype, where it is not the activations')."""
+[-stages<n>][-ngram<k>] (dtype: the activations'; linear and how as
+kernels/cpu_features.kernel_choice names them; kv: the KV cache's dtype, where it is not the
+activations'; k: the drafts a speculating row may send)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def engine_setup(engine: Any) -> str:
         f"-graphs{r.cuda_graph_max_batch}-inflight{inflight}-{picked.removeprefix('linear=')}"
         + (f"-kv{dtype_name(r.kv_dtype)}" if r.kv_dtype != r.dtype else "")
         + (f"-stages{stages}" if stages > 1 else "")
+        + (f"-ngram{o.speculative_num_draft_tokens}" if o.speculative_algorithm else "")
     )
 
 
@@ -54,14 +56,21 @@ async def run_shoal(engine: Any, work: list[tuple[list[int], int]]) -> tuple[int
 
 async def run_decode(engine: Any, plan: DecodePlan, desc: str, out: Path | None) -> None:
     rng = random.Random(plan.seed)
+    speculating = engine.options.speculative_algorithm is not None
     for batch in plan.batch_sizes:
+        before = await engine.snapshot() if speculating else None
         window = await measure_decode(engine, plan, batch, rng)
+        spec = {}
+        if before is not None:  # over both of measure_decode's runs, the untimed one too
+            after = await engine.snapshot()
+            for name in ("spec_steps", "spec_drafted", "spec_accepted"):
+                spec[name] = getattr(after, name) - getattr(before, name)
         r = engine.resolved
         dtype_bytes = 2 if r.linear_kind == "bf16" else r.dtype.itemsize  # the weights'
         line = decode_line(
             engine.loaded.config, plan, batch, window, dtype_bytes, r.kv_dtype.itemsize
         )
-        emit("decode", {**line, "setup": engine_setup(engine), "machine": desc}, out)
+        emit("decode", {**line, **spec, "setup": engine_setup(engine), "machine": desc}, out)
 
 
 async def run_engine(
