@@ -326,7 +326,11 @@ def resolve(
     graphs = 0
     one_forward = not has_experts and options.pipeline_stages == 1
     if device.type == "cuda" and attention == "triton" and one_forward:
-        graphs = min(options.cuda_graph_max_batch, options.max_running_requests)
+        entries = options.max_running_requests  # a decode batch's, one a row ...
+        if options.speculative_algorithm is not None:  # ... or one a draft's position
+            drafting = min(options.speculative_max_running, options.max_running_requests)
+            entries = max(entries, drafting * (1 + options.speculative_num_draft_tokens))
+        graphs = min(options.cuda_graph_max_batch, entries)
     max_pages_per_row = -(-context // page_size) + 1
     layout = CacheLayout(page_size, num_pages, options.max_running_requests, max_pages_per_row)
     mixed = options.max_mixed_prefill_tokens

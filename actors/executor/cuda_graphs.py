@@ -100,12 +100,14 @@ class DecodeGraphs:
 
     def fits(self, shape: BatchShape, num_sampling: int) -> bool:
         """A batch of one token a sequence, each sampling, no larger than the largest graph."""
+        return num_sampling == len(shape.rows) and self.fits_tokens(shape)
+
+    def fits_tokens(self, shape: BatchShape) -> bool:
+        """A batch of one token an entry (a speculating decode is one entry a position:
+        step_inputs._shape), no larger than the largest graph; `run` gives every entry's
+        logits, whichever sample."""
         num_seqs = len(shape.rows)
-        return (
-            0 < num_seqs <= self.sizes[-1]
-            and num_sampling == num_seqs
-            and shape.extend_lens.count(1) == num_seqs
-        )
+        return 0 < num_seqs <= self.sizes[-1] and shape.extend_lens.count(1) == num_seqs
 
     def size_for(self, num_seqs: int) -> int:
         """The smallest captured size that holds num_seqs."""

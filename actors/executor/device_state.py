@@ -31,7 +31,7 @@ from shoal.actors.executor.prompt_asks import PromptAsks, prompt_asks
 from shoal.actors.executor.routed_asks import RoutedAsks, routed_asks
 from shoal.actors.executor.sampling_slots import RowStart, SamplingSlots
 from shoal.actors.executor.stages import Microbatch, Stage, StageMonitor, StagePipeline
-from shoal.actors.executor.step_inputs import StepInputs, step_inputs
+from shoal.actors.executor.step_inputs import StepInputs, step_inputs, token_rows
 from shoal.actors.executor.streams import HostResult, StepStreams
 from shoal.actors.executor.table_writes import write_tables
 from shoal.actors.executor.weight_loads import ServingWeights
@@ -215,10 +215,23 @@ class DeviceState:
         prompt = None
         experts = None
         draft_logits = None
-        if asks is not None or routed is not None or drafts is not None:
+        graphs = self.graphs
+        if (
+            drafts is not None
+            and asks is None
+            and routed is None
+            and graphs is not None
+            and graphs.fits_tokens(step.shape)
+        ):
+            # speculating decodes, a decode a position (step_inputs._shape), replayed as one
+            # decode batch: every entry's logits, then the sampling places' and the drafts'
+            every = graphs.run(step.ids, step.positions, token_rows(step.shape, step.ids.device))
+            logits = every.index_select(0, step.sample_index)
+            draft_logits = every.index_select(0, drafts.places)
+        elif asks is not None or routed is not None or drafts is not None:
             # eager: the prompt positions' logits from the same hidden states, the routed
             # experts recorded by the layer loop, the drafts' targets from one head with the
-            # sampling rows' (never a CUDA graph, never the fused decode)
+            # sampling rows' (never the fused decode; a CUDA graph only for drafts alone)
             attention = self.attention.prepare(self.page_table, step.shape)
             model = self.model
             recorder = None
@@ -235,8 +248,8 @@ class DeviceState:
             if asks is not None:
                 prompt = self._prompt_logprobs(model, h, asks)
             experts = recorder.ids() if recorder is not None else None
-        elif self.graphs is not None and self.graphs.fits(step.shape, num_sampling):
-            logits = self.graphs.run(step.ids, step.positions, step.sample_rows)
+        elif graphs is not None and graphs.fits(step.shape, num_sampling):
+            logits = graphs.run(step.ids, step.positions, step.sample_rows)
         else:
             attention = self.attention.prepare(self.page_table, step.shape)
             logits = self.model.forward(

@@ -97,6 +97,12 @@ def _mixed_inputs(launch: Launch, last_token: torch.Tensor, counting: torch.Tens
     )
 
 
+def token_rows(shape: BatchShape, device: torch.device) -> torch.Tensor:
+    """Each entry's row on the device, in batch order (int64 [T]): what a decode graph reads
+    for a batch whose entries are not one a sampling row (speculating decodes)."""
+    return array_to_device(np.asarray(shape.rows, dtype=np.int64), device)
+
+
 def _shape(launch: Launch) -> BatchShape:
     """The batch as attention sees it. A speculating decode (SeqChunk.num_drafts) is one
     decode per position, each on the same row and seeing the keys up to its own: attention

@@ -11,6 +11,8 @@ Tokens must equal the eager Triton path's, and the whole KV pool too, up to roun
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -34,31 +36,37 @@ FOURTH_STOPS_AFTER = 2  # decode steps
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def device_state(tiny_model: LoadedModel, graphs: bool) -> DeviceState:
+def device_state(tiny_model: LoadedModel, graphs: bool, max_batch: int = 4) -> DeviceState:
     config = tiny_model.config
     model = LLAMA.build(config, tiny_model.weights, torch.float32, DEVICE)
     pool = KVPool(config, 64 * PAGE_SIZE, torch.float32, DEVICE)
     attention = TritonAttention(PAGE_SIZE, config.num_kv_heads)
     state = DeviceState(model, pool, attention, 8, 16, PAGE_SIZE, config.eos_token_ids)
     if graphs and DEVICE.type == "cuda":
-        state.capture_graphs(4, 64)
-        assert state.graphs is not None and sorted(state.graphs.graphs) == [1, 2, 4]
-    elif graphs:
-        state.graphs = DecodeGraphs(model, pool, state.page_table, PAGE_SIZE, 4, 64)  # no capture
+        state.capture_graphs(max_batch, 64)
+        assert state.graphs is not None
+        assert sorted(state.graphs.graphs) == capture_sizes(max_batch)
+    elif graphs:  # no capture
+        state.graphs = DecodeGraphs(model, pool, state.page_table, PAGE_SIZE, max_batch, 64)
     return state
 
 
-def steps(state: DeviceState, num_decode_steps: int) -> list[tuple[int, ...]]:
-    """Prefill the prompts (all pages written up front), then decode them together."""
+def prefill(state: DeviceState) -> tuple[int, ...]:
+    """Prefill the prompts (all pages written up front); their first tokens."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
     writes = tuple(
         RowWriteMsg(row, 0, tuple(range(10 * i, 10 * i + 8))) for i, row in enumerate(ROWS)
     )
-    prefill = tuple(
+    chunks = tuple(
         SeqChunk(row, 0, len(p), p, True, RowInit(greedy, 0, p, ()))
         for row, p in zip(ROWS, PROMPTS, strict=True)
     )
-    tokens = [state.launch(Launch(0, writes, prefill)).result()[0]]
+    return state.launch(Launch(0, writes, chunks)).result()[0]
+
+
+def steps(state: DeviceState, num_decode_steps: int) -> list[tuple[int, ...]]:
+    """Prefill the prompts, then decode them together."""
+    tokens = [prefill(state)]
     for step in range(num_decode_steps):
         live = len(ROWS) if step < FOURTH_STOPS_AFTER else len(ROWS) - 1
         rows = tuple(ROWS[:live])
@@ -77,6 +85,44 @@ def test_padded_graph_decode_matches_eager_decode(tiny_model: LoadedModel) -> No
     for layer in range(tiny_model.config.num_layers):
         torch.testing.assert_close(padded.kv.k[layer], plain.kv.k[layer], rtol=0, atol=1e-4)
         torch.testing.assert_close(padded.kv.v[layer], plain.kv.v[layer], rtol=0, atol=1e-4)
+
+
+def test_speculating_decodes_replay_a_graph_and_verify_as_eagerly(
+    tiny_model: LoadedModel,
+) -> None:
+    """Issue 35 on the graph path: a speculating decode (its last token and three drafts) is
+    four graph entries of its row beside a plain decode; the graph's logits verify the drafts
+    as the eager path's do: the two right drafts kept, the wrong third replaced by the token
+    one-at-a-time decoding gives there."""
+    truth = [step[0] for step in steps(device_state(tiny_model, graphs=False), 3)]
+    wrong = (truth[3] + 1) % tiny_model.config.vocab_size
+    results = []
+    for graphs in (False, True):
+        state = device_state(tiny_model, graphs, max_batch=8)
+        replays = 0
+        if state.graphs is not None:
+            run = state.graphs.run
+
+            def counted(*args: torch.Tensor, run: Any = run) -> torch.Tensor:
+                nonlocal replays
+                replays += 1
+                return run(*args)
+
+            state.graphs.run = counted  # type: ignore[method-assign]
+        first = prefill(state)
+        assert first[0] == truth[0]
+        speculating = SeqChunk(
+            ROWS[0], len(PROMPTS[0]), 4, (truth[0], truth[1], truth[2], wrong), True, num_drafts=3
+        )
+        launch = Launch(
+            1, (), (speculating,), decode_rows=(ROWS[1],), decode_starts=(len(PROMPTS[1]),)
+        )
+        result = state.launch(launch).result()
+        assert replays == (1 if graphs else 0)
+        results.append((result.next_tokens, result.drafted))
+    assert results[0] == results[1]
+    next_tokens, drafted = results[1]
+    assert next_tokens[1] == truth[3] and drafted == ((1, (truth[1], truth[2])),)
 
 
 def test_capture_sizes() -> None:
