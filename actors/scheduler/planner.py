@@ -200,10 +200,14 @@ class Planner:
         decodes: list[Req] = []  # running requests with a token to decode
         has_prefill = False
         spec = self.spec if self._speculates() else None
+        # While a row's drafts are in flight no other row decodes: a decode launched beside
+        # them would split the rows into groups that take turns, each paying a whole step
+        # for part of the rows; at its result every row goes in one launch (speculation.py)
+        hold = spec is not None and any(req.verifying for req in holding)
         for req in holding:
             phase = req.phase
             if phase is Phase.RUNNING:
-                if wants_decode(req, config) and not req.verifying:
+                if wants_decode(req, config) and not req.verifying and not hold:
                     draft = () if spec is None else spec.draft(req)
                     if draft is None:
                         continue  # it drafts once its tokens on their way are back

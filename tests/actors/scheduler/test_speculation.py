@@ -20,18 +20,28 @@ def drafted_seqs(launches: list[Launch]) -> list[tuple[int, int]]:
     return [(s.start, s.num_drafts) for launch in launches for s in launch.seqs if s.num_drafts]
 
 
+def decodes(launch: Launch) -> int:
+    """The decodes a launch holds, speculating or not (a chunk of one token is a decode)."""
+    return len(launch.decode_rows) + sum(
+        1 for s in launch.seqs if s.num_drafts or s.input_ids is None
+    )
+
+
 class Recording(Sim):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.all_launches: list[Launch] = []
         self.live: list[int] = []  # requests live when each launch was planned
+        self.beside_drafts: list[bool] = []  # ... and whether a speculating one was in flight
 
     def plan_and_launch(self) -> bool:
         live = len(self.planner.requests.reqs)
+        in_flight = bool(drafted_seqs(list(self.launched)))
         planned = super().plan_and_launch()
         if planned and self.last_launch is not None:
             self.all_launches.append(self.last_launch)
             self.live.append(live)
+            self.beside_drafts.append(in_flight)
         return planned
 
 
@@ -93,6 +103,25 @@ def test_more_running_than_max_batch_speculates_nothing() -> None:
     live = [n for launch, n in launches if drafted_seqs([launch])]
     assert live and max(live) <= 2  # the last two, once the first ended
     assert all(sim.tokens(f"a{i}") == CYCLE[5 + i : 15 + 11 * i] for i in range(3))
+
+
+def test_rows_that_arrived_apart_draft_in_one_launch() -> None:
+    """A decode launched beside a speculating one in flight would split the rows into groups
+    that alternate, each paying a whole step for a part of the rows: no decode is launched
+    while any row's drafts are in flight, so the groups merge at its result."""
+    sim = Recording(speculative=SPEC, counting=True, num_pages=256)  # no retraction
+    prompts = {rid: CYCLE[i:] + CYCLE[: 5 + i] for i, rid in enumerate("abcd")}
+    sim.add("a", prompts["a"], max_new_tokens=60, ignore_eos=True)
+    assert sim.plan_and_launch()  # a's prefill alone, then the others' together
+    for rid in "bcd":
+        sim.add(rid, prompts[rid], max_new_tokens=60, ignore_eos=True)
+    sim.run()
+    for rid, prompt in prompts.items():
+        assert sim.tokens(rid) == solo(prompt, counting=True, max_new_tokens=60, ignore_eos=True)
+    launched = list(zip(sim.all_launches, sim.beside_drafts, strict=True))
+    assert not any(decodes(launch) and beside for launch, beside in launched)
+    together = [len(drafted_seqs([launch])) for launch in sim.all_launches]
+    assert together.count(4) >= 6, together
 
 
 def test_a_row_whose_drafts_fail_backs_off() -> None:
