@@ -204,11 +204,12 @@ class Planner:
         # them would split the rows into groups that take turns, each paying a whole step
         # for part of the rows; at its result every row goes in one launch (speculation.py)
         hold = spec is not None and any(req.verifying for req in holding)
+        decoding = len(self.requests.reqs)
         for req in holding:
             phase = req.phase
             if phase is Phase.RUNNING:
                 if wants_decode(req, config) and not req.verifying and not hold:
-                    draft = () if spec is None else spec.draft(req)
+                    draft = () if spec is None else spec.draft(req, decoding)
                     if draft is None:
                         continue  # it drafts once its tokens on their way are back
                     req.draft = draft

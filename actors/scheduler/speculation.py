@@ -6,16 +6,18 @@ token (actors/executor/draft_asks.py), so a step emits 1 .. k + 1 tokens for the
 
     spec = Speculation(SpecConfig(...))
     spec.active(num_running)         # this step may speculate: few enough rows decode
-    draft = spec.draft(req)          # its next decode's drafts; (): none; None: wait
+    draft = spec.draft(req, num_running)  # its next decode's drafts; (): none; None: wait
     spec.verified(req, k, accepted)  # its result: the row's backoff, the counters
 
 Switched by load: a step speculates only while at most `max_batch` requests run (a bigger
 batch already reads each weight once for many rows); a row speculates only when it has caught
 up (no token of it on its way: drafts need its last token) and its sampling edits nothing a
 draft would need per position (`drafts_allowed`). Per row, what its drafts paid decides:
-it sends as many drafts as each has a chance above DRAFT_COST of being kept with those before
-it (`RowDrafts.length`: 2 at first, up to `num_draft_tokens`), and a verification that kept
-nothing makes it wait 1, 2, 4 .. `MAX_BACKOFF` decodes before it drafts again. A row about to
+it sends as many drafts as each has a chance above a draft's cost of being kept with those
+before it (`RowDrafts.length`: 2 at first, up to `num_draft_tokens`; the cost is DRAFT_COST
+alone and more with more rows decoding: `draft_cost`), and a verification that kept nothing,
+or a chance below the cost for even one draft, makes it wait 1, 2, 4 .. `MAX_BACKOFF`
+decodes before it drafts again (one draft then, to learn again). A row about to
 draft waits for its tokens on their way (no overlap: `draft` answers None); one that skips
 decodes overlapped as usual.
 """
@@ -35,6 +37,15 @@ MAX_BACKOFF = 16
 # while the chance that it and those before it are kept is above this.
 DRAFT_COST = 0.15
 KEEP_MEMORY = 0.8  # how much of a row's earlier verifications its estimate keeps
+
+
+def draft_cost(decoding: int) -> float:
+    """What a draft position costs as a share of a token's time, `decoding` rows running: a
+    step of M rows costs about 1 + DRAFT_COST (M - 1) one-row steps and makes M tokens, so a
+    draft, DRAFT_COST of a one-row step, is DRAFT_COST M / (1 + DRAFT_COST (M - 1)) of a
+    token's time: DRAFT_COST at one row, 0.41 at 4, 0.59 at 8."""
+    rows = max(1, decoding)
+    return DRAFT_COST * rows / (1.0 + DRAFT_COST * (rows - 1))
 
 
 @dataclass(frozen=True)
@@ -72,15 +83,16 @@ class RowDrafts:
     # kept / (kept + refused) estimates the chance that a draft is kept after the one before
     kept: float = 1.0
     refused: float = 1.0
+    probe: bool = False  # its estimate was below the cost: after its wait it sends one draft
 
-    def length(self, most: int) -> int:
-        """How many drafts to send (at least 1): as many as each has a chance above
-        DRAFT_COST of being kept with those before it, at most `most`."""
+    def length(self, most: int, cost: float = DRAFT_COST) -> int:
+        """How many drafts to send: as many as each has a chance above `cost` of being kept
+        with those before it, at most `most` (0: not even one)."""
         p = self.kept / (self.kept + self.refused)
         if p >= 1.0:
             return most
-        n = int(math.log(DRAFT_COST) / math.log(p)) if p > 0 else 0
-        return max(1, min(most, n))
+        n = int(math.log(cost) / math.log(p)) if p > 0 else 0
+        return max(0, min(most, n))
 
 
 @dataclass
@@ -100,9 +112,10 @@ class Speculation:
     def active(self, num_running: int) -> bool:
         return num_running <= self.config.max_batch
 
-    def draft(self, req: Req) -> tuple[int, ...] | None:
-        """The drafts for `req`'s next decode: () when it decodes one token as usual, None
-        when it waits for its tokens on their way (its drafts need its last one)."""
+    def draft(self, req: Req, decoding: int = 1) -> tuple[int, ...] | None:
+        """The drafts for `req`'s next decode, `decoding` rows running: () when it decodes
+        one token as usual, None when it waits for its tokens on their way (its drafts need
+        its last one)."""
         sampling = req.sampling
         room = sampling.max_new_tokens - req.num_outputs - req.pending - 1  # +1: not a draft
         # its eos and stop tokens are masked until min_new_tokens (kernels/sampling.py)
@@ -117,14 +130,18 @@ class Speculation:
         if rows.skip:  # its recent drafts did not pay: it decodes as usual, overlapped
             rows.skip -= 1
             return ()
+        length = rows.length(self.config.num_draft_tokens, draft_cost(decoding))
+        if length == 0 and not rows.probe:  # not worth one draft: wait, then learn again
+            rows.probe = True
+            rows.skip = rows.backoff - 1  # this decode is the first it waits
+            rows.backoff = min(2 * rows.backoff, MAX_BACKOFF)
+            return ()
         if req.pending or req.inflight:
             return None
+        rows.probe = False
         rows.ngrams.extend(req.tokens[rows.indexed :])
         rows.indexed = len(req.tokens)
-        proposed = tuple(
-            rows.ngrams.propose()[: min(room, rows.length(self.config.num_draft_tokens))]
-        )
-        return proposed
+        return tuple(rows.ngrams.propose()[: min(room, max(1, length))])
 
     def verified(self, req: Req, num_drafts: int, accepted: int) -> None:
         """A verification of `num_drafts` of `req`'s drafts kept `accepted` of them."""

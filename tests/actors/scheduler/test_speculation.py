@@ -8,7 +8,14 @@ from planner_sim import Sim, solo
 
 from shoal.actors.executor_messages import Launch
 from shoal.actors.scheduler.ngram_drafts import NgramDrafts
-from shoal.actors.scheduler.speculation import DRAFT_COST, RowDrafts, SpecConfig, drafts_allowed
+from shoal.actors.scheduler.speculation import (
+    DRAFT_COST,
+    RowDrafts,
+    SpecConfig,
+    Speculation,
+    draft_cost,
+    drafts_allowed,
+)
 from shoal.params import SamplingParams
 
 SPEC = SpecConfig(num_draft_tokens=4, min_n=1, max_n=3, max_batch=4)
@@ -144,8 +151,30 @@ def test_a_row_sends_as_many_drafts_as_its_kept_ones_pay_for() -> None:
     rows.kept, rows.refused = 9.0, 1.0  # nine in ten
     assert rows.length(8) == 8 and rows.length(4) == 4
     rows.kept, rows.refused = 0.0, 5.0
-    assert rows.length(8) == 1  # still one, to learn again
+    assert rows.length(8) == 0  # not even one (Speculation waits, then sends one to learn)
     assert DRAFT_COST < 0.5**2  # two drafts at one in two: worth sending
+    # more rows decoding, a draft costs more of a token's time: fewer are worth it
+    rows.kept, rows.refused = 9.0, 1.0
+    assert draft_cost(1) == DRAFT_COST and draft_cost(4) > 0.4 and draft_cost(8) > 0.58
+    assert rows.length(8, draft_cost(4)) == 8 and rows.length(8, draft_cost(8)) == 5
+    rows.kept, rows.refused = 1.0, 1.0
+    assert rows.length(8, draft_cost(4)) == 1 and rows.length(8, draft_cost(8)) == 0
+
+
+def test_a_row_not_worth_one_draft_waits_then_sends_one() -> None:
+    """A row whose estimate is below even one draft's cost decodes as usual for 1, 2, 4 ..
+    decodes, then sends one draft to learn again (its estimate moves only by verifications)."""
+    spec = Speculation(SPEC)
+    sim = Sim()
+    sim.add("a", CYCLE + CYCLE[:5], max_new_tokens=60)
+    req = sim.planner.requests.reqs["a"]
+    req.draft_state = RowDrafts(NgramDrafts(1, 3, 4), kept=0.0, refused=5.0)
+    sent = []
+    for _ in range(10):
+        drafts = spec.draft(req, 1)
+        assert drafts is not None
+        sent.append(len(drafts))
+    assert sent == [0, 1, 0, 0, 1, 0, 0, 0, 0, 1]
 
 
 def test_sampling_that_edits_per_token_never_drafts() -> None:
