@@ -24,7 +24,9 @@
 # (default 3) times on each tree, alternating, same card.
 # Needs .whl/ (wheels for CPython 3.12 x86_64 the device lacks: msgspec 0.22.0, gguf 0.19.0,
 # py-spy 0.4.3, pytest 9.2.0, pytest-asyncio 1.5.0, xgrammar 0.2.8 with apache-tvm-ffi
-# 0.1.15.post2 (4.6 MB together); each fetched with `pip download --no-deps
+# 0.1.15.post2 and pydantic 2.14.4 (pydantic_core 2.50.5, annotated-types 0.8.0,
+# typing-inspection 0.4.5, typing_extensions 4.16.0; the image has no pydantic): 11 MB
+# together; each fetched with `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --implementation cp --platform
 # manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION`). Files in $OUT:
 # gpu_check.log (all output), host_cost_gpu.jsonl, gpu_offline.jsonl (a {"shape": ..} line
@@ -183,7 +185,7 @@ offline() {  # offline SHAPE FOLDER MAX_S ARGS...
 if part B-build-smollm2 120 "$PY" bench/random_model.py smollm2 "$MODELS/smollm2"; then
   offline smollm2 "$MODELS/smollm2" 200 "${OFF[@]}"
   if [ -d .before ]; then  # the before tree, same card: shoal alone, no generate, alternating
-    # with this tree's, three rounds (the first of a fresh machine compiles Triton's kernels)
+    # with this tree's, GPU_CHECK_ROUNDS rounds (a fresh machine's first compiles Triton's)
     for ((round = 1; round <= ${GPU_CHECK_ROUNDS:-3}; round++)); do
       echo "{\"shape\": \"smollm2-after-$round\"}" >>"$OUT/gpu_offline.jsonl"
       part "B-offline-smollm2-after-$round" 60 "$PY" bench/offline.py \

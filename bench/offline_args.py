@@ -105,6 +105,7 @@ def parse_args(argv: list[str] | None, description: str | None) -> argparse.Name
         "--speculative-num-draft-tokens",
         type=int,
         default=defaults.speculative_num_draft_tokens,
+        help="the drafts a speculating row may send (with --speculative-algorithm)",
     )
     parser.add_argument(
         "--pipeline-stages",

@@ -31,6 +31,7 @@ import torch
 from shoal.kernels.device_copy import to_device
 from shoal.kernels.sampling_columns import (
     GREEDY,
+    ColumnsHost,
     SamplingColumns,
     columns_host,
     row_columns,
@@ -99,13 +100,15 @@ class SamplingSlots:
         host = columns_host(self.codes[rows_host])
         if host is GREEDY:
             return logits.argmax(dim=-1)
-        return sample_columns(logits, self.columns(rows, rows_host))
+        return sample_columns(logits, self._columns(rows, host))
 
     def columns(self, rows: torch.Tensor, rows_host: np.ndarray) -> SamplingColumns:
         """The rows' parameters and seed-stream counters as a batch's columns."""
+        return self._columns(rows, columns_host(self.codes[rows_host]))
+
+    def _columns(self, rows: torch.Tensor, host: ColumnsHost) -> SamplingColumns:
         floats = self.floats.index_select(0, rows).unbind(1)
         ints = self.ints.index_select(0, rows).unbind(1)
-        host = columns_host(self.codes[rows_host])
         return SamplingColumns(floats[0], floats[1], floats[2], ints[0], ints[1], host)
 
     def greedy(self, rows_host: np.ndarray) -> np.ndarray:
