@@ -98,10 +98,6 @@ class DecodeGraphs:
             self.input_ids[:size], self.positions[:size], batch, self.kv, self.sample_index[:size]
         )
 
-    def fits(self, shape: BatchShape, num_sampling: int) -> bool:
-        """A batch of one token a sequence, each sampling, no larger than the largest graph."""
-        return num_sampling == len(shape.rows) and self.fits_tokens(shape)
-
     def fits_tokens(self, shape: BatchShape) -> bool:
         """A batch of one token an entry (a speculating decode is one entry a position:
         step_inputs._shape), no larger than the largest graph; `run` gives every entry's

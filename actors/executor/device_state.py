@@ -31,7 +31,8 @@ from shoal.actors.executor.prompt_asks import PromptAsks, prompt_asks
 from shoal.actors.executor.routed_asks import RoutedAsks, routed_asks
 from shoal.actors.executor.sampling_slots import RowStart, SamplingSlots
 from shoal.actors.executor.stages import Microbatch, Stage, StageMonitor, StagePipeline
-from shoal.actors.executor.step_inputs import StepInputs, step_inputs, token_rows
+from shoal.actors.executor.step_inputs import StepInputs, step_inputs
+from shoal.actors.executor.step_logits import prompt_logprobs, step_logits
 from shoal.actors.executor.streams import HostResult, StepStreams
 from shoal.actors.executor.table_writes import write_tables
 from shoal.actors.executor.weight_loads import ServingWeights
@@ -46,7 +47,6 @@ from shoal.kernels.logprob_gather import (
     LogprobColumns,
     listed_ids,
     logprob_columns,
-    sliced_logprobs,
 )
 from shoal.kernels.sampling import (
     edit_logits,
@@ -211,67 +211,19 @@ class DeviceState:
             assert routed is None, "the engine refuses return_routed_experts over stages"
             return self._launch_stages(step, asks, drafts)
         self.monitor.gate(0)  # the tests' hold of stage 0 holds a one-stage engine too
-        num_sampling = len(step.sample_rows_host)
-        prompt = None
-        experts = None
-        draft_logits = None
-        graphs = self.graphs
-        if (
-            drafts is not None
-            and asks is None
-            and routed is None
-            and graphs is not None
-            and graphs.fits_tokens(step.shape)
-        ):
-            # speculating decodes, a decode a position (step_inputs._shape), replayed as one
-            # decode batch: every entry's logits, then the sampling places' and the drafts'
-            every = graphs.run(step.ids, step.positions, token_rows(step.shape, step.ids.device))
-            logits = every.index_select(0, step.sample_index)
-            draft_logits = every.index_select(0, drafts.places)
-        elif asks is not None or routed is not None or drafts is not None:
-            # eager: the prompt positions' logits from the same hidden states, the routed
-            # experts recorded by the layer loop, the drafts' targets from one head with the
-            # sampling rows' (never the fused decode; a CUDA graph only for drafts alone)
-            attention = self.attention.prepare(self.page_table, step.shape)
-            model = self.model
-            recorder = None
-            if routed is not None:
-                assert model.config.moe is not None
-                recorder = routed.recorder(model.config.num_layers, model.config.moe.top_k)
-            h = model.embed(step.ids)
-            h = model.run_layers(h, step.positions, attention, self.kv, recorder)
-            if drafts is None:
-                logits = model.head(h, step.sample_index)
-            else:
-                both = model.head(h, torch.cat((step.sample_index, drafts.places)))
-                logits, draft_logits = both[:num_sampling], both[num_sampling:]
-            if asks is not None:
-                prompt = self._prompt_logprobs(model, h, asks)
-            experts = recorder.ids() if recorder is not None else None
-        elif graphs is not None and graphs.fits(step.shape, num_sampling):
-            logits = graphs.run(step.ids, step.positions, step.sample_rows)
-        else:
-            attention = self.attention.prepare(self.page_table, step.shape)
-            logits = self.model.forward(
-                step.ids, step.positions, attention, self.kv, step.sample_index
-            )
-        verifying = None if drafts is None else (drafts, draft_logits)
-        return self._sample(logits, step, asks, prompt, routed, experts, verifying)
-
-    def _prompt_logprobs(
-        self, model: DecoderModel, h: torch.Tensor, asks: PromptAsks
-    ) -> LogprobColumns:
-        """The asked prompt positions' logprobs, the head run on slices of h (never the whole
-        prompt's logits at once: logprob_gather.py)."""
-        vocab_size = model.config.vocab_size
-        return sliced_logprobs(
-            lambda places: model.head(h, places),
-            asks.index,
-            asks.targets,
-            asks.top_k,
-            asks.listed,
-            vocab_size,
+        out = step_logits(
+            self.model,
+            self.attention,
+            self.page_table,
+            self.kv,
+            self.graphs,
+            step,
+            asks,
+            routed,
+            drafts,
         )
+        verifying = None if drafts is None else (drafts, out.draft_logits)
+        return self._sample(out.logits, step, asks, out.prompt, routed, out.experts, verifying)
 
     def _sample(
         self,
@@ -385,7 +337,7 @@ class DeviceState:
             lists = [states[i].sampling.token_ids_logprob for i, _, _ in want]
             to_copy += _output_logprobs(logits, next_tokens, want, lists)
         if asks is not None:
-            to_copy += self._prompt_logprobs(stage.model, h, asks)
+            to_copy += prompt_logprobs(stage.model, h, asks)
         if emitted is not None:
             to_copy += (emitted,)
         return stage.streams.to_host(to_copy)
