@@ -1,14 +1,16 @@
 """The CPU's matmuls at a model's shapes, each way shoal could run them (issue 32): shoal's
 float32 panels (`f32_linear`, csrc/linear.cpp), oneDNN's packed float32 (what PackedLinear
 falls back to), `F.linear` (MKL's sgemm), and oneDNN's packed bfloat16 (AMX where the CPU has
-it). One line per row count: a whole decoder's projections (each layer's qkv, o, gate_up and
-down, times the layer count) and the lm_head, in milliseconds.
+it), and int8's blocks (`q4_linear` for the projections, as the bundled SmolLM2's Q4_1
+weights are kept, `q8_linear` for the lm_head; csrc/block_linear.cpp). One line per row count:
+a whole decoder's projections (each layer's qkv, o, gate_up and down, times the layer count)
+and the lm_head, in milliseconds.
 
     python bench/linear_kinds.py                          # SmolLM2-135M's shapes, 1 16 64 256
     python bench/linear_kinds.py --rows 1 16 --repeats 20 --out bench/linear_kinds.jsonl
 
     linear_kinds part=<layers|lm_head> rows=<M> panels_ms=<x> onednn_ms=<x> f_linear_ms=<x>
-        onednn_bf16_ms=<x> isa=<flags> machine=<desc>
+        onednn_bf16_ms=<x> int8_blocks_ms=<x> isa=<flags> machine=<desc>
 
 The weights are random (the time does not depend on their values); the panels need the
 compiled CPU kernels (without them that column is absent).
@@ -29,6 +31,7 @@ from bench_format import emit, machine
 from shoal.kernels.cpu_features import read_cpu_features
 from shoal.kernels.cpu_kernels import KernelUnavailable, load_cpu_kernels
 from shoal.kernels.linear import pack_panels
+from shoal.kernels.quant import BLOCK, exact_q4_blocks, q8_blocks
 from shoal.loading.loader import default_cache_dir
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, intermediate 1536, 30 layers
@@ -37,8 +40,26 @@ LAYERS = 30
 HEAD_SHAPE = (49152, 576)
 
 
-def runner(kind: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], object] | None:
+def q4_1_weight(out_features: int, in_features: int) -> torch.Tensor:
+    """A random weight that Q4_1 gives back exactly (q in 0 .. 15, 0 and 15 in every block,
+    a float16 scale), as the bundled SmolLM2's projections are."""
+    q = torch.randint(0, 16, (out_features, in_features // BLOCK, BLOCK)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out_features, in_features // BLOCK, 1) * 0.01).half().float()
+    return (q * d - 0.05).view(out_features, in_features)
+
+
+def runner(
+    kind: str, weight: torch.Tensor, x: torch.Tensor, head: bool
+) -> Callable[[], object] | None:
     rows = int(x.shape[0])
+    if kind == "int8_blocks":
+        if not hasattr(torch.ops.shoal_cpu, "q4_linear"):
+            return None
+        blocks = q8_blocks(weight) if head else exact_q4_blocks(q4_1_weight(*weight.shape))
+        assert blocks is not None
+        y = torch.empty(rows, weight.shape[0])
+        return lambda: blocks.run(x, None, y)
     if kind == "panels":
         if not hasattr(torch.ops.shoal_cpu, "f32_linear"):
             return None
@@ -72,12 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     for part, (shapes, times) in parts.items():
         for rows in args.rows:
             line: dict[str, object] = {"part": part, "rows": rows}
-            for kind in ("panels", "onednn", "f_linear", "onednn_bf16"):
+            for kind in ("panels", "onednn", "f_linear", "onednn_bf16", "int8_blocks"):
                 total, ran = 0.0, True
                 for out_features, in_features in shapes:
-                    run = runner(
-                        kind, torch.randn(out_features, in_features), torch.randn(rows, in_features)
-                    )
+                    weight = torch.randn(out_features, in_features)
+                    run = runner(kind, weight, torch.randn(rows, in_features), part == "lm_head")
                     if run is None:
                         ran = False
                         break

@@ -12,21 +12,24 @@ What is quantized how (y = x w.T + b, w: [N, K]), chosen per weight at each load
     out         float32, bias added in float32.
 
 The kernels are `q4_linear` and `q8_linear` in csrc/block_linear.cpp (built with the other CPU
-kernels, cpu_kernels.py): each block's product is summed exactly in int32, then scaled by both
-scales in float32. The bundled SmolLM2 decodes through them at one row in ~2/3 of the time the
-earlier float-activation int8 kernel took, and as exactly as float32 bar the activations' 15
-bits (bench/README.md; 8-bit activations lost 3% of its top-1 agreement with float32).
+kernels, cpu_kernels.py), the weights in panels of 16 output channels (csrc/blocks.h; `values`
+and `dequantize` give them back as rows): each block's product is summed exactly in int32, 16
+channels a vpmaddwd / vpdpwssd, then scaled by both scales in float32, up to 8 rows a pass
+over the weights. The bundled SmolLM2's 30 layers' projections take ~2.2 ms at one row on the
+2-core AMD EPYC (AVX-512 VNNI), half what a block of one channel at a time took, and ~8 ms at 9
+rows against ~25 (bench/README.md), as exactly as float32 bar the activations' 15 bits (8-bit
+activations lost 3% of its top-1 agreement with float32).
 
-They are for steps of a few rows, which read the weights more than they compute. From
-MANY_ROWS rows on, the weights, dequantized once at load (every value as the blocks give it
-back) and kept in float32 panels, go through `f32_linear` as float32 weights do: a step of many
-rows computes, and the float32 panel kernel computes faster than the block kernels there. A
-SiLU-gated MLP's gate_up keeps them gated (`GatedInt8Linear`), so that it multiplies and
-activates in one op, as float32's does. The panels cost the float32 model's memory again (0.54
-GB for SmolLM2). On a CPU with AMX the many-row steps multiply the dequantized weights rounded
-to bfloat16 on the matrix tiles instead (bf16_linear.py; half that memory; the lm_head's top
-logits again in float32): 6x the float32 panels' rate at 64 rows there, offline 1.97x float32,
-99.30% top-1 agreement (bench/README.md). AMX's own int8 tiles would need 8-bit activations,
+They are for steps that read the weights more than they compute, and where the CPU has VNNI and
+no AMX, for every step: there they beat float32 panels at every size measured. Elsewhere, from
+many_rows() rows on, the weights, dequantized once at load (every value as the blocks give it
+back), go through `f32_linear` in float32 panels as float32 weights do (an AVX2 build: from 24
+rows), or on a CPU with AMX through the matrix tiles in bfloat16 (bf16_linear.py; from 10 rows;
+the lm_head's top logits again in float32): 6x the float32 panels' rate at 64 rows there,
+offline 1.97x float32, 99.30% top-1 agreement (bench/README.md). A SiLU-gated MLP's gate_up
+keeps its panels gated (`GatedInt8Linear`), so that it multiplies and activates in one op, as
+float32's does. The panels cost the float32 model's memory again (0.54 GB for SmolLM2; none
+kept where the blocks take every step). AMX's own int8 tiles would need 8-bit activations,
 which cost SmolLM2 3% of its top-1 agreement.
 """
 
@@ -37,46 +40,112 @@ from dataclasses import dataclass
 import torch
 
 from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear, amx_bf16
+from shoal.kernels.cpu_kernels import with_vnni
 from shoal.kernels.linear import gated_product, pack_gated_panels, pack_panels
 
 BLOCK = 32  # weights per scale, along K (the kernels' kBlock)
+PAIRS = BLOCK // 2  # pairs of K a block (kPairs)
+PANEL = 16  # output channels a panel (kPanel)
 _Q8_LEVELS = 127
 _Q4_LEVELS = 15
 _MIN_SCALE = 1e-12  # a block of zeros still needs a positive scale
-# From this many rows on a step computes more than it reads the weights, and the float32 panel
-# kernel on the dequantized weight beats the block kernels (all of SmolLM2's linears: 8 rows
-# 24.7 ms in blocks against 29.0, 12 rows 37.0 against 32.3; bench/README.md).
-MANY_ROWS = 10
+# From this many rows on a step computes more than it reads the weights, and the dequantized
+# weights beat the block kernels: on AMX's bfloat16 tiles from 10 rows; without VNNI (an AVX2
+# build) the float32 panels from ~32 rows (SmolLM2's linears on the AMD EPYC with the AVX2
+# build: 16 rows 23.7 ms in blocks against 28.1, 32 rows 46.0 against 44.2; bench/README.md).
+# With VNNI and no AMX the blocks win at every size measured (256 rows 289 ms against 353), so
+# they take every step and no float32 panels are kept.
+MANY_ROWS_TILES = 10
+MANY_ROWS_PANELS = 24
+NEVER = 2**62
+
+
+def many_rows() -> int:
+    """From how many rows on an int8 linear multiplies the dequantized weights here (NEVER:
+    the blocks take every step)."""
+    if amx_bf16():
+        return MANY_ROWS_TILES
+    return NEVER if with_vnni() else MANY_ROWS_PANELS
 
 
 @dataclass(frozen=True)
 class Q8Blocks:
-    q: torch.Tensor  # int8 [N, B * 32], zero past K
-    d: torch.Tensor  # float32 [N, B]
+    """int8 blocks in panels of PANEL output channels (csrc/blocks.h): P = ceil(N / 16)."""
+
+    q: torch.Tensor  # int8 [P, B, 512]: a block's 16 pairs of K, each 16 channels x 2
+    d: torch.Tensor  # float32 [P, B, 16]
+    out_features: int
     in_features: int
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
         torch.ops.shoal_cpu.q8_linear(x, self.q, self.d, bias, out)
 
+    def values(self) -> torch.Tensor:
+        """The int8 weights as [N, B * 32] (zero past K)."""
+        return _rows_of_panels(self.q.view(*self.q.shape[:2], PAIRS, PANEL, 2), self.out_features)
+
     def dequantize(self) -> torch.Tensor:
-        out = torch.empty(self.q.shape[0], self.in_features)
-        torch.ops.shoal_cpu.q8_dequantize(self.q, self.d, out)
-        return out
+        """The float32 weight [N, K], q * d (one rounding)."""
+        w = self.values().float() * _per_weight(self.d, self.out_features)
+        return w[:, : self.in_features].contiguous()
 
 
 @dataclass(frozen=True)
 class Q4Blocks:
-    q: torch.Tensor  # uint8 [N, B * 16]: byte j of a block holds k = j (low), j + 16 (high)
-    d: torch.Tensor  # float32 [N, B]
-    m: torch.Tensor  # float32 [N, B]
+    """GGUF Q4_1's blocks in panels of PANEL output channels (csrc/blocks.h)."""
+
+    q: torch.Tensor  # uint8 [P, B, 256]: byte i of group g: pair g's byte i (low), g + 8's (high)
+    d: torch.Tensor  # float32 [P, B, 16]
+    m: torch.Tensor  # float32 [P, B, 16]
+    out_features: int
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
         torch.ops.shoal_cpu.q4_linear(x, self.q, self.d, self.m, bias, out)
 
+    def values(self) -> torch.Tensor:
+        """The 4-bit weights (0 .. 15) as uint8 [N, K]."""
+        groups = self.q.view(*self.q.shape[:2], PAIRS // 2, BLOCK)
+        pairs = torch.cat([groups & 0x0F, groups >> 4], dim=2)
+        return _rows_of_panels(pairs.view(*self.q.shape[:2], PAIRS, PANEL, 2), self.out_features)
+
     def dequantize(self) -> torch.Tensor:
-        out = torch.empty(self.q.shape[0], self.q.shape[1] * 2)
-        torch.ops.shoal_cpu.q4_dequantize(self.q, self.d, self.m, out)
-        return out
+        """The float32 weight [N, K], q * d + m (a rounding each)."""
+        n = self.out_features
+        scaled = self.values().float() * _per_weight(self.d, n)
+        return (scaled + _per_weight(self.m, n)).contiguous()
+
+
+def _rows_of_panels(pairs: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, B, 16 pairs, 16 channels, 2] -> [N, B * 32]."""
+    panels, blocks = pairs.shape[:2]
+    rows = pairs.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, blocks * BLOCK)
+    return rows[:n]
+
+
+def _per_weight(scales: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, B, 16] -> [N, B * 32], each scale repeated over its block."""
+    panels, blocks = scales.shape[:2]
+    rows = scales.permute(0, 2, 1).reshape(panels * PANEL, blocks)[:n]
+    return rows.repeat_interleave(BLOCK, dim=1)
+
+
+def _panels_of_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[N, B * 32] (any dtype) -> [P, B, 16 pairs, 16 channels, 2], channels past N zero."""
+    n, k = rows.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=rows.dtype)
+    padded[:n] = rows
+    grouped = padded.view(panels, PANEL, k // BLOCK, PAIRS, 2)
+    return grouped.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _scale_panels(scales: torch.Tensor) -> torch.Tensor:
+    """[N, B] -> [P, B, 16], channels past N zero."""
+    n, blocks = scales.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, blocks)
+    padded[:n] = scales
+    return padded.view(panels, PANEL, blocks).permute(0, 2, 1).contiguous()
 
 
 class Int8Linear:
@@ -98,11 +167,11 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = _float_rows(x, self.in_features)
-        if rows.shape[0] >= MANY_ROWS and self.tiles is not None:
+        if rows.shape[0] >= self.many_rows and self.tiles is not None:
             out = self.tiles(rows)
         else:
             out = torch.empty(rows.shape[0], self.out_features)
-            if rows.shape[0] >= MANY_ROWS:
+            if rows.shape[0] >= self.many_rows:
                 torch.ops.shoal_cpu.f32_linear(rows, self.panels, self.bias, out)
             else:
                 self.blocks.run(rows, self.bias, out)
@@ -115,12 +184,16 @@ class Int8Linear:
         weight = weight.detach().float()
         self.blocks: Q4Blocks | Q8Blocks = exact_q4_blocks(weight) or q8_blocks(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
-        # The same weights for steps of many rows (MANY_ROWS): on the matrix tiles in bfloat16
-        # where the CPU has AMX, else in float32 panels.
-        dequantized = self.blocks.dequantize()
-        tiles = Bf16Head if self.head else Bf16Linear
-        self.tiles = tiles(dequantized, self.bias) if amx_bf16() else None
-        self.panels = self._pack(dequantized) if self.tiles is None else None
+        # The same weights for steps of many rows (many_rows()): on the matrix tiles in bfloat16
+        # where the CPU has AMX, else in float32 panels, unless the blocks take every step.
+        self.many_rows = many_rows()
+        self.tiles: Bf16Linear | None = None
+        self.panels: torch.Tensor | None = None
+        if self.many_rows < NEVER:
+            dequantized = self.blocks.dequantize()
+            tiles = Bf16Head if self.head else Bf16Linear
+            self.tiles = tiles(dequantized, self.bias) if amx_bf16() else None
+            self.panels = self._pack(dequantized) if self.tiles is None else None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the kernel multiplies by (for tests)."""
@@ -132,7 +205,7 @@ class Int8Linear:
 
 class GatedInt8Linear(Int8Linear):
     """A SiLU-gated MLP's fused gate_up ([2I, K]: the gate's rows, then the up's) in blocks,
-    its float32 panels gated as `GatedPanels` holds them, so that from MANY_ROWS rows on
+    its float32 panels gated as `GatedPanels` holds them, so that from many_rows() rows on
     `silu_mul(x)` is one op (`f32_silu_mul`) with the bits of the product and then `silu_mul`;
     fewer rows take the blocks' product and then `silu_mul`, as a plain one does."""
 
@@ -142,7 +215,7 @@ class GatedInt8Linear(Int8Linear):
         super().__init__(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // self.in_features < MANY_ROWS or self.tiles is not None:
+        if x.numel() // self.in_features < self.many_rows or self.tiles is not None:
             return super().__call__(x)
         assert self.panels is not None  # no AMX tiles: float32 panels
         y = gated_product(_float_rows(x, self.in_features), self.panels, self.inter)
@@ -152,7 +225,7 @@ class GatedInt8Linear(Int8Linear):
         """silu(gate) * up: [.., K] -> [.., I]."""
         rows = _float_rows(x, self.in_features)
         out = torch.empty(rows.shape[0], self.inter)
-        if rows.shape[0] >= MANY_ROWS and self.panels is not None:
+        if rows.shape[0] >= self.many_rows and self.panels is not None:
             torch.ops.shoal_cpu.f32_silu_mul(rows, self.panels, out)
         else:
             torch.ops.shoal_cpu.silu_mul(super().__call__(rows), out)
@@ -176,7 +249,8 @@ def q8_blocks(weight: torch.Tensor) -> Q8Blocks:
     grouped = _padded(weight).view(n, -1, BLOCK)
     d = (grouped.abs().amax(dim=2) / _Q8_LEVELS).clamp_min(_MIN_SCALE)
     q = torch.round(grouped / d.unsqueeze(2)).clamp_(-_Q8_LEVELS, _Q8_LEVELS).to(torch.int8)
-    return Q8Blocks(q.view(n, -1).contiguous(), d.contiguous(), k)
+    panels = _panels_of_rows(q.view(n, -1))
+    return Q8Blocks(panels.view(*panels.shape[:2], -1), _scale_panels(d), n, k)
 
 
 def exact_q4_blocks(weight: torch.Tensor) -> Q4Blocks | None:
@@ -197,9 +271,10 @@ def exact_q4_blocks(weight: torch.Tensor) -> Q4Blocks | None:
     q = torch.round((grouped - m.unsqueeze(2)) / step).clamp_(0, _Q4_LEVELS)
     if not torch.equal(q * d.unsqueeze(2) + m.unsqueeze(2), grouped):
         return None
-    q = q.to(torch.uint8)
-    packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
-    return Q4Blocks(packed.reshape(n, -1).contiguous(), d.contiguous(), m.contiguous())
+    pairs = _panels_of_rows(q.to(torch.uint8).view(n, -1))
+    groups = pairs.view(*pairs.shape[:2], PAIRS, BLOCK)
+    packed = groups[:, :, : PAIRS // 2] | (groups[:, :, PAIRS // 2 :] << 4)
+    return Q4Blocks(packed.view(*pairs.shape[:2], -1), _scale_panels(d), _scale_panels(m), n)
 
 
 def _padded(weight: torch.Tensor) -> torch.Tensor:

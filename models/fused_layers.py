@@ -26,7 +26,7 @@ from shoal.kernels.batch import Attention
 from shoal.kernels.bf16_linear import Bf16Linear
 from shoal.kernels.elementwise import CompiledElementwise, Elementwise
 from shoal.kernels.linear import GatedPanels, Linear, PackedLinear
-from shoal.kernels.quant import MANY_ROWS, GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks
+from shoal.kernels.quant import GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks, many_rows
 from shoal.loading.config import ModelConfig
 from shoal.models.kv_pool import KVPool
 from shoal.models.weights import DenseWeights, LayerWeights
@@ -103,7 +103,7 @@ def fused_layers(
             layout += [kind, linear.out_features, int(bias is not None), last]
     built = torch.classes.shoal_cpu.DecoderLayers(
         tensors, layout, config.num_heads, config.num_kv_heads, config.head_dim,
-        config.rms_norm_eps, scale, MANY_ROWS,
+        config.rms_norm_eps, scale, many_rows(),
     )  # fmt: skip
     return FusedLayers(built)
 
@@ -134,8 +134,8 @@ def kernel_form(
 ) -> tuple[int, list[torch.Tensor], torch.Tensor | None, int] | None:
     """(kind, parts, bias, the last part's form) as decoder_layers.cpp takes a linear, or None
     without one. The last part is what the linear multiplies by at every row count (float32,
-    bf16) or from MANY_ROWS rows on (int8): float32 panels, gated panels, or a bfloat16
-    weight in oneDNN's layout."""
+    bf16) or from quant.many_rows() rows on (int8): float32 panels, gated panels, or a bfloat16
+    weight in oneDNN's layout (an empty tensor where int8's blocks take every step)."""
     if isinstance(linear, PackedLinear) and linear.panels is not None:
         return FLOAT32, [linear.panels], linear.bias, PANELS
     if isinstance(linear, GatedPanels):
@@ -147,9 +147,9 @@ def kernel_form(
             if not linear.tiles.onednn:
                 return None
             many, last = linear.tiles.weight, ONEDNN_BF16
-        else:
-            assert linear.panels is not None
-            many, last = linear.panels, GATED if isinstance(linear, GatedInt8Linear) else PANELS
+        else:  # float32 panels, or none where the blocks take every step (quant.many_rows)
+            many = linear.panels if linear.panels is not None else torch.empty(0)
+            last = GATED if isinstance(linear, GatedInt8Linear) else PANELS
         blocks = linear.blocks
         if isinstance(blocks, Q4Blocks):
             return Q4, [blocks.q, blocks.d, blocks.m, many], linear.bias, last

@@ -1,32 +1,38 @@
-// Linears over weights in blocks of 32 along K, for `quantization="int8"` (quant.py):
+// Linears over weights in blocks of 32 along K, for `quantization="int8"` (quant.py), in
+// panels of 16 output channels (blocks.h has the layouts):
 //
-//   q8_linear(x, q, d, bias, out)      q int8 [N, B * 32], d float32 [N, B]:
-//                                      w[n, k] = q[n, k] * d[n, k / 32]
-//   q4_linear(x, q, d, m, bias, out)   q uint8 [N, B * 16], two weights a byte in GGUF Q4_1's
-//                                      order (byte j of a block: k = j low, k = j + 16 high);
-//                                      d, m float32 [N, B]: w[n, k] = q * d[n, k / 32] + m[..]
+//   q8_linear(x, q, d, bias, out)      q int8 [P, B, 512], d float32 [P, B, 16]:
+//                                      w[16 p + j, 32 b + k] = (its int8) * d[p, b, j]
+//   q4_linear(x, q, d, m, bias, out)   q uint8 [P, B, 256], GGUF Q4_1's 4-bit weights;
+//                                      d, m float32 [P, B, 16]: w = q * d + m
 //
-//     x [M, K] float32, rows contiguous, B = ceil(K / 32) (q4: K = 32 B); weights past K are 0
+//     x [M, K] float32, rows contiguous, B = ceil(K / 32) (q4: K = 32 B); weights past K are 0;
+//     P = ceil(N / 16), N = out's columns (the panels' last channels past N are 0)
 //     bias [N] float32 or None; out [M, N] float32, rows contiguous
 //
 // x is quantized per row and block of 32 to int16 (scale = the block's max |x| / 32767,
 // rounded to nearest): 15 bits, an error of at most 1.5e-5 of the block's largest value, where
-// 8 bits cost SmolLM2 3% of its top-1 agreement (bench/README.md). Each block's product is
-// summed exactly in int32 (vpmaddwd; with VNNI, AVX-512 builds, the second half of a block
-// added by vpdpwssd: the same sums), then scaled by both scales in float32:
-//   y[m, n] = sum_b d[n, b] * dx[m, b] * sum_k q[n, k] * xq[m, k]   (+ m[n, b] * sum_k x[m, k])
-// Q4_1's minimum multiplies the block's sum of the float x. Weights are prefetched 2 KB ahead.
-// The tiles and threads are tiles.h's.
+// 8 bits cost SmolLM2 3% of its top-1 agreement (bench/README.md). A panel's block is 16 pairs
+// of K, each 16 channels x 2 weights: one vpmaddwd (with VNNI vpdpwssd, which adds it in) of a
+// pair against the row's two x of that pair, broadcast, adds to the 16 channels' sums in its 16
+// lanes, exactly in int32; after the block's 16 pairs the sums are scaled by both scales in
+// float32, 16 channels an instruction:
+//   y[m, n] = sum_b (d[n, b] * dx[m, b]) * sum_k q[n, k] * xq[m, k]   (+ m[n, b] * sum_k x[m, k])
+// Q4_1's minimum multiplies the block's sum of the float x. A step's rows go through a panel up
+// to 8 at a time (4 without AVX-512), so that its weights are read and unpacked once for them
+// and a row costs its products and 4 instructions a block: a speculating decode's 1 + drafts
+// rows cost little more than one (an earlier layout, a block's 32 weights of one channel, cost
+// 3 instructions a block and channel a row). Threads split the panels; weights are prefetched
+// 2 KB ahead.
 //
 // They are for the few-row steps that read the weights more than they compute; from
 // quant.MANY_ROWS rows on, `Int8Linear` multiplies the dequantized weight kept in float32
 // panels instead (linear.cpp).
-//
-//   q8_dequantize(q, d, out)  /  q4_dequantize(q, d, m, out)    out [N, K] float32
-//
-// give the float32 weight back (q * d, q * d + m, one rounding each).
 
 #include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
 
 #include "ops.h"
 
@@ -38,114 +44,163 @@ namespace {
 using shoal_tiles::check_tensor;
 
 using shoal_blocks::kBlock;
+using shoal_blocks::kPairs;
+using shoal_blocks::kPanel;
 using shoal_blocks::Q4;
 using shoal_blocks::Q8;
 using shoal_blocks::QuantizedRows;
 
 constexpr int64_t kPrefetchBytes = 2048;
+#ifdef SHOAL_BLOCKS_512
+constexpr int kMaxRows = 8;  // 2 x 8 of the 32 zmm registers
+#else
+constexpr int kMaxRows = 4;  // 2 x 4 of the 16 ymm registers
+#endif
 
 template <typename W>
-struct BlockTile {
+struct PanelTile {
   W w;
   const QuantizedRows* x;
   const float* bias;
   float* out;
   int64_t out_stride;
+  int64_t n;
 
-  // out[m0 + r, n0 + c] for r < MR, c < NR.
-  template <int MR, int NR>
-  void at(int64_t m0, int64_t n0) const {
+  // x's pair p of block b in row r, as one int32 (two int16)
+  int32_t x_pair(const int16_t* xq, int r, int64_t b, int p) const {
+    int32_t pair;
+    std::memcpy(&pair, xq + (r * w.blocks + b) * kBlock + 2 * p, sizeof(pair));
+    return pair;
+  }
+
+  // out[m0 + r, 16 panel ..] for r < MR
+  template <int MR>
+  void at(int64_t m0, int64_t panel) const {
     const int64_t blocks = w.blocks;
     const int16_t* xq = x->q.data() + m0 * blocks * kBlock;
     const float* dx = x->scale.data() + m0 * blocks;
-    float sums[MR][NR] = {};
-#ifdef SHOAL_LINEAR_AVX2
-    __m256 acc[MR][NR];
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NR; ++c) acc[r][c] = _mm256_setzero_ps();
+    const float* sx = x->sum.data() + m0 * blocks;
+    alignas(64) float y[MR][kPanel];
+#if defined(SHOAL_BLOCKS_512)
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      if (((b * W::kBlockBytes) & 63) == 0) {
-        for (int c = 0; c < NR; ++c) __builtin_prefetch(w.block(n0 + c, b) + kPrefetchBytes, 0, 0);
-      }
-      for (int c = 0; c < NR; ++c) {
-        __m256i low, high;
-        w.unpack(n0 + c, b, low, high);
-        const __m256 dw = _mm256_broadcast_ss(w.d + (n0 + c) * blocks + b);
+      const uint8_t* blk = w.block(panel, b);
+      for (int64_t i = 0; i < W::kBlockBytes; i += 64) __builtin_prefetch(blk + kPrefetchBytes + i, 0, 0);
+      __m512i dot[MR];
+      for (int r = 0; r < MR; ++r) dot[r] = _mm512_setzero_si512();
+      W::pairs(blk, [&](int p, __m512i wv) {
         for (int r = 0; r < MR; ++r) {
-          const int16_t* p = xq + (r * blocks + b) * kBlock;
-          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+          const __m512i xv = _mm512_set1_epi32(x_pair(xq, r, b, p));
 #ifdef SHOAL_VNNI
-          // VNNI: the second half's products summed into the first's in one instruction
-          const __m256i dot = _mm256_dpwssd_epi32(_mm256_madd_epi16(low, x0), high, x1);
+          dot[r] = _mm512_dpwssd_epi32(dot[r], wv, xv);
 #else
-          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(low, x0), _mm256_madd_epi16(high, x1));
+          dot[r] = _mm512_add_epi32(dot[r], _mm512_madd_epi16(wv, xv));
 #endif
-          const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dw);
-          acc[r][c] = _mm256_fmadd_ps(scaled, _mm256_broadcast_ss(dx + r * blocks + b), acc[r][c]);
         }
+      });
+      const int64_t si = (panel * blocks + b) * kPanel;
+      const __m512 dw = _mm512_loadu_ps(w.d + si);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * blocks + b]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
+      }
+      if constexpr (W::kHasMin) {
+        const __m512 mw = _mm512_loadu_ps(w.m + si);
+        for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
       }
     }
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NR; ++c) sums[r][c] = shoal_tiles::hsum(acc[r][c]);
-#else
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int c = 0; c < NR; ++c) {
-        const float dw = w.d[(n0 + c) * blocks + b];
+    for (int r = 0; r < MR; ++r) _mm512_store_ps(y[r], acc[r]);
+#elif defined(SHOAL_LINEAR_AVX2)
+    for (int half = 0; half < 2; ++half) {
+      __m256 acc[MR];
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = w.block(panel, b);
+        if (half == 0) {
+          for (int64_t i = 0; i < W::kBlockBytes; i += 64) __builtin_prefetch(blk + kPrefetchBytes + i, 0, 0);
+        }
+        __m256i dot[MR];
+        for (int r = 0; r < MR; ++r) dot[r] = _mm256_setzero_si256();
+        W::half_pairs(blk, half, [&](int p, __m256i wv) {
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = _mm256_set1_epi32(x_pair(xq, r, b, p));
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(wv, xv));
+          }
+        });
+        const int64_t si = (panel * blocks + b) * kPanel + 8 * half;
+        const __m256 dw = _mm256_loadu_ps(w.d + si);
         for (int r = 0; r < MR; ++r) {
-          const int16_t* p = xq + (r * blocks + b) * kBlock;
+          const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * blocks + b]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), scale, acc[r]);
+        }
+        if constexpr (W::kHasMin) {
+          const __m256 mw = _mm256_loadu_ps(w.m + si);
+          for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * blocks + b]), acc[r]);
+        }
+      }
+      for (int r = 0; r < MR; ++r) _mm256_store_ps(y[r] + 8 * half, acc[r]);
+    }
+#else
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < kPanel; ++j) y[r][j] = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = w.block(panel, b);
+      const int64_t si = (panel * blocks + b) * kPanel;
+      for (int r = 0; r < MR; ++r) {
+        const int16_t* row = xq + (r * blocks + b) * kBlock;
+        for (int j = 0; j < kPanel; ++j) {
           int32_t dot = 0;
-          for (int i = 0; i < kBlock; ++i) dot += int32_t{w.at(n0 + c, b, i)} * p[i];
-          sums[r][c] += static_cast<float>(dot) * dw * dx[r * blocks + b];
+          for (int p = 0; p < kPairs; ++p) {
+            dot += W::at(blk, p, j, 0) * row[2 * p] + W::at(blk, p, j, 1) * row[2 * p + 1];
+          }
+          y[r][j] = std::fma(static_cast<float>(dot), w.d[si + j] * dx[r * blocks + b], y[r][j]);
+          if constexpr (W::kHasMin) y[r][j] = std::fma(w.m[si + j], sx[r * blocks + b], y[r][j]);
         }
       }
     }
 #endif
+    const int64_t n0 = panel * kPanel;
+    const int64_t valid = std::min(kPanel, n - n0);
     for (int r = 0; r < MR; ++r) {
-      for (int c = 0; c < NR; ++c) {
-        float y = sums[r][c] + (bias != nullptr ? bias[n0 + c] : 0.f);
-        if constexpr (W::kHasMin) y += min_term(n0 + c, m0 + r);
-        out[(m0 + r) * out_stride + n0 + c] = y;
-      }
+      float* row = out + (m0 + r) * out_stride + n0;
+      for (int64_t j = 0; j < valid; ++j) row[j] = y[r][j] + (bias != nullptr ? bias[n0 + j] : 0.f);
     }
-  }
-
-  // sum_b m[n, b] * (the sum of x[row]'s block b)
-  float min_term(int64_t n, int64_t row) const {
-    const int64_t blocks = w.blocks;
-    const float* mins = w.m + n * blocks;
-    const float* sums = x->sum.data() + row * blocks;
-    float total = 0.f;
-    int64_t b = 0;
-#ifdef SHOAL_LINEAR_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (; b + 8 <= blocks; b += 8) {
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + b), _mm256_loadu_ps(sums + b), acc);
-    }
-    total = shoal_tiles::hsum(acc);
-#endif
-    for (; b < blocks; ++b) total += mins[b] * sums[b];
-    return total;
   }
 };
 
-template <typename W>
-void dequantize(const char* op, const W& weights, int64_t n, const at::Tensor& out) {
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  out.dim() == 2 && out.size(0) == n &&
-                  (out.size(1) + kBlock - 1) / kBlock == weights.blocks,
-              op, ": out must be a contiguous float32 [N, K] for the blocks");
-  shoal_blocks::dequantize_into(weights, n, out);
+// tile.at<rows>(m0, panel), rows <= MR
+template <int MR, typename Tile>
+void rows_at(const Tile& tile, int64_t rows, int64_t m0, int64_t panel) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return rows_at<MR - 1>(tile, rows, m0, panel);
+  }
+  tile.template at<MR>(m0, panel);
 }
 
 template <typename W>
-void run(const char* op, const W& weights, int64_t n, int64_t k_len, const at::Tensor& x,
+void run(const char* op, const W& weights, int64_t panels, const at::Tensor& x,
          const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  shoal_tiles::check_rows(op, x, n, k_len, bias, out);
+  const int64_t n = out.dim() == 2 ? out.size(1) : 0;
+  TORCH_CHECK(x.dim() == 2 && (x.size(1) + kBlock - 1) / kBlock == weights.blocks &&
+                  (n + kPanel - 1) / kPanel == panels,
+              op, ": q must be [ceil(N / 16), ceil(K / 32), ..] for x [M, K] and out [M, N]");
+  shoal_tiles::check_rows(op, x, n, x.size(1), bias, out);
+  const int64_t m = x.size(0);
+  if (m == 0 || n == 0) return;
   const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const QuantizedRows& rows = shoal_blocks::quantize_rows(x, weights.blocks);
-  const BlockTile<W> tile{weights, &rows, bias_data, out.data_ptr<float>(), out.stride(0)};
-  shoal_tiles::for_each_tile(x.size(0), n, tile);
+  const PanelTile<W> tile{weights, &rows, bias_data, out.data_ptr<float>(), out.stride(0), n};
+  // the rows in as few tiles of at most kMaxRows as there can be, of even sizes
+  const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
+  const int64_t tile_rows = (m + tiles - 1) / tiles;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
+        rows_at<kMaxRows>(tile, std::min(tile_rows, m - m0), m0, panel);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -154,47 +209,23 @@ namespace shoal_ops {
 
 void q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
                const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 2 && x.dim() == 2 && q.size(1) % kBlock == 0 &&
-                  q.size(1) / kBlock == (x.size(1) + kBlock - 1) / kBlock,
-              "q8_linear: q must be [N, 32 * ceil(K / 32)] for x [M, K]");
-  const int64_t n = q.size(0), blocks = q.size(1) / kBlock;
-  check_tensor("q8_linear", "q", q, at::kChar, {n, blocks * kBlock});
-  check_tensor("q8_linear", "d", d, at::kFloat, {n, blocks});
-  const Q8 weights{q.data_ptr<int8_t>(), d.data_ptr<float>(), blocks};
-  run("q8_linear", weights, n, x.size(1), x, bias, out);
+  TORCH_CHECK(q.dim() == 3, "q8_linear: q must be [P, B, 512]");
+  const int64_t panels = q.size(0), blocks = q.size(1);
+  check_tensor("q8_linear", "q", q, at::kChar, {panels, blocks, Q8::kBlockBytes});
+  check_tensor("q8_linear", "d", d, at::kFloat, {panels, blocks, kPanel});
+  run("q8_linear", Q8{q.data_ptr<int8_t>(), d.data_ptr<float>(), blocks}, panels, x, bias, out);
 }
 
 void q4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
                const at::Tensor& m, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 2 && x.dim() == 2 && x.size(1) % kBlock == 0 &&
-                  q.size(1) * 2 == x.size(1),
-              "q4_linear: q must be [N, K / 2] for x [M, K] with K a multiple of 32");
-  const int64_t n = q.size(0), blocks = x.size(1) / kBlock;
-  check_tensor("q4_linear", "q", q, at::kByte, {n, blocks * 16});
-  check_tensor("q4_linear", "d", d, at::kFloat, {n, blocks});
-  check_tensor("q4_linear", "m", m, at::kFloat, {n, blocks});
-  const Q4 weights{q.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks};
-  run("q4_linear", weights, n, x.size(1), x, bias, out);
-}
-
-void q8_dequantize(const at::Tensor& q, const at::Tensor& d, const at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 2 && q.size(1) % kBlock == 0, "q8_dequantize: q must be [N, B * 32]");
-  const int64_t n = q.size(0), blocks = q.size(1) / kBlock;
-  check_tensor("q8_dequantize", "q", q, at::kChar, {n, blocks * kBlock});
-  check_tensor("q8_dequantize", "d", d, at::kFloat, {n, blocks});
-  dequantize("q8_dequantize", Q8{q.data_ptr<int8_t>(), d.data_ptr<float>(), blocks}, n,
-             out);
-}
-
-void q4_dequantize(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
-                   const at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 2 && q.size(1) % 16 == 0, "q4_dequantize: q must be [N, B * 16]");
-  const int64_t n = q.size(0), blocks = q.size(1) / 16;
-  check_tensor("q4_dequantize", "q", q, at::kByte, {n, blocks * 16});
-  check_tensor("q4_dequantize", "d", d, at::kFloat, {n, blocks});
-  check_tensor("q4_dequantize", "m", m, at::kFloat, {n, blocks});
-  const Q4 weights{q.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks};
-  dequantize("q4_dequantize", weights, n, out);
+  TORCH_CHECK(q.dim() == 3 && x.dim() == 2 && x.size(1) % kBlock == 0,
+              "q4_linear: q must be [P, B, 256] for x [M, K] with K a multiple of 32");
+  const int64_t panels = q.size(0), blocks = q.size(1);
+  check_tensor("q4_linear", "q", q, at::kByte, {panels, blocks, Q4::kBlockBytes});
+  check_tensor("q4_linear", "d", d, at::kFloat, {panels, blocks, kPanel});
+  check_tensor("q4_linear", "m", m, at::kFloat, {panels, blocks, kPanel});
+  const Q4 weights{q.data_ptr<uint8_t>(), d.data_ptr<float>(), blocks, m.data_ptr<float>()};
+  run("q4_linear", weights, panels, x, bias, out);
 }
 
 }  // namespace shoal_ops
@@ -204,6 +235,4 @@ TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
         &shoal_ops::q8_linear);
   m.def("q4_linear(Tensor x, Tensor q, Tensor d, Tensor m, Tensor? bias, Tensor(a!) out) -> ()",
         &shoal_ops::q4_linear);
-  m.def("q8_dequantize(Tensor q, Tensor d, Tensor(a!) out) -> ()", &shoal_ops::q8_dequantize);
-  m.def("q4_dequantize(Tensor q, Tensor d, Tensor m, Tensor(a!) out) -> ()", &shoal_ops::q4_dequantize);
 }

@@ -1,6 +1,6 @@
 // The blocks of quant.py's `quantization="int8"`, for block_linear.cpp: the two weight formats
 // (Q8: int8 and a scale a block of 32; Q4: GGUF Q4_1's 4-bit weights, a scale and a minimum),
-// the rows of x quantized to int16 per block of 32, and a block given back as float32.
+// both in panels of 16 output channels, and the rows of x quantized to int16 per block of 32.
 
 #pragma once
 
@@ -13,6 +13,10 @@
 #include <vector>
 
 #include "tiles.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define SHOAL_BLOCKS_512 1
+#endif
 
 namespace shoal_blocks {
 
@@ -83,93 +87,88 @@ inline const QuantizedRows& quantize_rows(const at::Tensor& x, int64_t blocks) {
   return rows;
 }
 
-// int8 weights: 32 bytes a block.
+// The weights in panels of 16 output channels (quant.py lays them out): a block of a panel is
+// its 16 channels' 32 weights along K, kept by pairs of K (k = 2p, 2p + 1, p < 16): pair p is 16
+// channels x 2 weights, channel j's two at 2j and 2j + 1, so that one vpmaddwd of pair p against
+// x's pair p broadcast gives the 16 channels' partial sums in its 16 lanes. Blocks follow each
+// other along K within a panel, panels along N (N padded to 16 with zero weights and scales).
+constexpr int64_t kPanel = 16;           // output channels a panel
+constexpr int64_t kPairs = kBlock / 2;   // pairs of K a block
+
+// Q8: int8, pair p at byte 32 p of the block: 512 bytes a block.
 struct Q8 {
   const int8_t* q;
-  const float* d;
+  const float* d;  // [P, B, 16]
   int64_t blocks;
+  const float* m = nullptr;
   static constexpr bool kHasMin = false;
-  static constexpr int64_t kBlockBytes = 32;
-  const char* block(int64_t n, int64_t b) const {
-    return reinterpret_cast<const char*>(q) + (n * blocks + b) * kBlockBytes;
+  static constexpr int64_t kBlockBytes = kPanel * kBlock;
+  const uint8_t* block(int64_t panel, int64_t b) const {
+    return reinterpret_cast<const uint8_t*>(q) + (panel * blocks + b) * kBlockBytes;
   }
-  float min(int64_t, int64_t) const { return 0.f; }
-  int16_t at(int64_t n, int64_t b, int i) const { return block(n, b)[i]; }
+  // the weight of channel j, k = 2 p + h, of a block
+  static int32_t at(const uint8_t* blk, int p, int j, int h) {
+    return static_cast<int8_t>(blk[32 * p + 2 * j + h]);
+  }
 #ifdef SHOAL_LINEAR_AVX2
-  void unpack(int64_t n, int64_t b, __m256i& low, __m256i& high) const {
-    const char* p = block(n, b);
-    low = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    high = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  // f(p, pair p as int16) for the block's 16 pairs: channels 8 half .. 8 half + 7
+  template <typename F>
+  static void half_pairs(const uint8_t* blk, int half, F&& f) {
+    for (int p = 0; p < kPairs; ++p) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 * p + 16 * half));
+      f(p, _mm256_cvtepi8_epi16(bytes));
+    }
+  }
+#endif
+#ifdef SHOAL_BLOCKS_512
+  // the same, all 16 channels
+  template <typename F>
+  static void pairs(const uint8_t* blk, F&& f) {
+    for (int p = 0; p < kPairs; ++p) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * p));
+      f(p, _mm512_cvtepi8_epi16(bytes));
+    }
   }
 #endif
 };
 
-// 4-bit weights and a minimum: 16 bytes a block.
+// Q4: GGUF Q4_1's 4-bit weights (0 .. 15) and a minimum, w = q * d + m: 256 bytes a block,
+// byte i of group g (g < 8, at byte 32 g) holding pair g's byte i in its low nibble and pair
+// g + 8's in its high one.
 struct Q4 {
   const uint8_t* q;
-  const float* d;
-  const float* m;
+  const float* d;  // [P, B, 16]
   int64_t blocks;
+  const float* m;  // [P, B, 16]
   static constexpr bool kHasMin = true;
-  static constexpr int64_t kBlockBytes = 16;
-  const char* block(int64_t n, int64_t b) const {
-    return reinterpret_cast<const char*>(q) + (n * blocks + b) * kBlockBytes;
-  }
-  float min(int64_t n, int64_t b) const { return m[n * blocks + b]; }
-  int16_t at(int64_t n, int64_t b, int i) const {
-    const uint8_t byte = static_cast<uint8_t>(block(n, b)[i % 16]);
-    return i < 16 ? (byte & 0x0F) : (byte >> 4);
+  static constexpr int64_t kBlockBytes = kPanel * kBlock / 2;
+  const uint8_t* block(int64_t panel, int64_t b) const { return q + (panel * blocks + b) * kBlockBytes; }
+  static int32_t at(const uint8_t* blk, int p, int j, int h) {
+    const uint8_t byte = blk[32 * (p % 8) + 2 * j + h];
+    return p < 8 ? (byte & 0x0F) : (byte >> 4);
   }
 #ifdef SHOAL_LINEAR_AVX2
-  void unpack(int64_t n, int64_t b, __m256i& low, __m256i& high) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block(n, b)));
+  template <typename F>
+  static void half_pairs(const uint8_t* blk, int half, F&& f) {
     const __m128i nibble = _mm_set1_epi8(0x0F);
-    low = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, nibble));
-    high = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+    for (int g = 0; g < kPairs / 2; ++g) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 * g + 16 * half));
+      f(g, _mm256_cvtepu8_epi16(_mm_and_si128(bytes, nibble)));
+      f(g + 8, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
+    }
+  }
+#endif
+#ifdef SHOAL_BLOCKS_512
+  template <typename F>
+  static void pairs(const uint8_t* blk, F&& f) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int g = 0; g < kPairs / 2; ++g) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * g));
+      f(g, _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, nibble)));
+      f(g + 8, _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble)));
+    }
   }
 #endif
 };
-
-// One block of 32 weights as float32, one rounding each (w = q * d, then + m).
-template <typename W>
-void dequantize_block(const W& weights, int64_t n, int64_t b, float* row, int64_t len) {
-  const float d = weights.d[n * weights.blocks + b];
-  const float m = weights.min(n, b);
-#ifdef SHOAL_LINEAR_AVX2
-  if (len == kBlock) {
-    __m256i halves[2];
-    weights.unpack(n, b, halves[0], halves[1]);
-    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i lanes[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(halves[h])),
-                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(halves[h], 1))};
-      for (int j = 0; j < 2; ++j) {
-        __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes[j]), vd);
-        if (W::kHasMin) w = _mm256_add_ps(w, vm);
-        _mm256_storeu_ps(row + 16 * h + 8 * j, w);
-      }
-    }
-    return;
-  }
-#endif
-  for (int i = 0; i < len; ++i) {
-    const float w = static_cast<float>(weights.at(n, b, i)) * d;
-    row[i] = W::kHasMin ? w + m : w;
-  }
-}
-
-template <typename W>
-inline void dequantize_into(const W& weights, int64_t n, const at::Tensor& out) {
-  const int64_t k_len = out.size(1);
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, n, shoal_tiles::kChannelsPerChunk, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      for (int64_t b = 0; b < weights.blocks; ++b) {
-        const int64_t len = std::min(kBlock, k_len - b * kBlock);
-        dequantize_block(weights, c, b, dst + c * k_len + b * kBlock, len);
-      }
-    }
-  });
-}
 
 }  // namespace shoal_blocks

@@ -23,7 +23,8 @@ from shoal.kernels.bf16_linear import amx_bf16
 from shoal.kernels.linear import make_linear
 from shoal.kernels.quant import (
     BLOCK,
-    MANY_ROWS,
+    MANY_ROWS_PANELS,
+    MANY_ROWS_TILES,
     GatedInt8Linear,
     Int8Linear,
     Q4Blocks,
@@ -57,9 +58,9 @@ def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def own_bound(linear: Int8Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """How far the linear may be from x w.T in float64 on its own weights: the int16
-    activations' bound, or from MANY_ROWS rows on a CPU with AMX (quant.py: those steps run on
+    activations' bound, or from many_rows() rows on a CPU with AMX (quant.py: those steps run on
     the matrix tiles in bfloat16) x, w and the product each rounded to 8 bits."""
-    if x.shape[0] >= MANY_ROWS and linear.tiles is not None:
+    if x.shape[0] >= linear.many_rows and linear.tiles is not None:
         return 3 * 2**-8 * (x.double().abs() @ weight.double().abs().T) + 1e-5
     return activation_bound(x, weight)
 
@@ -72,12 +73,13 @@ def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (40, 96), (33, 100), (8, 7), (3, 1536)])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, MANY_ROWS + 6])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 17, MANY_ROWS_PANELS + 6])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float_matmul(n: int, k: int, m: int, with_bias: bool) -> None:
-    """Ragged sizes: K of 100 and 7 end in a part block and a part vector, N of 33 and 3 in a
-    lone channel, M of 3, 5 and 17 in a part tile of rows; from MANY_ROWS on, the float32 path
-    (bfloat16 on the tiles where the CPU has AMX)."""
+    """Ragged sizes: K of 100 and 7 end in a part block and a part vector, N of 33, 40 and 3 in
+    a part panel of channels, M of 3, 5, 9 and 17 in tiles of rows of more than one size; 30
+    rows reach the dequantized weights where a CPU has them (quant.many_rows: float32 panels,
+    bfloat16 on AMX's tiles; an AVX-512 VNNI CPU without AMX runs the blocks at every size)."""
     gen = torch.Generator().manual_seed(n * k + m)
     weight = torch.randn(n, k, generator=gen) * 0.1
     bias = torch.randn(n, generator=gen) if with_bias else None
@@ -94,7 +96,7 @@ def test_matches_float_matmul(n: int, k: int, m: int, with_bias: bool) -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (33, 96), (3, 1536)])
-@pytest.mark.parametrize("m", [1, 3, 5, 17, MANY_ROWS])
+@pytest.mark.parametrize("m", [1, 3, 5, 17, MANY_ROWS_PANELS])
 def test_a_q4_1_weight_is_kept_as_it_came(n: int, k: int, m: int) -> None:
     """A weight dequantized from GGUF's Q4_1 (q * d + m, q in 0..15, d a float16; a block's
     minimum at q = 0 and maximum at 15, as GGUF's quantizer puts them) is stored as Q4 blocks
@@ -131,11 +133,15 @@ def test_each_block_is_within_half_a_step() -> None:
     weight = torch.randn(64, 100, generator=gen)
     weight[3, 40:50] *= 100  # one block with a large weight: only its own step grows
     blocks = q8_blocks(weight)
-    assert blocks.q.dtype == torch.int8 and blocks.q.shape == (64, 128)
-    assert blocks.d.shape == (64, 4)
-    assert int(blocks.q.abs().max()) == 127 and not bool(blocks.q[:, 100:].any())
+    # in panels of 16 channels: [P, B, 16 pairs x 16 channels x 2], scales [P, B, 16]
+    assert blocks.q.dtype == torch.int8 and blocks.q.shape == (4, 4, 512)
+    assert blocks.d.shape == (4, 4, 16)
+    values = blocks.values()
+    assert values.shape == (64, 128)
+    assert int(values.abs().max()) == 127 and not bool(values[:, 100:].any())
     error = (blocks.dequantize() - weight).abs()
-    half_step = blocks.d[:, torch.arange(100) // BLOCK] / 2
+    d = blocks.d.permute(0, 2, 1).reshape(64, 4)
+    half_step = d[:, torch.arange(100) // BLOCK] / 2
     assert bool((error <= half_step * (1 + 1e-6)).all())
     assert float(half_step[3, 0]) < float(half_step[3, 40]) / 20
 
@@ -176,11 +182,11 @@ def test_load_takes_the_new_weight() -> None:
     torch.testing.assert_close(linear(x), Int8Linear(new_w, new_b)(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("m", [1, 5, MANY_ROWS - 1, MANY_ROWS, 33])
+@pytest.mark.parametrize("m", [1, 5, 9, MANY_ROWS_TILES, MANY_ROWS_PANELS, 33])
 @pytest.mark.parametrize("q4", [True, False])
 def test_a_gated_gate_up_gives_the_plain_ones_bits(m: int, q4: bool) -> None:
     """A SiLU-gated gate_up's `silu_mul` is the plain linear's product then silu_mul, bit for
-    bit, below MANY_ROWS (the blocks) and from it on (the gated float32 panels); a call is the
+    bit, below many_rows() (the blocks) and from it on (the gated float32 panels); a call is the
     product; a weight update takes the new weight."""
     inter, k = 20, 64
     old = q4_1_weight(2 * inter, k, seed=m) if q4 else torch.randn(2 * inter, k) * 0.1
@@ -225,10 +231,8 @@ def test_the_kernels_refuse_what_they_cannot_read() -> None:
         q4(x, four.q, four.d, four.m.double(), None, out)
     with pytest.raises(RuntimeError, match="q must be"):
         q4(x, four.q.to(torch.int8), four.d, four.m, None, out)
-    with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.shoal_cpu.q4_dequantize(four.q, four.d, four.m, torch.empty(8, 96))
-    with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.shoal_cpu.q8_dequantize(eight.q, eight.d, torch.empty(8, 64).t())
+    with pytest.raises(RuntimeError, match="q must be"):  # 17 channels: two panels
+        q4(x, four.q, four.d, four.m, None, torch.empty(2, 17))
 
 
 # ---- an engine on it -----------------------------------------------------------------------
@@ -327,13 +331,13 @@ def test_smollm2_int8_quality_on_the_tiles(
 def test_smollm2_int8_quality(monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
     """bench/quality.py on the text's first 1,536 tokens (1,534 predictions; ~25-35 s): top-1
     agreement with float32 >= 97% and perplexity within 3%. The weights are float32's own
-    (above), only the activations are rounded to 15 bits: fed fewer than MANY_ROWS tokens a
+    (above), only the activations are rounded to 15 bits: fed fewer than 10 tokens a
     forward, so the block kernels run, as in a decode. The whole text measured 99.96% and
     +0.00% (bench/README.md)."""
     quality = load_bench("quality", monkeypatch)
     loaded = load_model(None, progress=False)
     ids = quality.text_ids(loaded, 1536)
-    chunk = MANY_ROWS - 1
+    chunk = MANY_ROWS_TILES - 1
     line = quality.compare(loaded, "int8", "packed", ids, window=1024, chunk=chunk)
     assert line["predictions"] == 1534
     assert line["top1_agreement"] >= quality.MIN_AGREEMENT, line

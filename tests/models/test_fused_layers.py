@@ -16,13 +16,15 @@ from parity import expect, mixed_prompts, run_all
 from reference import Reference
 from tiny_families import make_family_folder
 
+from shoal.kernels import quant
 from shoal.kernels.attention import AttentionMetadata, TorchAttention
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.bf16_linear import onednn_bf16_available
 from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.linear import LinearKind
-from shoal.kernels.quant import MANY_ROWS
+from shoal.kernels.quant import MANY_ROWS_TILES
+from shoal.models import fused_layers
 from shoal.models.decoder import DecoderModel
 from shoal.models.fused_layers import FusedLayers
 from shoal.models.kv_pool import KVPool
@@ -33,9 +35,19 @@ from shoal.models.registry import family_of
 PAGE = 4
 NUM_PAGES = 256
 # One, three, seven and twelve sequences: seven rows are a whole tile of six in the float32
-# kernel and one left over; twelve reach int8's float32 panels (quant.MANY_ROWS).
+# kernel and one left over; twelve reach int8's float32 panels (from MANY_ROWS_TILES rows on,
+# below).
 LENS = [[5], [1, 17, 9], [3, 30, 12, 7, 64, 2, 41], [4, 9, 33, 1, 2, 18, 25, 6, 11, 3, 40, 7]]
-assert len(LENS[2]) < MANY_ROWS <= len(LENS[3])
+assert len(LENS[2]) < MANY_ROWS_TILES <= len(LENS[3])
+
+
+@pytest.fixture(autouse=True)
+def int8_panels_from_ten_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 linears take their dequantized weights from MANY_ROWS_TILES rows on whatever this
+    CPU's own threshold (quant.many_rows; its blocks may take every step here), so that twelve
+    sequences reach them in the chain."""
+    monkeypatch.setattr(quant, "many_rows", lambda: MANY_ROWS_TILES)
+    monkeypatch.setattr(fused_layers, "many_rows", lambda: MANY_ROWS_TILES)
 
 
 @pytest.fixture(scope="module")
