@@ -2,7 +2,10 @@
 // row (or of its window), reading K and V in place from the pages (no gather into a padded
 // copy). The query heads that share a KV head are done together, so each K and V row is read
 // once per step and layer; with two or more sequences a thread, all of a sequence's heads are,
-// so each token's [Hkv, D] rows are read whole.
+// so each token's [Hkv, D] rows are read whole. In AVX-512 builds a head of whole vectors is
+// scored four keys at a time (dot4: the four horizontal sums share their instructions), and a
+// head of 64 or 128 sums the values with a few query heads' sums held in registers over all
+// keys (values_in_registers); both give the bits of the one-key loops.
 //
 //   q, out        [T, H, D]          float32; row i of a sequence is token_index[i]
 //   k/v_cache     [slots, Hkv, D]    float32 or bfloat16 (both the same); slot = page *
@@ -114,6 +117,66 @@ inline float softmax_unnormalized(float* row, int64_t len) {
   }
   return 1.f / total;
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Four keys' dot products with one query (dim a whole number of 16s), each the bits of dot():
+// the same fused multiply-adds, then the sum of the 16 lanes in vec_reduce_all's order (lanes
+// i and i + 8, then i and i ^ 4, i ^ 2, i ^ 1), four keys' sums sharing each instruction.
+template <typename T>
+inline void dot4(const float* q, const T* const* keys, int64_t dim, float* out) {
+  Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+  for (int64_t i = 0; i < dim; i += Vec::size()) {
+    const Vec qi = Vec::loadu(q + i);
+    for (int k = 0; k < 4; ++k) acc[k] = at::vec::fmadd(qi, load_floats(keys[k] + i), acc[k]);
+  }
+  const __m512 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
+  // [a 0-7 | b 0-7] + [a 8-15 | b 8-15]
+  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  // [a 0-3 | b 0-3 | c 0-3 | d 0-3] + their 4-7
+  __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, 0x88), _mm512_shuffle_f32x4(p01, p23, 0xDD));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  for (int k = 0; k < 4; ++k) out[k] = lanes[4 * k];
+}
+
+// acc_h += scores[h * stride + t] * row(t) for H heads of one KV head over every key t, the
+// heads' DV x 16 accumulators in registers (add_scaled's fused multiply-adds in the same order,
+// so the same bits), then out_h = acc_h * inv_sum[h].
+template <typename T, int DV, int H, typename Row>
+void values_in_registers(const float* scores, int64_t stride, int64_t len, const Row& row,
+                         const float* inv_sum, float* const* out) {
+  Vec acc[H][DV];
+  for (int h = 0; h < H; ++h)
+    for (int d = 0; d < DV; ++d) acc[h][d] = Vec(0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + 8 < len) {
+      for (int d = 0; d < DV; ++d) __builtin_prefetch(row(t + 8) + d * Vec::size(), 0, 3);
+    }
+    const T* values = row(t);
+    Vec v[DV];
+    for (int d = 0; d < DV; ++d) v[d] = load_floats(values + d * Vec::size());
+    for (int h = 0; h < H; ++h) {
+      const Vec w(scores[h * stride + t]);
+      for (int d = 0; d < DV; ++d) acc[h][d] = at::vec::fmadd(w, v[d], acc[h][d]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int d = 0; d < DV; ++d) (acc[h][d] * Vec(inv_sum[h])).store(out[h] + d * Vec::size());
+}
+
+// values_in_registers for h <= H heads (DV x (H + 1) of the 32 registers: H 6 at DV 4, 2 at 8)
+template <typename T, int DV, int H, typename Row>
+void values_for_heads(int h, const float* scores, int64_t stride, int64_t len, const Row& row,
+                      const float* inv_sum, float* const* out) {
+  if constexpr (H > 1) {
+    if (h < H) return values_for_heads<T, DV, H - 1>(h, scores, stride, len, row, inv_sum, out);
+  }
+  values_in_registers<T, DV, H>(scores, stride, len, row, inv_sum, out);
+}
+#endif
 
 // Rows are scattered over pages, so the hardware prefetcher cannot see the next one coming:
 // each loop asks for the row this many keys ahead (cold pages measured 2x slower without it).
@@ -259,7 +322,27 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                               len, fscale, scores.data() + kv * group * len, len, scratch);
         }
       }
-      for (int64_t t = 0; !on_tiles && t < len; ++t) {
+      int64_t t = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      // four keys at a time where the head is whole vectors (the same bits as one at a time)
+      for (; !on_tiles && dim % Vec::size() == 0 && t + 4 <= len; t += 4) {
+        for (int64_t i = 0; i < 4 && t + i + kPrefetchAhead < len; ++i) {
+          prefetch_row(row_of(k_data, t + i + kPrefetchAhead), span * dim);
+        }
+        const T* keys[4] = {row_of(k_data, t), row_of(k_data, t + 1), row_of(k_data, t + 2),
+                            row_of(k_data, t + 3)};
+        for (int64_t kv = 0, j = 0; kv < span; ++kv) {
+          const T* heads_keys[4] = {keys[0] + kv * dim, keys[1] + kv * dim, keys[2] + kv * dim,
+                                    keys[3] + kv * dim};
+          for (int64_t end_j = j + group; j < end_j; ++j) {
+            float four[4];
+            dot4(q_heads + j * dim, heads_keys, dim, four);
+            for (int i = 0; i < 4; ++i) scores[j * len + t + i] = four[i] * fscale;
+          }
+        }
+      }
+#endif
+      for (; !on_tiles && t < len; ++t) {
         if (t + kPrefetchAhead < len) prefetch_row(row_of(k_data, t + kPrefetchAhead), span * dim);
         const T* keys = row_of(k_data, t);
         for (int64_t kv = 0, j = 0; kv < span; ++kv) {
@@ -290,6 +373,29 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           continue;
         }
       }
+#if defined(CPU_CAPABILITY_AVX512)
+      // A head of 64 or 128: a few heads of one KV head at a time with their sums in registers
+      if (dim == 4 * Vec::size() || dim == 8 * Vec::size()) {
+        for (int64_t kv = 0; kv < span; ++kv) {
+          auto row = [&](int64_t key) { return row_of(v_data, key) + kv * dim; };
+          const int64_t most = dim == 4 * Vec::size() ? 6 : 2;
+          for (int64_t j = kv * group; j < (kv + 1) * group; j += most) {
+            const int h = static_cast<int>(std::min(most, (kv + 1) * group - j));
+            float* heads_out[6];
+            for (int i = 0; i < h; ++i) {
+              heads_out[i] = out_data + tokens[b] * out_stride + (kv0 * group + j + i) * dim;
+            }
+            const float* first = scores.data() + j * len;
+            if (dim == 4 * Vec::size()) {
+              values_for_heads<T, 4, 6>(h, first, len, len, row, inv_sum.data() + j, heads_out);
+            } else {
+              values_for_heads<T, 8, 2>(h, first, len, len, row, inv_sum.data() + j, heads_out);
+            }
+          }
+        }
+        continue;
+      }
+#endif
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
         if (t + kPrefetchAhead < len) prefetch_row(row_of(v_data, t + kPrefetchAhead), span * dim);

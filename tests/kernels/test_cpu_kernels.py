@@ -70,13 +70,15 @@ def random_step(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "page"),
-    [(9, 3, 64, 16), (6, 2, 8, 4), (4, 4, 20, 8), (8, 1, 128, 16)],
+    [(9, 3, 64, 16), (6, 2, 8, 4), (4, 4, 20, 8), (8, 1, 128, 16), (16, 2, 64, 16)],
 )
 def test_kernel_equals_the_reference(
     kernel: DecodeKernel, heads: int, kv_heads: int, dim: int, page: int
 ) -> None:
     """Decodes of lengths 1..300 (several of the reference's length groups), beside a prefill
-    chunk with a cached prefix and a fresh prompt that the kernel must leave alone."""
+    chunk with a cached prefix and a fresh prompt that the kernel must leave alone. Heads of 64
+    and 128 take the AVX-512 build's four-key products and register-held sums (a KV head's 8
+    query heads in chunks of 6 and 2 at 64, of 2 at 128); 8 and 20 the one-key loops."""
     gen = torch.Generator().manual_seed(heads * dim + page)
     prefix_lens = [0, 150, 7, 0, 9, 299, 1, 40, 63]
     extend_lens = [1, 1, 1, 5, 4, 1, 1, 1, 1]
