@@ -16,11 +16,10 @@ from functools import partial
 from typing import Any
 
 from shoal.actors.cache_manager.cache_manager import CacheManager
+from shoal.actors.device_build import Built
 from shoal.actors.disagg_wiring import build_transfer
-from shoal.actors.executor.device_state import DeviceState
 from shoal.actors.executor.executor import Executor
-from shoal.actors.executor.stages import Stage, StageMonitor, split_layers, stage_devices
-from shoal.actors.executor.streams import StepStreams
+from shoal.actors.executor.stages import StageMonitor
 from shoal.actors.executor_messages import ExecutorMsg
 from shoal.actors.mailbox import Mailbox
 from shoal.actors.messages import CacheMsg, Generate, SchedulerMsg, Shutdown, TokenizerMsg
@@ -35,16 +34,7 @@ from shoal.actors.transfer_messages import TransferMsg
 from shoal.cache.kv import KVCache
 from shoal.config import EngineOptions, Resolved
 from shoal.disagg.backend import LocalFabric
-from shoal.kernels.attention import TorchAttention
-from shoal.kernels.batch import AttentionBackend
-from shoal.kernels.cpu_kernels import CpuKernels
-from shoal.kernels.elementwise import CompiledElementwise
-from shoal.kernels.grammars import Grammars
-from shoal.loading.identity import weights_digest
-from shoal.models.kv_pool import KVPool
-from shoal.models.layout import Part
 from shoal.models.load import LoadedModel
-from shoal.models.registry import family_of
 from shoal.results import EngineDeadError
 
 log = logging.getLogger("shoal")
@@ -106,50 +96,6 @@ class Actors:
         on_death(reason)
 
 
-def attention_backend(
-    name: str, page_size: int, num_kv_heads: int, kernels: CpuKernels | None
-) -> AttentionBackend:
-    if name == "triton":
-        from shoal.kernels.triton.attention import TritonAttention  # needs the triton package
-
-        return TritonAttention(page_size, num_kv_heads)
-    if kernels is None:
-        return TorchAttention(page_size)
-    return TorchAttention(page_size, kernels.paged_decode, kernels.store_kv)
-
-
-def build_stages(
-    loaded: LoadedModel, options: EngineOptions, resolved: Resolved, compiled: CpuKernels | None
-) -> list[Stage]:
-    """The model in `pipeline_stages` parts (one: the whole model), each with its K/V pool,
-    attention backend and stream on its device (actors/executor/stages.py)."""
-    config = loaded.config
-    layout = resolved.cache
-    count = options.pipeline_stages
-    parts = split_layers(config.num_layers, count, options.stage_layers)
-    devices = stage_devices(count, options.stage_devices, resolved.device)
-    family = family_of(config.model_type)
-    slots = layout.num_pages * layout.page_size
-    stages = []
-    for k, (layers, device) in enumerate(zip(parts, devices, strict=True)):
-        part = Part(layers, first=k == 0, last=k == count - 1)
-        model = family.build(
-            config,
-            loaded.weights,
-            resolved.dtype,
-            device,
-            resolved.linear_kind,
-            None if compiled is None else CompiledElementwise(compiled),
-            part=part,
-        )
-        pool = KVPool(config, slots, resolved.kv_dtype, device, num_layers=len(layers))
-        backend = attention_backend(
-            resolved.attention, layout.page_size, config.num_kv_heads, compiled
-        )
-        stages.append(Stage(model, pool, backend, StepStreams(device)))
-    return stages
-
-
 def spec_config(options: EngineOptions) -> SpecConfig | None:
     """Speculative decoding's settings (actors/scheduler/speculation.py), None when off."""
     if options.speculative_algorithm is None:
@@ -174,7 +120,7 @@ def start_actors(
     loaded: LoadedModel,
     options: EngineOptions,
     resolved: Resolved,
-    kernels: CpuKernels | None,
+    built: Built,
     on_death: Callable[[str], None],
     faults: FaultInjector | None = None,
     fabric: LocalFabric | None = None,
@@ -195,30 +141,7 @@ def start_actors(
         max_pages_per_row=layout.max_pages_per_row,
         window=config.kv_window,
     )
-    grammars = Grammars(
-        loaded.tokenizer,
-        config.vocab_size,
-        config.eos_token_ids,
-        options.grammar_cache_mb << 20,
-        options.json_any_whitespace,
-    )
-    compiled = kernels if resolved.attention == "cpu" else None  # int8 may load them alone
-    stages = build_stages(loaded, options, resolved, compiled)
-    first = stages[0]
-    device_state = DeviceState(
-        first.model,
-        first.kv,
-        first.attention,
-        layout.num_rows,
-        layout.max_pages_per_row,
-        layout.page_size,
-        config.eos_token_ids,
-        later_stages=stages[1:],
-        streams=first.streams,
-        weights_digest=weights_digest(loaded.weights, resolved.linear_kind),
-        folder=loaded.path,
-        grammars=grammars,
-    )
+    stages, grammars, device_state = built.stages, built.grammars, built.device_state
     planner = Planner(
         PlannerConfig(
             max_running=layout.num_rows,

@@ -3,9 +3,14 @@
     loaded    = load_model(model)        off the event loop; a LoadedModel given is used as is
     resolved  = resolve(options, ...)    the context, the KV pool's size (memory.py on CUDA)
     kernels   = cpu_kernels(...)         off the loop: they may compile
+    built     = build_device(...)        the models on their devices, their KV pools, the
+                                         executor's device state (actors/device_build.py)
     actors    = start_actors(...)        the four (five) actors' tasks (actors/wiring.py)
     bootstrap = BootstrapServer(...)     a prefill server's endpoint (disaggregation)
     loaded.weights.clear(); trim_host_heap()   the read copies are the model's now
+
+The work off the loop runs in threads that end with it (fresh_thread.py: an OpenMP team left
+behind in a thread that lives on halves the CPU forward's speed).
 
 `cancel` (Engine.cancel_start) is read by the load and the kernel build, which stop at their
 next check and remove what they were writing (StartCancelled); nothing is running before the
@@ -15,7 +20,6 @@ actors again and fails the start with ValueError.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -25,9 +29,11 @@ from pathlib import Path
 
 import torch
 
+from shoal.actors.device_build import build_device
 from shoal.actors.disagg_wiring import room_handlers
 from shoal.actors.supervise import FaultInjector
 from shoal.actors.wiring import Actors, start_actors
+from shoal.api.fresh_thread import in_fresh_thread
 from shoal.api.http.bootstrap_listener import listener_rules
 from shoal.config import EngineOptions, Resolved, resolve, resolve_device
 from shoal.disagg.backend import LocalFabric
@@ -73,23 +79,24 @@ async def start_engine(
         loaded = model
     else:
         _, dtype = resolve_device(options)
-        loaded = await asyncio.to_thread(load_model, model, dtype=dtype, cancel=hooks.cancel)
+        loaded = await in_fresh_thread(load_model, model, dtype=dtype, cancel=hooks.cancel)
     resolved = resolve(
         options,
         loaded.config.max_position_embeddings,
         device_memory(options, loaded),
         has_experts=loaded.config.moe is not None,
     )
-    kernels = await asyncio.to_thread(  # the CPU kernels may compile: off the loop
+    kernels = await in_fresh_thread(  # the CPU kernels may compile: off the loop
         cpu_kernels, resolved, default_cache_dir(), options.attention, hooks.cancel
     )
     raise_if_cancelled(hooks.cancel)  # nothing is running yet: nothing to stop
     fell_back = resolved.attention == "cpu" and kernels is None
+    built = await in_fresh_thread(build_device, loaded, options, resolved, kernels)
     actors = start_actors(
         loaded,
         options,
         resolved,
-        kernels,
+        built,
         hooks.on_death,
         hooks.faults,
         hooks.fabric,

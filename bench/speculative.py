@@ -71,23 +71,27 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
         options["quantization"] = "int8"
     else:
         options["dtype"] = mode
-    spec = {"speculative_algorithm": "ngram"}
-    async with Engine(args.model, **options) as off, Engine(args.model, **options, **spec) as on:
-        for engine in (off, on):
-            await engine.generate(prompt="warm up", max_new_tokens=8).result()
-        for streams in args.streams:
-            rates: dict[tuple[str, str], list[float]] = {}
-            tokens: dict[tuple[str, str], int] = {}
-            # speculation's verifications, drafted and kept tokens, per workload
-            counted: dict[str, list[int]] = {w: [0, 0, 0] for w in WORKLOADS}
-            for _ in range(args.rounds):
-                for workload in WORKLOADS:
-                    for name, engine in (("off", off), ("on", on)):
-                        before = await on.snapshot()
+    spec: dict[str, Any] = {"speculative_algorithm": "ngram"}
+    if args.num_draft_tokens is not None:
+        spec["speculative_num_draft_tokens"] = args.num_draft_tokens
+    # One engine at a time, started for its turn: two engines' launch threads in one process
+    # are two OpenMP teams, and then every barrier of the CPU forward sleeps
+    # (api/fresh_thread.py), which a server of one engine never meets.
+    for streams in args.streams:
+        rates: dict[tuple[str, str], list[float]] = {}
+        tokens: dict[tuple[str, str], int] = {}
+        # speculation's verifications, drafted and kept tokens, per workload
+        counted: dict[str, list[int]] = {w: [0, 0, 0] for w in WORKLOADS}
+        for _ in range(args.rounds):
+            for name, extra in (("off", {}), ("on", spec)):
+                async with Engine(args.model, **options, **extra) as engine:
+                    await engine.generate(prompt="warm up", max_new_tokens=8).result()
+                    for workload in WORKLOADS:
+                        before = await engine.snapshot()
                         rate, count = await one_round(engine, workload, streams, args.max_tokens)
                         rates.setdefault((workload, name), []).append(rate)
                         tokens[(workload, name)] = count
-                        after = await on.snapshot()
+                        after = await engine.snapshot()
                         moved = (
                             after.spec_steps - before.spec_steps,
                             after.spec_drafted - before.spec_drafted,
@@ -95,32 +99,32 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
                         )
                         total = counted[workload]
                         counted[workload] = [a + b for a, b in zip(total, moved, strict=True)]
-                if args.gguf is not None and streams == 1 and args.llamacpp_python:
-                    for (workload, lookup), rate in peer_round(
-                        args.llamacpp_python, args.gguf, args.max_tokens
-                    ).items():
-                        peer.setdefault(f"{workload} {lookup}", []).append(rate)
-            for (workload, name), values in rates.items():
-                line = {
-                    "system": "shoal", "mode": mode, "workload": workload, "streams": streams,
-                    "spec": name, "output_tok_s": round(median(values), 2),
-                    "rounds": " ".join(f"{v:.1f}" for v in values),
-                    "tokens": tokens[(workload, name)], "machine": machine(),
-                }  # fmt: skip
-                emit("speculative", line, args.out)
-            for workload in WORKLOADS:
-                on_rate = median(rates[(workload, "on")])
-                ratio: dict[str, Any] = {
-                    "mode": mode, "workload": workload, "streams": streams,
-                    "on_over_off": round(on_rate / median(rates[(workload, "off")]), 3),
-                }  # fmt: skip
-                lookup = peer.get(f"{workload} True")
-                if streams == 1 and lookup:
-                    ratio["on_over_llamacpp_lookup"] = round(on_rate / median(lookup), 3)
-                steps, drafted, accepted = counted[workload]
-                ratio["acceptance"] = round(accepted / drafted, 3) if drafted else 0
-                ratio["accepted_per_step"] = round((accepted + steps) / steps, 2) if steps else 0
-                emit("speculative ratio", ratio, args.out)
+            if args.gguf is not None and streams == 1 and args.llamacpp_python:
+                for (workload, lookup), rate in peer_round(
+                    args.llamacpp_python, args.gguf, args.max_tokens
+                ).items():
+                    peer.setdefault(f"{workload} {lookup}", []).append(rate)
+        for (workload, name), values in rates.items():
+            line = {
+                "system": "shoal", "mode": mode, "workload": workload, "streams": streams,
+                "spec": name, "output_tok_s": round(median(values), 2),
+                "rounds": " ".join(f"{v:.1f}" for v in values),
+                "tokens": tokens[(workload, name)], "machine": machine(),
+            }  # fmt: skip
+            emit("speculative", line, args.out)
+        for workload in WORKLOADS:
+            on_rate = median(rates[(workload, "on")])
+            ratio: dict[str, Any] = {
+                "mode": mode, "workload": workload, "streams": streams,
+                "on_over_off": round(on_rate / median(rates[(workload, "off")]), 3),
+            }  # fmt: skip
+            lookup = peer.get(f"{workload} True")
+            if streams == 1 and lookup:
+                ratio["on_over_llamacpp_lookup"] = round(on_rate / median(lookup), 3)
+            steps, drafted, accepted = counted[workload]
+            ratio["acceptance"] = round(accepted / drafted, 3) if drafted else 0
+            ratio["accepted_per_step"] = round((accepted + steps) / steps, 2) if steps else 0
+            emit("speculative ratio", ratio, args.out)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -145,6 +149,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="speculative_num_draft_tokens of the engine with speculation (default: its own)",
+    )
     parser.add_argument(
         "--llamacpp-python",
         default=os.environ.get("SHOAL_BENCH_LLAMACPP_PYTHON"),

@@ -1,0 +1,110 @@
+"""What an engine's start builds off the event loop, in a thread that ends with it
+(api/fresh_thread.py): the model in its pipeline stages, each on its device with its K/V pool,
+attention backend and stream, and the executor's device state over them. All of it is torch
+work, which must not run on the loop's thread (an OpenMP team left there slows the CPU forward
+2x); `start_actors` (wiring.py) takes the result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.actors.executor.device_state import DeviceState
+from shoal.actors.executor.stages import Stage, split_layers, stage_devices
+from shoal.actors.executor.streams import StepStreams
+from shoal.config import EngineOptions, Resolved
+from shoal.kernels.attention import TorchAttention
+from shoal.kernels.batch import AttentionBackend
+from shoal.kernels.cpu_kernels import CpuKernels
+from shoal.kernels.elementwise import CompiledElementwise
+from shoal.kernels.grammars import Grammars
+from shoal.loading.identity import weights_digest
+from shoal.models.kv_pool import KVPool
+from shoal.models.layout import Part
+from shoal.models.load import LoadedModel
+from shoal.models.registry import family_of
+
+
+@dataclass(frozen=True)
+class Built:
+    """What the start builds off the event loop, in a thread of its own (api/fresh_thread.py):
+    the models on their devices with their KV pools, and the executor's device state."""
+
+    stages: list[Stage]
+    grammars: Grammars
+    device_state: DeviceState
+
+
+def build_device(
+    loaded: LoadedModel, options: EngineOptions, resolved: Resolved, kernels: CpuKernels | None
+) -> Built:
+    layout = resolved.cache
+    config = loaded.config
+    compiled = kernels if resolved.attention == "cpu" else None  # int8 may load them alone
+    stages = build_stages(loaded, options, resolved, compiled)
+    grammars = Grammars(
+        loaded.tokenizer,
+        config.vocab_size,
+        config.eos_token_ids,
+        options.grammar_cache_mb << 20,
+        options.json_any_whitespace,
+    )
+    first = stages[0]
+    device_state = DeviceState(
+        first.model,
+        first.kv,
+        first.attention,
+        layout.num_rows,
+        layout.max_pages_per_row,
+        layout.page_size,
+        config.eos_token_ids,
+        later_stages=stages[1:],
+        streams=first.streams,
+        weights_digest=weights_digest(loaded.weights, resolved.linear_kind),
+        folder=loaded.path,
+        grammars=grammars,
+    )
+    return Built(stages, grammars, device_state)
+
+
+def attention_backend(
+    name: str, page_size: int, num_kv_heads: int, kernels: CpuKernels | None
+) -> AttentionBackend:
+    if name == "triton":
+        from shoal.kernels.triton.attention import TritonAttention  # needs the triton package
+
+        return TritonAttention(page_size, num_kv_heads)
+    if kernels is None:
+        return TorchAttention(page_size)
+    return TorchAttention(page_size, kernels.paged_decode, kernels.store_kv)
+
+
+def build_stages(
+    loaded: LoadedModel, options: EngineOptions, resolved: Resolved, compiled: CpuKernels | None
+) -> list[Stage]:
+    """The model in `pipeline_stages` parts (one: the whole model), each with its K/V pool,
+    attention backend and stream on its device (actors/executor/stages.py)."""
+    config = loaded.config
+    layout = resolved.cache
+    count = options.pipeline_stages
+    parts = split_layers(config.num_layers, count, options.stage_layers)
+    devices = stage_devices(count, options.stage_devices, resolved.device)
+    family = family_of(config.model_type)
+    slots = layout.num_pages * layout.page_size
+    stages = []
+    for k, (layers, device) in enumerate(zip(parts, devices, strict=True)):
+        part = Part(layers, first=k == 0, last=k == count - 1)
+        model = family.build(
+            config,
+            loaded.weights,
+            resolved.dtype,
+            device,
+            resolved.linear_kind,
+            None if compiled is None else CompiledElementwise(compiled),
+            part=part,
+        )
+        pool = KVPool(config, slots, resolved.kv_dtype, device, num_layers=len(layers))
+        backend = attention_backend(
+            resolved.attention, layout.page_size, config.num_kv_heads, compiled
+        )
+        stages.append(Stage(model, pool, backend, StepStreams(device)))
+    return stages
