@@ -104,7 +104,8 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
                     args.llamacpp_python, args.gguf, args.max_tokens
                 ).items():
                     peer.setdefault(f"{workload} {lookup}", []).append(rate)
-        for (workload, name), values in rates.items():
+        for workload, name in ((w, n) for w in WORKLOADS for n in ("off", "on")):
+            values = rates[(workload, name)]
             line = {
                 "system": "shoal", "mode": mode, "workload": workload, "streams": streams,
                 "spec": name, "output_tok_s": round(median(values), 2),
