@@ -168,10 +168,12 @@ def make_linear(
     bias: torch.Tensor | None,
     gated: bool = False,
     head: bool = False,
+    many_rows: int | None = None,
 ) -> Linear:
     """A linear of that kind over a weight the caller hands over (it may be kept). `gated`:
     the weight is a SiLU-gated MLP's fused gate_up, packed as `GatedPanels` where it can be.
-    `head`: the lm_head, whose bf16 form computes each row's top logits again in float32."""
+    `head`: the lm_head, whose bf16 form computes each row's top logits again in float32.
+    `many_rows` (int8): quant.many_rows() as the model's build decided it once."""
     if kind == "dense":
         return DenseLinear(weight, bias)
     if kind == "packed":
@@ -186,6 +188,6 @@ def make_linear(
         from shoal.kernels.quant import GatedInt8Linear, Int8Linear
 
         if gated and bias is None:
-            return GatedInt8Linear(weight, bias)
-        return Int8Linear(weight, bias, head=head)
+            return GatedInt8Linear(weight, bias, many_rows)
+        return Int8Linear(weight, bias, head, many_rows)
     raise ValueError(f"unknown linear kind {kind!r}")

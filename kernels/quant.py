@@ -151,7 +151,13 @@ def _scale_panels(scales: torch.Tensor) -> torch.Tensor:
 class Int8Linear:
     """y = x @ w.T + b with w in Q4 or Q8 blocks of 32 along K, x and y float32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, head: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        head: bool = False,
+        threshold: int | None = None,
+    ) -> None:
         if weight.device.type != "cpu":
             raise ValueError(f"quantization int8 runs on the CPU only, got {weight.device}")
         if not hasattr(torch.ops.shoal_cpu, "q4_linear"):
@@ -162,6 +168,9 @@ class Int8Linear:
         self.out_features = int(weight.shape[0])
         self.in_features = int(weight.shape[1])
         self.head = head  # the lm_head: on the tiles, its top logits again in float32 (Bf16Head)
+        # From how many rows on it multiplies the dequantized weights (many_rows(): a model's
+        # build decides it once for all its linears)
+        self.many_rows = many_rows() if threshold is None else threshold
         self.load(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +195,6 @@ class Int8Linear:
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
         # The same weights for steps of many rows (many_rows()): on the matrix tiles in bfloat16
         # where the CPU has AMX, else in float32 panels, unless the blocks take every step.
-        self.many_rows = many_rows()
         self.tiles: Bf16Linear | None = None
         self.panels: torch.Tensor | None = None
         if self.many_rows < NEVER:
@@ -209,10 +217,12 @@ class GatedInt8Linear(Int8Linear):
     `silu_mul(x)` is one op (`f32_silu_mul`) with the bits of the product and then `silu_mul`;
     fewer rows take the blocks' product and then `silu_mul`, as a plain one does."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: int | None = None
+    ) -> None:
         assert bias is None, "a gate_up with a bias stays an Int8Linear"
         self.inter = int(weight.shape[0]) // 2
-        super().__init__(weight, bias)
+        super().__init__(weight, bias, threshold=threshold)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // self.in_features < self.many_rows or self.tiles is not None:

@@ -26,7 +26,7 @@ from shoal.kernels.batch import Attention
 from shoal.kernels.bf16_linear import Bf16Linear
 from shoal.kernels.elementwise import CompiledElementwise, Elementwise
 from shoal.kernels.linear import GatedPanels, Linear, PackedLinear
-from shoal.kernels.quant import GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks, many_rows
+from shoal.kernels.quant import NEVER, GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks
 from shoal.loading.config import ModelConfig
 from shoal.models.kv_pool import KVPool
 from shoal.models.weights import DenseWeights, LayerWeights
@@ -87,6 +87,7 @@ def fused_layers(
         return None
     tensors: list[torch.Tensor] = []
     layout: list[int] = []
+    many_rows = NEVER  # int8's threshold, one for the model's linears (none: unused)
     for layer in layers:
         norms = layer.norms
         if norms.q is not None or norms.pre_mlp is not None or norms.post_mlp is not None:
@@ -99,11 +100,13 @@ def fused_layers(
             if form is None:
                 return None
             kind, parts, bias, last = form
+            if isinstance(linear, Int8Linear):
+                many_rows = linear.many_rows
             tensors += parts if bias is None else [*parts, bias]
             layout += [kind, linear.out_features, int(bias is not None), last]
     built = torch.classes.shoal_cpu.DecoderLayers(
         tensors, layout, config.num_heads, config.num_kv_heads, config.head_dim,
-        config.rms_norm_eps, scale, many_rows(),
+        config.rms_norm_eps, scale, many_rows,
     )  # fmt: skip
     return FusedLayers(built)
 

@@ -105,6 +105,11 @@ def build_weights(
     norm = None if source.norm is None else next(plain)
     layers = []
     gated = config.activation == "silu"  # a dense MLP's gate_up is SiLU-gated
+    many_rows = None
+    if kind == "int8":  # decided once for the model's linears (reading the CPU's features)
+        from shoal.kernels import quant
+
+        many_rows = quant.many_rows()
 
     def linear(
         weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool = False, head: bool = False
@@ -114,7 +119,8 @@ def build_weights(
             # tied: the embedding itself (bf16: its float32 rows, the head's exact top logits)
             return make_linear(kind, embed, None, head=head)
         own_bias = None if bias is None else own(bias)
-        return make_linear(kind, own(weight), own_bias, gated=gate_up and gated, head=head)
+        gated_up = gate_up and gated
+        return make_linear(kind, own(weight), own_bias, gated_up, head, many_rows)
 
     lm_head = None if source.lm_head is None else linear(source.lm_head, None, head=True)
     for layer in source.layers:

@@ -18,7 +18,8 @@ publishes of computed prompt pages (prefix_sharing.py), sliding-window trims
 order within `max_running` and the step's prefill budget. `apply_plan` hands the answer to the
 request table and forms the batch it allows. While only decoding goes on, the three do it as
 column operations over a `DecodeSet` (decode_set.py), which any other event dissolves first.
-A plan that changed nothing leaves the planner `stalled` until a result or a request arrives;
+A plan that changed nothing leaves the planner `stalled` until a result or a request arrives
+(not when one arrived while it was out: that one's change was not in the plan);
 `paused` proposes releases only; `pressure` (the last plan failed an extension) admits
 nothing new.
 """
@@ -68,6 +69,10 @@ class Planner:
         self.plan_pending = False
         self.pressure = False
         self.stalled = False  # the last plan changed nothing: wait for a result or a request
+        # Events that change a request (`_changed`), counted: a plan applied after one landed
+        # while it was out does not stall, since the event may have made work it did not see.
+        self.events = 0
+        self.events_proposed = 0
         self.paused = False  # schedule nothing new; only releases go on
         self.trimmed_to: dict[str, int] = {}  # trims asked, per holding rid
         self.proposed_decodes: list[Req] = []  # the outstanding plan's decodes, in order
@@ -126,7 +131,7 @@ class Planner:
 
     def add(self, msg: Admit) -> None:
         self.requests.add(msg)
-        self.stalled = False
+        self._changed()
 
     def abort(
         self, rid: str, reason: FinishReason, message: str, keep_outputs: int | None = None
@@ -136,7 +141,7 @@ class Planner:
         req = self.requests.live(rid)
         if req is None:
             return []
-        self.stalled = False
+        self._changed()
         return self.requests.abort(req, reason, message, keep_outputs)
 
     def fail(self, rid: str, message: str, code: ErrorCode | None = None) -> list[Output]:
@@ -145,7 +150,7 @@ class Planner:
         req = self.requests.live(rid)
         if req is None:
             return []
-        self.stalled = False
+        self._changed()
         return self.requests.fail(req, message, code)
 
     def fail_all(self, message: str) -> list[Output]:
@@ -156,13 +161,13 @@ class Planner:
     def set_paused(self, paused: bool) -> None:
         self._dissolve()
         self.paused = paused
-        self.stalled = False
+        self._changed()
 
     def park_all(self) -> None:
         """Retract every request that holds KV, dropping it (weights are about to change)."""
         self._dissolve()
         self.requests.park_all()
-        self.stalled = False
+        self._changed()
 
     def transfer_ended(self, done: TransferEnded) -> list[Output]:
         """A room's transfer is over (planner_transfers.py): its pages may be released."""
@@ -170,9 +175,15 @@ class Planner:
         req = self.requests.reqs.get(done.rid)
         if req is None or not transfers.concerns(req, done):
             return []
-        self.stalled = False
+        self._changed()
         self.publishes_may_be_due = True
         return self.requests.transfer_ended(req, done)
+
+    def _changed(self) -> None:
+        """A request changed (a result, a request, an abort ..): the stall ends, and a plan
+        out now is applied knowing it was proposed before."""
+        self.stalled = False
+        self.events += 1
 
     def take_released(self) -> list[str]:
         return self.outbox.take_released()
@@ -190,6 +201,7 @@ class Planner:
     # ---- the loop -------------------------------------------------------------------------
 
     def propose(self, step: int) -> PlanRequest | None:
+        self.events_proposed = self.events
         if self._steady_set() is not None:
             request = self.steady.ask(step, self.config.prefix_cache, self.stalled)
             self.plan_pending = request is not None
@@ -296,12 +308,17 @@ class Planner:
         else:
             launch = self.launched.form(self.requests.holding(), decodes)
         changed = plan.released or plan.admitted or self.outbox.errors
-        self.stalled = launch is None and not changed and retractions == self.num_retractions
+        self.stalled = (
+            launch is None
+            and not changed
+            and retractions == self.num_retractions
+            and self.events == self.events_proposed  # nothing landed while the plan was out
+        )
         return launch
 
     def process(self, done: StepDone) -> list[Output]:
         """A batch's result: its tokens out, or every request failed with the step."""
-        self.stalled = False
+        self._changed()
         if done.error is not None or done.logprobs or done.routed_experts:
             self._dissolve()  # a failure ends every request; logprobs, experts go one by one
         if done.error is not None:

@@ -24,7 +24,6 @@ from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.linear import LinearKind
 from shoal.kernels.quant import MANY_ROWS_TILES
-from shoal.models import fused_layers
 from shoal.models.decoder import DecoderModel
 from shoal.models.fused_layers import FusedLayers
 from shoal.models.kv_pool import KVPool
@@ -47,7 +46,6 @@ def int8_panels_from_ten_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     CPU's own threshold (quant.many_rows; its blocks may take every step here), so that twelve
     sequences reach them in the chain."""
     monkeypatch.setattr(quant, "many_rows", lambda: MANY_ROWS_TILES)
-    monkeypatch.setattr(fused_layers, "many_rows", lambda: MANY_ROWS_TILES)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ device's greedy verification (support/planner_sim.py)."""
 
 from __future__ import annotations
 
+import random
+
 from planner_sim import Sim, solo
 
 from shoal.actors.executor_messages import Launch
@@ -209,3 +211,53 @@ def test_retraction_with_drafts_in_flight_loses_nothing() -> None:
     assert sim.planner.num_retractions > 0
     spec = sim.planner.spec
     assert spec is not None and spec.counters.accepted > 0
+
+
+
+def test_results_that_land_while_a_plan_is_out_end_no_request() -> None:
+    """The scheduler applies a plan when the cache manager answers, and a step's result may
+    land first. A row about to draft waits for its token on the way (`draft` answers None),
+    so a plan proposed then may launch nothing; applied after the result, it must not leave
+    the planner stalled with nothing in flight to wake it (the stress test's hang: a request
+    that never finished). Seeded interleavings of arrivals, plans and results."""
+    stuck = []
+    for seed in range(60):
+        rng = random.Random(seed)
+        sim = Recording(
+            speculative=SPEC, counting=True, max_inflight=rng.choice([1, 2]),
+            chunk_size=rng.choice([8, 16, 64]),
+        )  # fmt: skip
+        prompts = {}
+        for i in range(rng.randint(1, 4)):
+            start = rng.randrange(40)
+            phrase = CYCLE[start : start + rng.randint(5, 40)]
+            prompts[f"r{i}"] = phrase + CYCLE[: rng.randint(3, 10)]
+        arriving = list(prompts.items())
+        planner, step = sim.planner, 0
+        while arriving or not planner.idle:
+            if arriving and rng.random() < 0.3:
+                rid, prompt = arriving.pop(0)
+                sim.add(rid, prompt, max_new_tokens=20, ignore_eos=True)
+                continue
+            request = planner.propose(step)
+            if request is None:
+                if not sim.launched and not arriving:
+                    stuck.append(seed)
+                    break
+                if sim.launched:
+                    sim.complete_one()
+                continue
+            step += 1
+            answer = sim.cache.plan(request)
+            if sim.launched and rng.random() < 0.5:
+                sim.complete_one()  # the result lands while the plan is out
+            launch = planner.apply_plan(answer)
+            sim.record([])
+            if launch is not None:
+                sim.launched.append(launch)
+        else:
+            assert sim.cache.check(loud=True) is None
+            for rid, prompt in prompts.items():
+                want = solo(prompt, counting=True, max_new_tokens=20, ignore_eos=True)
+                assert sim.tokens(rid) == want, (seed, rid)
+    assert not stuck, f"stalled with nothing in flight: seeds {stuck}"
