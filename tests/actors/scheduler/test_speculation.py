@@ -213,7 +213,6 @@ def test_retraction_with_drafts_in_flight_loses_nothing() -> None:
     assert spec is not None and spec.counters.accepted > 0
 
 
-
 def test_results_that_land_while_a_plan_is_out_end_no_request() -> None:
     """The scheduler applies a plan when the cache manager answers, and a step's result may
     land first. A row about to draft waits for its token on the way (`draft` answers None),
