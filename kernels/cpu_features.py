@@ -36,6 +36,10 @@ class CpuFeatures:
         return "avx512_vnni" in self.flags
 
     @property
+    def bf16(self) -> bool:
+        return "avx512_bf16" in self.flags
+
+    @property
     def amx_bf16(self) -> bool:
         return "amx_bf16" in self.flags and "amx_tile" in self.flags
 
@@ -99,8 +103,9 @@ def kernel_choice(
 ) -> str:
     """The kernels picked: `linear=<kind>:<how> attention=<backend>[:<build>]`, where how is
     panels-<build> (float32, csrc/panels.h), onednn (float32 without the compiled kernels),
-    onednn-amx / onednn-avx512bf16 / onednn-emulated (bfloat16), blocks-<build> (int8) or
-    torch (dense), and the build the compiled kernels' (cpu_kernels.build_isa)."""
+    onednn-amx / onednn-avx512bf16 / onednn-emulated (bfloat16), blocks-<build> (int8, then
+    `+<how>@<rows>`: the form its steps of many rows take, quant.many_rows) or torch (dense),
+    and the build the compiled kernels' (cpu_kernels.build_isa)."""
     if device.type != "cpu":
         return f"linear={linear_kind}:torch attention={attention}"
     from shoal.kernels.cpu_kernels import build_isa
@@ -115,8 +120,20 @@ def kernel_choice(
     how = {
         "packed": f"panels-{built}" if compiled else "onednn",
         "bf16": bf16 if onednn_bf16_available() else "torch",
-        "int8": f"blocks-{built}",
+        "int8": f"blocks-{built}{int8_many_rows(cpu, bf16, built)}",
         "dense": "torch",
     }.get(linear_kind, linear_kind)
     where = f"cpu:{built}" if attention == "cpu" else attention
     return f"linear={linear_kind}:{how} attention={where}"
+
+
+def int8_many_rows(cpu: CpuFeatures, bf16: str, built: str) -> str:
+    """`+<how>@<rows>` for int8's steps of many rows on that CPU (quant.many_rows), "" where
+    its blocks take every step."""
+    from shoal.kernels import quant
+
+    if cpu.amx_bf16:
+        return f"+{bf16}@{quant.MANY_ROWS_TILES}"
+    if cpu.bf16:
+        return f"+{bf16}@{quant.MANY_ROWS_BF16}"
+    return "" if built.endswith("_vnni") else f"+panels@{quant.MANY_ROWS_PANELS}"

@@ -25,10 +25,13 @@ summation order), never more.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from shoal.kernels.quant import ManyRows
 
 LinearKind = Literal["dense", "packed", "int8", "bf16"]
 
@@ -168,12 +171,12 @@ def make_linear(
     bias: torch.Tensor | None,
     gated: bool = False,
     head: bool = False,
-    many_rows: int | None = None,
+    many_rows: ManyRows | None = None,
 ) -> Linear:
     """A linear of that kind over a weight the caller hands over (it may be kept). `gated`:
     the weight is a SiLU-gated MLP's fused gate_up, packed as `GatedPanels` where it can be.
     `head`: the lm_head, whose bf16 form computes each row's top logits again in float32.
-    `many_rows` (int8): quant.many_rows() as the model's build decided it once."""
+    `many_rows` (int8): quant.many_rows() as the model's build asked it once."""
     if kind == "dense":
         return DenseLinear(weight, bias)
     if kind == "packed":

@@ -20,17 +20,19 @@ over the weights. The bundled SmolLM2's 30 layers' projections take ~2.2 ms at o
 rows against ~25 (bench/README.md), as exactly as float32 bar the activations' 15 bits (8-bit
 activations lost 3% of its top-1 agreement with float32).
 
-They are for steps that read the weights more than they compute, and where the CPU has VNNI and
-no AMX, for every step: there they beat float32 panels at every size measured. Elsewhere, from
-many_rows() rows on, the weights, dequantized once at load (every value as the blocks give it
-back), go through `f32_linear` in float32 panels as float32 weights do (an AVX2 build: from 24
-rows), or on a CPU with AMX through the matrix tiles in bfloat16 (bf16_linear.py; from 10 rows;
-the lm_head's top logits again in float32): 6x the float32 panels' rate at 64 rows there,
-offline 1.97x float32, 99.30% top-1 agreement (bench/README.md). A SiLU-gated MLP's gate_up
-keeps its panels gated (`GatedInt8Linear`), so that it multiplies and activates in one op, as
-float32's does. The panels cost the float32 model's memory again (0.54 GB for SmolLM2; none
-kept where the blocks take every step). AMX's own int8 tiles would need 8-bit activations,
-which cost SmolLM2 3% of its top-1 agreement.
+They are for steps that read the weights more than they compute. From many_rows() rows on, the
+weights, dequantized once at load (every value as the blocks give it back), go through oneDNN
+in bfloat16 where the CPU has bfloat16 dot products (bf16_linear.py; the lm_head's top logits
+again in float32): on AMX's tiles from 10 rows (6x the float32 panels' rate at 64 rows there,
+offline 1.97x float32, 99.30% top-1 agreement), with AVX512-BF16 alone from 64 rows for the
+layers (1.28x the blocks at 64 rows, 1.48x at 256 on the AMD EPYC; bench/README.md). Without
+them, through `f32_linear` in float32 panels as float32 weights do (an AVX2 build: from 24
+rows), and where the CPU has VNNI the blocks take every step: they beat the float32 panels at
+every size. A SiLU-gated MLP's gate_up keeps its panels gated (`GatedInt8Linear`), so that it
+multiplies and activates in one op, as float32's does. The panels cost the float32 model's
+memory again (0.54 GB for SmolLM2), the bfloat16 weights half that; none is kept where the
+blocks take every step. AMX's own int8 tiles would need 8-bit activations, which cost SmolLM2
+3% of its top-1 agreement.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear, amx_bf16
+from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear, amx_bf16, onednn_bf16_available
+from shoal.kernels.cpu_features import read_cpu_features
 from shoal.kernels.cpu_kernels import with_vnni
 from shoal.kernels.linear import gated_product, pack_gated_panels, pack_panels
 
@@ -50,22 +53,39 @@ _Q8_LEVELS = 127
 _Q4_LEVELS = 15
 _MIN_SCALE = 1e-12  # a block of zeros still needs a positive scale
 # From this many rows on a step computes more than it reads the weights, and the dequantized
-# weights beat the block kernels: on AMX's bfloat16 tiles from 10 rows; without VNNI (an AVX2
-# build) the float32 panels from ~32 rows (SmolLM2's linears on the AMD EPYC with the AVX2
-# build: 16 rows 23.7 ms in blocks against 28.1, 32 rows 46.0 against 44.2; bench/README.md).
-# With VNNI and no AMX the blocks win at every size measured (256 rows 289 ms against 353), so
-# they take every step and no float32 panels are kept.
+# weights beat the block kernels: on AMX's bfloat16 tiles from 10 rows; through oneDNN's
+# bfloat16 on AVX512-BF16 from 64 (SmolLM2's layers on the AMD EPYC, float32 in and out: 32
+# rows 32.5 ms against 33.7 in blocks, 64 rows 51.5 against 66.1, 256 rows 179 against 265; the
+# engine's decode of 16 rows took 35-38 ms a step against 24 with them from 16), the lm_head
+# there kept in blocks (64 rows 23.1 ms against 20.3: its top logits again in float32 and the
+# conversions cost more than the bfloat16 product saves); without VNNI (an AVX2 build) the float32
+# panels from ~32 rows (16 rows 23.7 ms in blocks against 28.1, 32 rows 46.0 against 44.2;
+# bench/README.md). With VNNI and no bfloat16 the blocks win at every size measured (256 rows
+# 289 ms against 353 for the panels), so they take every step and no panels are kept.
 MANY_ROWS_TILES = 10
+MANY_ROWS_BF16 = 64
 MANY_ROWS_PANELS = 24
 NEVER = 2**62
 
 
-def many_rows() -> int:
-    """From how many rows on an int8 linear multiplies the dequantized weights here (NEVER:
-    the blocks take every step)."""
+@dataclass(frozen=True)
+class ManyRows:
+    """From how many rows on an int8 linear multiplies its dequantized weights (NEVER: the
+    blocks take every step), and how: in bfloat16 through oneDNN, or in float32 panels;
+    `head`: the lm_head too (else it keeps its blocks at every size)."""
+
+    rows: int
+    bf16: bool
+    head: bool = True
+
+
+def many_rows() -> ManyRows:
+    """How an int8 linear takes steps of many rows on this CPU (a model's build asks once)."""
     if amx_bf16():
-        return MANY_ROWS_TILES
-    return NEVER if with_vnni() else MANY_ROWS_PANELS
+        return ManyRows(MANY_ROWS_TILES, True)
+    if onednn_bf16_available() and read_cpu_features().bf16:
+        return ManyRows(MANY_ROWS_BF16, True, head=False)
+    return ManyRows(NEVER if with_vnni() else MANY_ROWS_PANELS, False)
 
 
 @dataclass(frozen=True)
@@ -156,7 +176,7 @@ class Int8Linear:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         head: bool = False,
-        threshold: int | None = None,
+        form: ManyRows | None = None,
     ) -> None:
         if weight.device.type != "cpu":
             raise ValueError(f"quantization int8 runs on the CPU only, got {weight.device}")
@@ -168,9 +188,10 @@ class Int8Linear:
         self.out_features = int(weight.shape[0])
         self.in_features = int(weight.shape[1])
         self.head = head  # the lm_head: on the tiles, its top logits again in float32 (Bf16Head)
-        # From how many rows on it multiplies the dequantized weights (many_rows(): a model's
-        # build decides it once for all its linears)
-        self.many_rows = many_rows() if threshold is None else threshold
+        # How it takes steps of many rows (many_rows(): a model's build decides it once for
+        # all its linears)
+        self.form = many_rows() if form is None else form
+        self.many_rows = self.form.rows if self.form.head or not head else NEVER
         self.load(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,14 +214,15 @@ class Int8Linear:
         weight = weight.detach().float()
         self.blocks: Q4Blocks | Q8Blocks = exact_q4_blocks(weight) or q8_blocks(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
-        # The same weights for steps of many rows (many_rows()): on the matrix tiles in bfloat16
-        # where the CPU has AMX, else in float32 panels, unless the blocks take every step.
+        # The same weights for steps of many rows (many_rows()): in bfloat16 through oneDNN
+        # where the CPU has its dot products, else in float32 panels, unless the blocks take
+        # every step.
         self.tiles: Bf16Linear | None = None
         self.panels: torch.Tensor | None = None
         if self.many_rows < NEVER:
             dequantized = self.blocks.dequantize()
             tiles = Bf16Head if self.head else Bf16Linear
-            self.tiles = tiles(dequantized, self.bias) if amx_bf16() else None
+            self.tiles = tiles(dequantized, self.bias) if self.form.bf16 else None
             self.panels = self._pack(dequantized) if self.tiles is None else None
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -218,11 +240,11 @@ class GatedInt8Linear(Int8Linear):
     fewer rows take the blocks' product and then `silu_mul`, as a plain one does."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, threshold: int | None = None
+        self, weight: torch.Tensor, bias: torch.Tensor | None, form: ManyRows | None = None
     ) -> None:
         assert bias is None, "a gate_up with a bias stays an Int8Linear"
         self.inter = int(weight.shape[0]) // 2
-        super().__init__(weight, bias, threshold=threshold)
+        super().__init__(weight, bias, form=form)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // self.in_features < self.many_rows or self.tiles is not None:

@@ -19,7 +19,6 @@ from weight_kinds import (
 )
 
 from shoal.config import EngineOptions, resolve, resolve_linear
-from shoal.kernels.bf16_linear import amx_bf16
 from shoal.kernels.linear import make_linear
 from shoal.kernels.quant import (
     BLOCK,
@@ -30,6 +29,7 @@ from shoal.kernels.quant import (
     Q4Blocks,
     Q8Blocks,
     exact_q4_blocks,
+    many_rows,
     q8_blocks,
 )
 from shoal.models.llama import LLAMA
@@ -58,8 +58,8 @@ def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def own_bound(linear: Int8Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """How far the linear may be from x w.T in float64 on its own weights: the int16
-    activations' bound, or from many_rows() rows on a CPU with AMX (quant.py: those steps run on
-    the matrix tiles in bfloat16) x, w and the product each rounded to 8 bits."""
+    activations' bound, or from many_rows() rows on a CPU with bfloat16 dot products (quant.py:
+    those steps run in bfloat16 through oneDNN) x, w and the product each rounded to 8 bits."""
     if x.shape[0] >= linear.many_rows and linear.tiles is not None:
         return 3 * 2**-8 * (x.double().abs() @ weight.double().abs().T) + 1e-5
     return activation_bound(x, weight)
@@ -79,7 +79,8 @@ def test_matches_float_matmul(n: int, k: int, m: int, with_bias: bool) -> None:
     """Ragged sizes: K of 100 and 7 end in a part block and a part vector, N of 33, 40 and 3 in
     a part panel of channels, M of 3, 5, 9 and 17 in tiles of rows of more than one size; 30
     rows reach the dequantized weights where a CPU has them (quant.many_rows: float32 panels,
-    bfloat16 on AMX's tiles; an AVX-512 VNNI CPU without AMX runs the blocks at every size)."""
+    bfloat16 with AMX or AVX512-BF16; an AVX-512 VNNI CPU without them runs the blocks at every
+    size)."""
     gen = torch.Generator().manual_seed(n * k + m)
     weight = torch.randn(n, k, generator=gen) * 0.1
     bias = torch.randn(n, generator=gen) if with_bias else None
@@ -312,12 +313,15 @@ def test_smollm2_int8_keeps_the_gguf_weights() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not amx_bf16(), reason="many-row steps run on AMX tiles only where it is")
+@pytest.mark.skipif(
+    not many_rows().bf16,
+    reason="many-row steps run in bfloat16 only with AMX or AVX512-BF16",
+)
 def test_smollm2_int8_quality_on_the_tiles(
     monkeypatch: pytest.MonkeyPatch, one_thread: None
 ) -> None:
-    """The same on a CPU with AMX, fed chunks of 64 tokens, so that the dequantized weights
-    multiply in bfloat16 on the tiles (quant.py), the lm_head's top logits again in float32:
+    """The same on a CPU with bfloat16 dot products, fed chunks of 64 tokens, so that the
+    dequantized weights multiply in bfloat16 (quant.py), the lm_head's top logits again in float32:
     int8's bounds hold (the whole text at chunks of 512: bench/README.md)."""
     quality = load_bench("quality", monkeypatch)
     loaded = load_model(None, progress=False)

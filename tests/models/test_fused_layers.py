@@ -23,7 +23,7 @@ from shoal.kernels.bf16_linear import onednn_bf16_available
 from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.linear import LinearKind
-from shoal.kernels.quant import MANY_ROWS_TILES
+from shoal.kernels.quant import MANY_ROWS_TILES, ManyRows
 from shoal.models.decoder import DecoderModel
 from shoal.models.fused_layers import FusedLayers
 from shoal.models.kv_pool import KVPool
@@ -45,7 +45,8 @@ def int8_panels_from_ten_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 linears take their dequantized weights from MANY_ROWS_TILES rows on whatever this
     CPU's own threshold (quant.many_rows; its blocks may take every step here), so that twelve
     sequences reach them in the chain."""
-    monkeypatch.setattr(quant, "many_rows", lambda: MANY_ROWS_TILES)
+    form = quant.many_rows()
+    monkeypatch.setattr(quant, "many_rows", lambda: ManyRows(MANY_ROWS_TILES, form.bf16))
 
 
 @pytest.fixture(scope="module")
