@@ -12,9 +12,9 @@ fixed English text (bench/quality_text.txt, 2,714 tokens), bundled SmolLM2, CPU.
 The text is cut into windows of --window tokens, each run from position 0 on an empty KV cache,
 fed to `DecoderModel.forward` --chunk tokens at a time; every position but a window's last
 predicts the next token. Both models see exactly the same tokens. The default chunk, 8, is
-under int8's `MANY_ROWS` (quant.py), so int8 runs its block kernels with int16 activations, as
-a decode of a few sequences does; from `MANY_ROWS` rows on it multiplies the same weights in
-float32 (a chunk of 512 measures that path: float32's own numbers on float32's own weights).
+under int8's `MANY_ROWS_*` (kernels/int8_rows.py), so int8 runs its block kernels with int16
+activations, as a decode of a few sequences does; from those rows on it multiplies the same
+weights in bfloat16 or float32, as the CPU has it (a chunk of 512 measures that path).
 The tested model's KV cache holds --kv-dtype (auto: bfloat16 for bf16, as the engine's
 `kv_cache_dtype` auto, else float32); the baseline's is float32. Attention is the torch
 reference, or with --attention cpu the compiled decode kernel for chunks of one token (with a

@@ -104,7 +104,7 @@ def kernel_choice(
     """The kernels picked: `linear=<kind>:<how> attention=<backend>[:<build>]`, where how is
     panels-<build> (float32, csrc/panels.h), onednn (float32 without the compiled kernels),
     onednn-amx / onednn-avx512bf16 / onednn-emulated (bfloat16), blocks-<build> (int8, then
-    `+<how>@<rows>`: the form its steps of many rows take, quant.many_rows) or torch (dense),
+    `+<how>@<rows>`: the form its steps of many rows take, int8_rows.py) or torch (dense),
     and the build the compiled kernels' (cpu_kernels.build_isa)."""
     if device.type != "cpu":
         return f"linear={linear_kind}:torch attention={attention}"
@@ -128,12 +128,12 @@ def kernel_choice(
 
 
 def int8_many_rows(cpu: CpuFeatures, bf16: str, built: str) -> str:
-    """`+<how>@<rows>` for int8's steps of many rows on that CPU (quant.many_rows), "" where
+    """`+<how>@<rows>` for int8's steps of many rows on that CPU (int8_rows.py), "" where
     its blocks take every step."""
-    from shoal.kernels import quant
+    from shoal.kernels import int8_rows
 
     if cpu.amx_bf16:
-        return f"+{bf16}@{quant.MANY_ROWS_TILES}"
+        return f"+{bf16}@{int8_rows.MANY_ROWS_TILES}"
     if cpu.bf16:
-        return f"+{bf16}@{quant.MANY_ROWS_BF16}"
-    return "" if built.endswith("_vnni") else f"+panels@{quant.MANY_ROWS_PANELS}"
+        return f"+{bf16}@{int8_rows.MANY_ROWS_BF16}"
+    return "" if built.endswith("_vnni") else f"+panels@{int8_rows.MANY_ROWS_PANELS}"

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from shoal.kernels.quant import ManyRows
+    from shoal.kernels.int8_rows import ManyRows
 
 LinearKind = Literal["dense", "packed", "int8", "bf16"]
 
@@ -176,7 +176,7 @@ def make_linear(
     """A linear of that kind over a weight the caller hands over (it may be kept). `gated`:
     the weight is a SiLU-gated MLP's fused gate_up, packed as `GatedPanels` where it can be.
     `head`: the lm_head, whose bf16 form computes each row's top logits again in float32.
-    `many_rows` (int8): quant.many_rows() as the model's build asked it once."""
+    `many_rows` (int8): int8_rows.many_rows() as the model's build asked it once."""
     if kind == "dense":
         return DenseLinear(weight, bias)
     if kind == "packed":

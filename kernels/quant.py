@@ -41,9 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear, amx_bf16, onednn_bf16_available
-from shoal.kernels.cpu_features import read_cpu_features
-from shoal.kernels.cpu_kernels import with_vnni
+from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear
+from shoal.kernels.int8_rows import NEVER, ManyRows, many_rows
 from shoal.kernels.linear import gated_product, pack_gated_panels, pack_panels
 
 BLOCK = 32  # weights per scale, along K (the kernels' kBlock)
@@ -52,40 +51,6 @@ PANEL = 16  # output channels a panel (kPanel)
 _Q8_LEVELS = 127
 _Q4_LEVELS = 15
 _MIN_SCALE = 1e-12  # a block of zeros still needs a positive scale
-# From this many rows on a step computes more than it reads the weights, and the dequantized
-# weights beat the block kernels: on AMX's bfloat16 tiles from 10 rows; through oneDNN's
-# bfloat16 on AVX512-BF16 from 64 (SmolLM2's layers on the AMD EPYC, float32 in and out: 32
-# rows 32.5 ms against 33.7 in blocks, 64 rows 51.5 against 66.1, 256 rows 179 against 265; the
-# engine's decode of 16 rows took 35-38 ms a step against 24 with them from 16), the lm_head
-# there kept in blocks (64 rows 23.1 ms against 20.3: its top logits again in float32 and the
-# conversions cost more than the bfloat16 product saves); without VNNI (an AVX2 build) the float32
-# panels from ~32 rows (16 rows 23.7 ms in blocks against 28.1, 32 rows 46.0 against 44.2;
-# bench/README.md). With VNNI and no bfloat16 the blocks win at every size measured (256 rows
-# 289 ms against 353 for the panels), so they take every step and no panels are kept.
-MANY_ROWS_TILES = 10
-MANY_ROWS_BF16 = 64
-MANY_ROWS_PANELS = 24
-NEVER = 2**62
-
-
-@dataclass(frozen=True)
-class ManyRows:
-    """From how many rows on an int8 linear multiplies its dequantized weights (NEVER: the
-    blocks take every step), and how: in bfloat16 through oneDNN, or in float32 panels;
-    `head`: the lm_head too (else it keeps its blocks at every size)."""
-
-    rows: int
-    bf16: bool
-    head: bool = True
-
-
-def many_rows() -> ManyRows:
-    """How an int8 linear takes steps of many rows on this CPU (a model's build asks once)."""
-    if amx_bf16():
-        return ManyRows(MANY_ROWS_TILES, True)
-    if onednn_bf16_available() and read_cpu_features().bf16:
-        return ManyRows(MANY_ROWS_BF16, True, head=False)
-    return ManyRows(NEVER if with_vnni() else MANY_ROWS_PANELS, False)
 
 
 @dataclass(frozen=True)

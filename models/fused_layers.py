@@ -25,8 +25,9 @@ from shoal.kernels.attention import AttentionMetadata
 from shoal.kernels.batch import Attention
 from shoal.kernels.bf16_linear import Bf16Linear
 from shoal.kernels.elementwise import CompiledElementwise, Elementwise
+from shoal.kernels.int8_rows import NEVER
 from shoal.kernels.linear import GatedPanels, Linear, PackedLinear
-from shoal.kernels.quant import NEVER, GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks
+from shoal.kernels.quant import GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks
 from shoal.loading.config import ModelConfig
 from shoal.models.kv_pool import KVPool
 from shoal.models.weights import DenseWeights, LayerWeights
@@ -137,7 +138,7 @@ def kernel_form(
 ) -> tuple[int, list[torch.Tensor], torch.Tensor | None, int] | None:
     """(kind, parts, bias, the last part's form) as decoder_layers.cpp takes a linear, or None
     without one. The last part is what the linear multiplies by at every row count (float32,
-    bf16) or from quant.many_rows() rows on (int8): float32 panels, gated panels, or a bfloat16
+    bf16) or from int8_rows.many_rows() rows on (int8): float32 panels, gated panels, or a bfloat16
     weight in oneDNN's layout (an empty tensor where int8's blocks take every step)."""
     if isinstance(linear, PackedLinear) and linear.panels is not None:
         return FLOAT32, [linear.panels], linear.bias, PANELS
@@ -150,7 +151,7 @@ def kernel_form(
             if not linear.tiles.onednn:
                 return None
             many, last = linear.tiles.weight, ONEDNN_BF16
-        else:  # float32 panels, or none where the blocks take every step (quant.many_rows)
+        else:  # float32 panels, or none where the blocks take every step (int8_rows.py)
             many = linear.panels if linear.panels is not None else torch.empty(0)
             last = GATED if isinstance(linear, GatedInt8Linear) else PANELS
         blocks = linear.blocks

@@ -107,9 +107,9 @@ def build_weights(
     gated = config.activation == "silu"  # a dense MLP's gate_up is SiLU-gated
     many_rows = None
     if kind == "int8":  # decided once for the model's linears (reading the CPU's features)
-        from shoal.kernels import quant
+        from shoal.kernels import int8_rows
 
-        many_rows = quant.many_rows()
+        many_rows = int8_rows.many_rows()
 
     def linear(
         weight: torch.Tensor, bias: torch.Tensor | None, gate_up: bool = False, head: bool = False

@@ -19,17 +19,15 @@ from weight_kinds import (
 )
 
 from shoal.config import EngineOptions, resolve, resolve_linear
+from shoal.kernels.int8_rows import MANY_ROWS_PANELS, MANY_ROWS_TILES, many_rows
 from shoal.kernels.linear import make_linear
 from shoal.kernels.quant import (
     BLOCK,
-    MANY_ROWS_PANELS,
-    MANY_ROWS_TILES,
     GatedInt8Linear,
     Int8Linear,
     Q4Blocks,
     Q8Blocks,
     exact_q4_blocks,
-    many_rows,
     q8_blocks,
 )
 from shoal.models.llama import LLAMA
@@ -78,7 +76,7 @@ def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 def test_matches_float_matmul(n: int, k: int, m: int, with_bias: bool) -> None:
     """Ragged sizes: K of 100 and 7 end in a part block and a part vector, N of 33, 40 and 3 in
     a part panel of channels, M of 3, 5, 9 and 17 in tiles of rows of more than one size; 30
-    rows reach the dequantized weights where a CPU has them (quant.many_rows: float32 panels,
+    rows reach the dequantized weights where a CPU has them (int8_rows.many_rows: float32 panels,
     bfloat16 with AMX or AVX512-BF16; an AVX-512 VNNI CPU without them runs the blocks at every
     size)."""
     gen = torch.Generator().manual_seed(n * k + m)

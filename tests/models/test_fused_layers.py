@@ -16,14 +16,14 @@ from parity import expect, mixed_prompts, run_all
 from reference import Reference
 from tiny_families import make_family_folder
 
-from shoal.kernels import quant
+from shoal.kernels import int8_rows
 from shoal.kernels.attention import AttentionMetadata, TorchAttention
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.bf16_linear import onednn_bf16_available
 from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.elementwise import CompiledElementwise
+from shoal.kernels.int8_rows import MANY_ROWS_TILES, ManyRows
 from shoal.kernels.linear import LinearKind
-from shoal.kernels.quant import MANY_ROWS_TILES, ManyRows
 from shoal.models.decoder import DecoderModel
 from shoal.models.fused_layers import FusedLayers
 from shoal.models.kv_pool import KVPool
@@ -43,10 +43,10 @@ assert len(LENS[2]) < MANY_ROWS_TILES <= len(LENS[3])
 @pytest.fixture(autouse=True)
 def int8_panels_from_ten_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 linears take their dequantized weights from MANY_ROWS_TILES rows on whatever this
-    CPU's own threshold (quant.many_rows; its blocks may take every step here), so that twelve
+    CPU's own threshold (int8_rows.many_rows; its blocks may take every step here), so that twelve
     sequences reach them in the chain."""
-    form = quant.many_rows()
-    monkeypatch.setattr(quant, "many_rows", lambda: ManyRows(MANY_ROWS_TILES, form.bf16))
+    form = int8_rows.many_rows()
+    monkeypatch.setattr(int8_rows, "many_rows", lambda: ManyRows(MANY_ROWS_TILES, form.bf16))
 
 
 @pytest.fixture(scope="module")
