@@ -130,10 +130,9 @@ def kernel_choice(
 def int8_many_rows(cpu: CpuFeatures, bf16: str, built: str) -> str:
     """`+<how>@<rows>` for int8's steps of many rows on that CPU (int8_rows.py), "" where
     its blocks take every step."""
-    from shoal.kernels import int8_rows
+    from shoal.kernels.int8_rows import NEVER, form_for
 
-    if cpu.amx_bf16:
-        return f"+{bf16}@{int8_rows.MANY_ROWS_TILES}"
-    if cpu.bf16:
-        return f"+{bf16}@{int8_rows.MANY_ROWS_BF16}"
-    return "" if built.endswith("_vnni") else f"+panels@{int8_rows.MANY_ROWS_PANELS}"
+    form = form_for(cpu, onednn_bf16_available(), built.endswith("_vnni"))
+    if form.rows == NEVER:
+        return ""
+    return f"+{bf16 if form.bf16 else 'panels'}@{form.rows}"

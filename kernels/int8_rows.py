@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.kernels.bf16_linear import amx_bf16, onednn_bf16_available
-from shoal.kernels.cpu_features import read_cpu_features
+from shoal.kernels.bf16_linear import onednn_bf16_available
+from shoal.kernels.cpu_features import CpuFeatures, read_cpu_features
 from shoal.kernels.cpu_kernels import with_vnni
 
 # From this many rows on a step computes more than it reads the weights, and the dequantized
@@ -42,8 +42,14 @@ class ManyRows:
 
 def many_rows() -> ManyRows:
     """How an int8 linear takes steps of many rows on this CPU (a model's build asks once)."""
-    if amx_bf16():
+    return form_for(read_cpu_features(), onednn_bf16_available(), with_vnni())
+
+
+def form_for(cpu: CpuFeatures, onednn_bf16: bool, vnni_build: bool) -> ManyRows:
+    """The form on a CPU of those features (its AMX and AVX512-BF16 as torch confirms them),
+    with oneDNN's bfloat16 or not, and kernels built with VNNI or not."""
+    if onednn_bf16 and cpu.amx_bf16:
         return ManyRows(MANY_ROWS_TILES, True)
-    if onednn_bf16_available() and read_cpu_features().bf16:
+    if onednn_bf16 and cpu.bf16:
         return ManyRows(MANY_ROWS_BF16, True, head=False)
-    return ManyRows(NEVER if with_vnni() else MANY_ROWS_PANELS, False)
+    return ManyRows(NEVER if vnni_build else MANY_ROWS_PANELS, False)
