@@ -125,11 +125,16 @@ def cuts_logged(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if "read nothing" in r.getMessage()]
 
 
-async def wait_progress(s: Served, rid: str, positions: int, timeout_s: float = 30.0) -> None:
-    """Until the engine has launched `positions` positions of request `rid`."""
-    deadline = time.monotonic() + timeout_s
-    while (await s.engine.snapshot()).progress.get(rid, 0) < positions:
-        assert time.monotonic() < deadline, f"{rid} never reached {positions} positions"
+async def wait_progress_or_cut(s: Served, rid: str, positions: int) -> None:
+    """Until the engine has launched `positions` positions of request `rid` (enough to fill the
+    stream's buffers) or the server has cut a stream: a write that waits is cut after the write
+    timeout, which on a slow machine may come before the engine gets that far."""
+    cuts = s.server.metrics.stream_cuts
+    deadline = time.monotonic() + 30.0
+    while (await s.engine.snapshot()).progress.get(rid, 0) < positions and counter(cuts) < 1:
+        assert time.monotonic() < deadline, (
+            f"{rid} neither reached {positions} positions nor was cut"
+        )
         await asyncio.sleep(0.01)
 
 
@@ -186,7 +191,7 @@ async def test_a_cut_stream_has_its_engine_request_aborted(
     s = await serve(stream_write_timeout_s=1.0)
     caplog.set_level(logging.WARNING)
     client = await Stuck.post(s, stuck, "/generate", {**heavy("a long story", 900), "rid": "slow"})
-    await wait_progress(s, "slow", 300)  # ~30 MB of cumulative events: the writes block
+    await wait_progress_or_cut(s, "slow", 300)  # ~30 MB of cumulative events: the writes block
     s.engine.pause_generation()  # it stays unfinished: only the cut can end it
     try:
         await wait_cuts(s, 1, timeout_s=10)  # reading first would make it a reader
@@ -261,13 +266,7 @@ async def test_a_never_reading_websocket_is_cut_and_its_turn_aborted(
     gateway = s.server.gateway
     await wait_for(lambda: len(gateway.jobs) == 1, 30, "the turn to start")
     (rid,) = gateway.jobs
-    # aiohttp waits on the buffers only past 256 KiB sent (by 700 positions); a write that waits
-    # is cut after 1 s, which on a slow machine may come before position 700: either will do.
-    cuts = s.server.metrics.stream_cuts
-    deadline = time.monotonic() + 30.0
-    while (await s.engine.snapshot()).progress.get(rid, 0) < 700 and counter(cuts) < 1:
-        assert time.monotonic() < deadline, f"{rid} neither reached 700 positions nor was cut"
-        await asyncio.sleep(0.01)
+    await wait_progress_or_cut(s, rid, 700)  # aiohttp waits on the buffers past 256 KiB sent
     s.engine.pause_generation()  # it stays unfinished: only the cut can end it
     try:
         await wait_cuts(s, 1, timeout_s=10)
