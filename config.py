@@ -72,8 +72,9 @@ class EngineOptions:
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto",
-        "weights and KV (auto: bfloat16 on CUDA and on a CPU with AMX, else float32); on the "
-        "CPU bfloat16 is the weights' and the KV's: the matmuls run on the matrix units, "
+        "weights and KV (auto: bfloat16 on CUDA and on a CPU with AMX or AVX512-BF16, else "
+        "float32); on the CPU bfloat16 is the weights' and the KV's: the matmuls run on the "
+        "matrix units or bfloat16 dot products, "
         "activations, norms and attention's arithmetic stay float32 (kernels/bf16_linear.py)",
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = option(
@@ -369,7 +370,7 @@ def resolve_linear(options: EngineOptions, device: torch.device, dtype: torch.dt
 
 def resolve_device(options: EngineOptions) -> tuple[torch.device, torch.dtype]:
     """The device (auto: CUDA when available) and the weights' dtype (auto: bf16 on CUDA and
-    on a CPU with AMX)."""
+    on a CPU with AMX or AVX512-BF16)."""
     name = options.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,5 +1,5 @@
 """bfloat16 weights on the CPU, multiplied by the matrix units (`dtype="bfloat16"` on the CPU,
-the default where the CPU has AMX; config.py).
+the default where the CPU has AMX or AVX512-BF16; config.py).
 
 The weight is held in bfloat16 in oneDNN's blocked layout for its matmul, packed once at load;
 a call rounds x to bfloat16, multiplies (AMX tiles where the CPU has them, AVX512-BF16 dot

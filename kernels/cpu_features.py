@@ -8,8 +8,8 @@ flag (config.py); `python -m shoal serve` logs the pick at start and every bench
     avx2           the compiled kernels' AVX2 build (csrc, kernel_build.py)
     avx512         their AVX-512 build: float32 panels of 12 rows a tile (csrc/panels.h)
     avx512_vnni    int8 blocks' dot products in one instruction (vpdpwssd, csrc/block_linear.cpp)
-    avx512_bf16    bfloat16 matmuls through oneDNN (bf16_linear.py)
-    amx_bf16       the same on the matrix tiles: bfloat16 is then the default dtype on the CPU
+    avx512_bf16    bfloat16 matmuls through oneDNN (bf16_linear.py): the default dtype on the CPU
+    amx_bf16       the same on the matrix tiles
 """
 
 from __future__ import annotations
@@ -70,11 +70,12 @@ def read_cpu_features(cpuinfo: Path = CPUINFO) -> CpuFeatures:
 
 
 def bf16_by_default(features: CpuFeatures) -> bool:
-    """Whether `dtype="auto"` takes bfloat16 weights on this CPU: where it has the matrix
-    units (AMX), on which oneDNN's bfloat16 matmuls ran 2.5-8x the float32 kernels at SmolLM2's
-    shapes from 16 rows, and offline 2.1x float32 (bench/README.md). AVX512-BF16 alone was not
-    measured: float32 there."""
-    return features.amx_bf16 and amx_bf16()
+    """Whether `dtype="auto"` takes bfloat16 weights on this CPU: where oneDNN multiplies
+    bfloat16 with its dot products, on the matrix units (AMX: its matmuls 2.5-8x the float32
+    kernels at SmolLM2's shapes from 16 rows, offline 2.1x float32) or AVX512-BF16 alone (an
+    AMD EPYC: offline 1.27-1.46x float32, a decode step of 16 sequences 1.6-2.5x, one
+    sequence even; bench/README.md). Without either, oneDNN has no bfloat16 kernel: float32."""
+    return (features.amx_bf16 and amx_bf16()) or (features.bf16 and onednn_bf16_available())
 
 
 def kernel_report(

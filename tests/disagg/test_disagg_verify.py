@@ -325,7 +325,7 @@ async def test_a_prefill_server_restarted_on_other_weights_is_refused_with_a_400
         "disaggregation_timeout_s": 5.0,
         "fabric": fabric,
         "strict_integrity": True,
-        "dtype": "float32",  # both halves as make_engine's (auto: bfloat16 with AMX)
+        "dtype": "float32",  # both halves as make_engine's (auto: bfloat16 with AMX or AVX512-BF16)
     }
     s = await serve(
         disaggregation_mode="decode", disaggregation_prefill_peers=f"127.0.0.1:{port}", **common
