@@ -3,10 +3,12 @@ on a copy-heavy workload (give a code block back with one name changed) and one 
 to copy (a new story), at 1 and 16 streams, beside llama.cpp with and without its prompt-lookup
 decoding on the same GGUF and prompts (one stream: llama-cpp-python serves one at a time).
 
-Two engines live in one process, speculation off and on, and the rounds interleave them (and
-the peer) so that a noisy machine's drift falls on each alike. Greedy, the model's chat
+Each round runs speculation off, then on (one engine at a time, started for its turn), then
+the peer, so that a noisy machine's drift falls on each alike. Greedy, the model's chat
 template; a request's rate is its output tokens over its wall time, prompt included, for
-every system alike (N streams: all their tokens over the round's wall time).
+every system alike (N streams: all their tokens over the round's wall time). shoal's decode
+rate leaves the prompt out: the tokens after each request's first over the time after the
+requests' median first token (one stream: what its reader sees once the answer starts).
 
     python bench/speculative.py                      # bundled SmolLM2 in float32 and int8
     python bench/speculative.py --modes float32 --streams 1 --rounds 3
@@ -15,9 +17,11 @@ every system alike (N streams: all their tokens over the round's wall time).
 
 Prints per mode, workload and stream count the median of the rounds:
     speculative system=<shoal|llamacpp> mode=<float32|int8|Q4_1> workload=<copy|prose>
-                streams=<n> spec=<off|on> output_tok_s=<x> tokens=<n> machine=<desc>
+                streams=<n> spec=<off|on> output_tok_s=<x> rounds=<..> decode_tok_s=<x>
+                tokens=<n> machine=<desc>
     speculative ratio mode=<m> workload=<w> streams=<n> on_over_off=<x>
-                on_over_llamacpp_lookup=<x> acceptance=<x> accepted_per_step=<x>
+                decode_on_over_off=<x> on_over_llamacpp_lookup=<x> acceptance=<x>
+                accepted_per_step=<x>
 """
 
 from __future__ import annotations
@@ -39,16 +43,32 @@ from speculative_prompts import WORKLOADS
 HERE = Path(__file__).parent
 
 
-async def one_round(engine: Any, workload: str, streams: int, max_tokens: int) -> tuple[float, int]:
+async def timed(run: Any) -> tuple[float, int]:
+    """A request read to its end: when its first token came, and its tokens."""
+    first, tokens = 0.0, 0
+    async for delta in run:
+        if not tokens and delta.token_ids:
+            first = time.perf_counter()
+        tokens += len(delta.token_ids)
+    return first, tokens
+
+
+async def one_round(
+    engine: Any, workload: str, streams: int, max_tokens: int
+) -> tuple[float, float, int]:
+    """The round's rate (all tokens over its wall time) and its decode rate (the tokens after
+    each request's first over the time after the requests' median first token), its tokens."""
     messages = WORKLOADS[workload]
     started = time.perf_counter()
     runs = [
         engine.generate(messages=messages(i), max_new_tokens=max_tokens, temperature=0.0)
         for i in range(streams)
     ]
-    done = await asyncio.gather(*(r.result() for r in runs))
-    tokens = sum(len(d.token_ids) for d in done)
-    return tokens / (time.perf_counter() - started), tokens
+    done = await asyncio.gather(*(timed(r) for r in runs))
+    ended = time.perf_counter()
+    tokens = sum(n for _, n in done)
+    decode = (tokens - streams) / max(ended - median(first for first, _ in done), 1e-9)
+    return tokens / (ended - started), decode, tokens
 
 
 def peer_round(python: str, gguf: Path, max_tokens: int) -> dict[tuple[str, bool], float]:
@@ -79,6 +99,7 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
     # (api/fresh_thread.py), which a server of one engine never meets.
     for streams in args.streams:
         rates: dict[tuple[str, str], list[float]] = {}
+        decodes: dict[tuple[str, str], list[float]] = {}  # after the first tokens
         tokens: dict[tuple[str, str], int] = {}
         # speculation's verifications, drafted and kept tokens, per workload
         counted: dict[str, list[int]] = {w: [0, 0, 0] for w in WORKLOADS}
@@ -88,8 +109,11 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
                     await engine.generate(prompt="warm up", max_new_tokens=8).result()
                     for workload in WORKLOADS:
                         before = await engine.snapshot()
-                        rate, count = await one_round(engine, workload, streams, args.max_tokens)
+                        rate, decode, count = await one_round(
+                            engine, workload, streams, args.max_tokens
+                        )
                         rates.setdefault((workload, name), []).append(rate)
+                        decodes.setdefault((workload, name), []).append(decode)
                         tokens[(workload, name)] = count
                         after = await engine.snapshot()
                         moved = (
@@ -110,6 +134,7 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
                 "system": "shoal", "mode": mode, "workload": workload, "streams": streams,
                 "spec": name, "output_tok_s": round(median(values), 2),
                 "rounds": " ".join(f"{v:.1f}" for v in values),
+                "decode_tok_s": round(median(decodes[(workload, name)]), 2),
                 "tokens": tokens[(workload, name)], "machine": machine(),
             }  # fmt: skip
             emit("speculative", line, args.out)
@@ -118,6 +143,9 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
             ratio: dict[str, Any] = {
                 "mode": mode, "workload": workload, "streams": streams,
                 "on_over_off": round(on_rate / median(rates[(workload, "off")]), 3),
+                "decode_on_over_off": round(
+                    median(decodes[(workload, "on")]) / median(decodes[(workload, "off")]), 3
+                ),
             }  # fmt: skip
             lookup = peer.get(f"{workload} True")
             if streams == 1 and lookup:

@@ -43,6 +43,7 @@ from engines import EngineFactory  # noqa: E402
 from reference import Reference  # noqa: E402
 from tiny_model import make_tiny_model_folder  # noqa: E402
 
+from shoal.actors.scheduler import speculation  # noqa: E402
 from shoal.api.engine import Engine  # noqa: E402
 from shoal.api.http.server import Server, ServerOptions  # noqa: E402
 from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_kernels  # noqa: E402
@@ -100,6 +101,14 @@ def tiny_reference(tiny_folder: Path, tiny_model: LoadedModel) -> Reference:
 
 
 @pytest.fixture
+def eager_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every n-gram match worth 2 drafts at first, however long (each of speculation.py's match
+    classes starting at one in two kept): the tiny random models seldom copy their prompts for
+    long, and the tests of what a verification does need drafts sent."""
+    monkeypatch.setattr(speculation, "PRIOR_KEPT", (1.0,) * len(speculation.PRIOR_KEPT))
+
+
+@pytest.fixture
 async def make_engine(tiny_model: LoadedModel) -> AsyncIterator[EngineFactory]:
     """Start engines on the tiny model; after the test each must be idle with no leaks."""
     engines: list[Engine] = []
@@ -107,8 +116,9 @@ async def make_engine(tiny_model: LoadedModel) -> AsyncIterator[EngineFactory]:
     async def make(model: LoadedModel | None = None, **options: Any) -> Engine:
         options.setdefault("strict_integrity", True)
         options.setdefault("seed", 0)
-        # The tests hold greedy tokens to transformers' in float32: on a CPU with AMX dtype auto
-        # is bfloat16 (config.py), whose own tests ask for it (tests/kernels/test_bf16.py).
+        # The tests hold greedy tokens to transformers' in float32: on a CPU with AMX or
+        # AVX512-BF16 dtype auto is bfloat16 (config.py), whose own tests ask for it
+        # (tests/kernels/test_bf16.py).
         options.setdefault("dtype", "float32")
         engine = await Engine(model or tiny_model, **options).start()
         engines.append(engine)

@@ -5,6 +5,7 @@ to `min_n`, as llama.cpp's prompt lookup and vLLM's n-gram proposer draft them.
     drafts = NgramDrafts(min_n=1, max_n=4, max_draft=4)
     drafts.extend(prompt_ids)             # then each token as it comes
     proposed = drafts.propose()           # [] when no n-gram of the suffix occurred before
+    length, proposed = drafts.match()     # and how many tokens before them agree (<= MATCH_CAP)
 
 Invariants:
 - Incremental: `extend` indexes each n-gram once, when its follower arrives (O(max_n) a
@@ -13,11 +14,18 @@ Invariants:
   it, so a draft always comes from an occurrence that ended earlier.
 - The latest occurrence wins (the most recent context is the likeliest to repeat), and a
   longer n-gram before a shorter one.
+- `match` also says how long the agreement is: the n-gram's n, extended backwards past it
+  token by token up to MATCH_CAP. The longer it is, the likelier the drafts are kept (on
+  SmolLM2's copy and prose answers, a draft after a match of 1 was kept 14-18% of the time,
+  after 4-7 about 80-90%, after 8 or more 76-98%: bench/README.md), which is what
+  speculation.py decides on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+MATCH_CAP = 16  # a match is measured up to this many tokens
 
 
 class NgramDrafts:
@@ -41,9 +49,22 @@ class NgramDrafts:
             self.tokens.append(token)
 
     def propose(self) -> list[int]:
-        length = len(self.tokens)
+        return self.match()[1]
+
+    def match(self) -> tuple[int, list[int]]:
+        """(how many tokens up to MATCH_CAP end both here and at the occurrence, its drafts);
+        (0, []) when no n-gram of the suffix occurred before."""
+        tokens = self.tokens
+        length = len(tokens)
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
-            at = self.follows[n].get(tuple(self.tokens[length - n :]))
+            at = self.follows[n].get(tuple(tokens[length - n :]))
             if at is not None:
-                return self.tokens[at : at + self.max_draft]
-        return []
+                agree = n  # tokens[at - agree : at] == tokens[length - agree :]
+                while (
+                    agree < MATCH_CAP
+                    and at > agree
+                    and tokens[at - agree - 1] == tokens[length - agree - 1]
+                ):
+                    agree += 1
+                return agree, tokens[at : at + self.max_draft]
+        return 0, []

@@ -7,19 +7,24 @@ token (actors/executor/draft_asks.py), so a step emits 1 .. k + 1 tokens for the
     spec = Speculation(SpecConfig(...))
     spec.active(num_running)         # this step may speculate: few enough rows decode
     draft = spec.draft(req, num_running)  # its next decode's drafts; (): none; None: wait
-    spec.verified(req, k, accepted)  # its result: the row's backoff, the counters
+    spec.verified(req, k, accepted)  # its result: the row's estimates, the counters
 
 Switched by load: a step speculates only while at most `max_batch` requests run (a bigger
-batch already reads each weight once for many rows); a row speculates only when it has caught
-up (no token of it on its way: drafts need its last token) and its sampling edits nothing a
-draft would need per position (`drafts_allowed`). Per row, what its drafts paid decides:
-it sends as many drafts as each has a chance above a draft's cost of being kept with those
-before it (`RowDrafts.length`: 2 at first, up to `num_draft_tokens`; the cost is DRAFT_COST
-alone and more with more rows decoding: `draft_cost`), and a verification that kept nothing,
-or a chance below the cost for even one draft, makes it wait 1, 2, 4 .. `MAX_BACKOFF`
-decodes before it drafts again (one draft then, to learn again). A row about to
-draft waits for its tokens on their way (no overlap: `draft` answers None); one that skips
-decodes overlapped as usual.
+batch already reads each weight once for many rows); a row speculates only when its sampling
+edits nothing a draft would need per position (`drafts_allowed`). Per row, what its drafts
+paid decides, apart for each length of the n-gram match they come from (`MATCH_BOUNDS`: 1, 2,
+3, 4-7, 8+ tokens agreeing, `NgramDrafts.match`), since the match's length foretells
+acceptance: it sends as many drafts as each has a chance above a draft's cost of being kept
+with those before it (`RowDrafts.length`; the cost is DRAFT_COST alone and more with more
+rows decoding: `draft_cost`). Each length starts from a prior (`PRIOR_KEPT`: a match of one
+token is not worth a draft, one of 8+ is worth 8) and learns from the row's verifications;
+once a class's estimate fell below even one draft's cost, the row waits 1, 2, 4 ..
+`MAX_BACKOFF` decodes of that class before it sends one draft of it to learn again (a class
+whose prior is below the cost never drafts), so a row that copies again is caught. Drafts
+need the row's last token: a row with tokens on their way waits for them (no overlap: `draft`
+answers None) when the match they can make is worth drafts, one token longer than its known
+tokens' at most (a longer n-gram ending in the new token needs the shorter before it); any
+other decodes overlapped as usual.
 """
 
 from __future__ import annotations
@@ -31,12 +36,28 @@ from shoal.actors.scheduler.ngram_drafts import NgramDrafts
 from shoal.actors.scheduler.request import Req
 from shoal.params import SamplingParams
 
-MAX_BACKOFF = 16
 # What one draft position adds to a decode's step, as a share of it (a CPU step of SmolLM2
 # verifying 4 drafts: 1.26x a decode in float32, 1.66x in int8): a draft is worth sending
 # while the chance that it and those before it are kept is above this.
 DRAFT_COST = 0.15
 KEEP_MEMORY = 0.8  # how much of a row's earlier verifications its estimate keeps
+# A match's length class: the first bound it is at most, else the last class (8+ tokens).
+MATCH_BOUNDS = (1, 2, 3, 7)
+# Each class's prior, as drafts kept against one refusal (a chance of kept / (kept + 1) that a
+# draft is kept after the one before): 0.09, 0.5, 0.67, 0.8, 0.89. Fitted loosely to SmolLM2's
+# greedy answers to bench/speculative.py's prompts (0.14-0.18 of drafts after a 1-token match
+# kept, 0.3-0.4 after 2, 0.5-0.8 after 3, 0.8-0.9 after 4-7, 0.76-0.98 after 8+;
+# bench/README.md): on those answers replayed through this policy, against the single
+# estimate and backoff before it, the copy prompts' cost fell 6-20%, the prose ones' 1-13%.
+PRIOR_KEPT = (0.1, 1.0, 2.0, 4.0, 8.0)
+MAX_BACKOFF = 16
+
+
+def match_class(length: int) -> int:
+    for i, bound in enumerate(MATCH_BOUNDS):
+        if length <= bound:
+            return i
+    return len(MATCH_BOUNDS)
 
 
 def draft_cost(decoding: int) -> float:
@@ -73,26 +94,43 @@ def drafts_allowed(sampling: SamplingParams) -> bool:
 
 @dataclass
 class RowDrafts:
-    """One request's n-gram index over its tokens so far and its acceptance backoff."""
+    """One request's n-gram index over its tokens so far and, per match class, its decayed
+    counts of drafts kept and of verifications that refused one: kept / (kept + refused)
+    estimates the chance that a draft is kept after the one before."""
 
     ngrams: NgramDrafts
     indexed: int = 0  # tokens of the request given to `ngrams`
-    skip: int = 0  # decodes left before it drafts again
-    backoff: int = 1  # the next wait after a verification that kept nothing
-    # drafts kept and verifications that refused one, decayed by KEEP_MEMORY each time:
-    # kept / (kept + refused) estimates the chance that a draft is kept after the one before
-    kept: float = 1.0
-    refused: float = 1.0
-    probe: bool = False  # its estimate was below the cost: after its wait it sends one draft
+    kept: list[float] = field(default_factory=lambda: list(PRIOR_KEPT))
+    refused: list[float] = field(default_factory=lambda: [1.0] * len(PRIOR_KEPT))
+    sent_class: int = 0  # the match class of the drafts in flight
+    # per class, once not worth a draft: decodes left before it sends one to learn again, and
+    # the next such wait
+    wait: list[int] = field(default_factory=lambda: [0] * len(PRIOR_KEPT))
+    backoff: list[int] = field(default_factory=lambda: [1] * len(PRIOR_KEPT))
+    owed: bool = False  # a probe decided while its tokens were on their way
 
-    def length(self, most: int, cost: float = DRAFT_COST) -> int:
-        """How many drafts to send: as many as each has a chance above `cost` of being kept
-        with those before it, at most `most` (0: not even one)."""
-        p = self.kept / (self.kept + self.refused)
+    def length(self, cls: int, most: int, cost: float = DRAFT_COST) -> int:
+        """How many drafts of a class-`cls` match to send: as many as each has a chance above
+        `cost` of being kept with those before it, at most `most` (0: not even one)."""
+        kept, refused = self.kept[cls], self.refused[cls]
+        p = kept / (kept + refused)
         if p >= 1.0:
             return most
         n = int(math.log(cost) / math.log(p)) if p > 0 else 0
         return max(0, min(most, n))
+
+    def probe(self, cls: int, cost: float) -> bool:
+        """Whether a decode of a class not worth one draft sends one anyway, to learn again:
+        after 1, 2, 4 .. MAX_BACKOFF such decodes; never for a class whose prior is below."""
+        prior = PRIOR_KEPT[cls]
+        if prior / (prior + 1.0) <= cost:
+            return False
+        if self.wait[cls]:
+            self.wait[cls] -= 1
+            return False
+        self.wait[cls] = self.backoff[cls]
+        self.backoff[cls] = min(2 * self.backoff[cls], MAX_BACKOFF)
+        return True
 
 
 @dataclass
@@ -127,21 +165,25 @@ class Speculation:
             config = self.config
             ngrams = NgramDrafts(config.min_n, config.max_n, config.num_draft_tokens)
             rows = req.draft_state = RowDrafts(ngrams)
-        if rows.skip:  # its recent drafts did not pay: it decodes as usual, overlapped
-            rows.skip -= 1
-            return ()
-        length = rows.length(self.config.num_draft_tokens, draft_cost(decoding))
-        if length == 0 and not rows.probe:  # not worth one draft: wait, then learn again
-            rows.probe = True
-            rows.skip = rows.backoff - 1  # this decode is the first it waits
-            rows.backoff = min(2 * rows.backoff, MAX_BACKOFF)
-            return ()
-        if req.pending or req.inflight:
-            return None
-        rows.probe = False
         rows.ngrams.extend(req.tokens[rows.indexed :])
         rows.indexed = len(req.tokens)
-        return tuple(rows.ngrams.propose()[: min(room, max(1, length))])
+        agree, drafts = rows.ngrams.match()
+        waits = bool(req.pending or req.inflight)
+        if waits:  # its tokens known so far: the one on its way makes a match one longer at most
+            agree += 1
+        elif not drafts:
+            return ()
+        cls = match_class(agree)
+        cost = draft_cost(decoding)
+        length = rows.length(cls, self.config.num_draft_tokens, cost)
+        if length == 0 and not rows.owed and not rows.probe(cls, cost):
+            return ()  # not worth one draft: decode as usual
+        if waits:
+            rows.owed = length == 0  # a probe: sent once its tokens are in
+            return None
+        rows.owed = False
+        rows.sent_class = cls
+        return tuple(drafts[: min(room, max(1, length))])
 
     def verified(self, req: Req, num_drafts: int, accepted: int) -> None:
         """A verification of `num_drafts` of `req`'s drafts kept `accepted` of them."""
@@ -151,10 +193,8 @@ class Speculation:
         counters.accepted += accepted
         rows = req.draft_state
         assert rows is not None
-        rows.kept = KEEP_MEMORY * rows.kept + accepted
-        rows.refused = KEEP_MEMORY * rows.refused + (accepted < num_drafts)
+        cls = rows.sent_class
+        rows.kept[cls] = KEEP_MEMORY * rows.kept[cls] + accepted
+        rows.refused[cls] = KEEP_MEMORY * rows.refused[cls] + (accepted < num_drafts)
         if accepted:
-            rows.backoff = 1
-        else:  # nothing kept: wait longer each time before drafting again
-            rows.skip = rows.backoff
-            rows.backoff = min(2 * rows.backoff, MAX_BACKOFF)
+            rows.backoff[cls] = 1

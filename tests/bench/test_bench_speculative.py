@@ -27,8 +27,9 @@ def test_speculative_smoke(tiny_folder: Path, prebuilt_cpu_kernels: Path) -> Non
         for spec in ("off", "on")
     ]
     assert all(float(r["output_tok_s"]) > 0 and r["system"] == "shoal" for r in runs)
+    assert all(float(r["decode_tok_s"]) > 0 for r in runs)
     ratios = [fields(line) for line in lines if line.startswith("speculative ratio ")]
     assert [(r["workload"], r["streams"]) for r in ratios] == [
         (workload, streams) for streams in ("1", "2") for workload in ("copy", "prose")
     ]
-    assert all(float(r["on_over_off"]) > 0 for r in ratios)
+    assert all(float(r["on_over_off"]) > 0 and float(r["decode_on_over_off"]) > 0 for r in ratios)

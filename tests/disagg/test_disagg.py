@@ -115,6 +115,7 @@ async def served_after(pair: Pair, reference: Reference, vocab: int) -> None:
 # ---- the output is one engine's ---------------------------------------------------------
 
 
+@pytest.mark.usefixtures("eager_drafts")  # drafts at every match (conftest.py)
 async def test_greedy_with_drafts_through_both_equals_one_engine(
     make_pair: PairFactory, tiny_model: LoadedModel, tiny_reference: Reference
 ) -> None:
@@ -496,7 +497,7 @@ async def test_a_server_killed_mid_transfer(
         "disaggregation_timeout_s": 5.0,
         "fabric": fabric,
         "strict_integrity": True,
-        "dtype": "float32",  # as make_engine's (auto: bfloat16 with AMX)
+        "dtype": "float32",  # as make_engine's (auto: bfloat16 with AMX or AVX512-BF16)
     }
     vocab = tiny_model.config.vocab_size
     prompt = mixed_prompts(vocab)[3]

@@ -13,6 +13,8 @@ from parity import copying_prompts
 from reference import Reference
 from workload import greedy
 
+pytestmark = pytest.mark.usefixtures("eager_drafts")  # drafts at every match (conftest.py)
+
 SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
 NEW = 24
 

@@ -68,6 +68,7 @@ async def test_greedy_tokens_equal_transformers(
     )
 
 
+@pytest.mark.usefixtures("eager_drafts")  # drafts at every match (conftest.py)
 async def test_greedy_tokens_with_drafts_equal_transformers(
     make_engine: EngineFactory, case: Case
 ) -> None:

@@ -4,19 +4,24 @@ device's greedy verification (support/planner_sim.py)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
+import pytest
 from planner_sim import Sim, solo
 
 from shoal.actors.executor_messages import Launch
 from shoal.actors.scheduler.ngram_drafts import NgramDrafts
+from shoal.actors.scheduler.request import Req
 from shoal.actors.scheduler.speculation import (
     DRAFT_COST,
+    PRIOR_KEPT,
     RowDrafts,
     SpecConfig,
     Speculation,
     draft_cost,
     drafts_allowed,
+    match_class,
 )
 from shoal.params import SamplingParams
 
@@ -63,13 +68,14 @@ def test_copying_request_keeps_every_draft_and_matches_one_at_a_time() -> None:
     assert spec is not None
     counters = spec.counters
     assert counters.accepted == counters.drafted > 0
-    # 30 tokens: the first from the prompt, then 3 (a new row sends 2 drafts: its estimate
-    # starts at one in two kept), then 5 a step (4 kept drafts and one more), then the last
+    # 30 tokens: the first from the prompt, then 5 a step (4 kept drafts and one more: the
+    # suffix matches 5 tokens at once, a class whose prior is worth 8 drafts, 4 at most here)
     assert counters.steps == 6 and sim.finish("a") == "length"
     start = len(CYCLE) + 5
-    assert drafted_seqs(sim.all_launches)[:3] == [(start, 2), (start + 3, 4), (start + 8, 4)]
+    assert drafted_seqs(sim.all_launches)[:3] == [(start, 4), (start + 5, 4), (start + 10, 4)]
 
 
+@pytest.mark.usefixtures("eager_drafts")  # the hash device's short matches draft too
 def test_rejected_drafts_give_the_same_tokens() -> None:
     prompts = {f"r{i}": [(7 * i + j * j) % 40 + 3 for j in range(20 + i)] for i in range(4)}
     sim = Recording(speculative=SPEC, page_size=1)
@@ -96,11 +102,11 @@ def test_stop_token_among_kept_drafts_ends_there() -> None:
 def test_drafts_never_pass_max_new_tokens() -> None:
     prompt = CYCLE + CYCLE[:5]
     sim = Recording(speculative=SPEC, counting=True)
-    sim.add("a", prompt, max_new_tokens=7)
+    sim.add("a", prompt, max_new_tokens=4)
     sim.run()
-    assert sim.tokens("a") == CYCLE[5:12]
-    # after the first token 6 are left: 2 drafts (3 tokens), then 2 (the room left: 3 tokens)
-    assert [k for _, k in drafted_seqs(sim.all_launches)] == [2, 2]
+    assert sim.tokens("a") == CYCLE[5:9]
+    # after the first token 3 are left: 2 drafts and the token after them (4 were worth it)
+    assert [k for _, k in drafted_seqs(sim.all_launches)] == [2]
 
 
 def test_more_running_than_max_batch_speculates_nothing() -> None:
@@ -133,50 +139,66 @@ def test_rows_that_arrived_apart_draft_in_one_launch() -> None:
     assert together.count(4) >= 6, together
 
 
+def copying_row(spec: Speculation, prompt: list[int]) -> Req:
+    sim = Sim()
+    sim.add("a", prompt, max_new_tokens=200)
+    req = sim.planner.requests.reqs["a"]
+    assert spec.draft(req, 1) is not None  # its n-gram index built
+    req.draft_state = None
+    return req
+
+
 def test_a_row_whose_drafts_fail_backs_off() -> None:
-    sim = Recording(speculative=SPEC)
-    prompt = [5, 6, 5, 6, 5, 6, 5, 6]  # drafts 5, 6 ...; the hash device disagrees
-    sim.add("a", prompt, max_new_tokens=60, ignore_eos=True)
-    sim.run()
-    assert sim.tokens("a") == solo(prompt, max_new_tokens=60, ignore_eos=True)
-    spec = sim.planner.spec
-    assert spec is not None
-    drafted = spec.counters.steps
-    assert 0 < drafted < 60 // 4  # backed off: most decodes drafted nothing
-    req_decodes = sum(1 for launch in sim.all_launches if launch.decode_rows)
-    assert req_decodes > drafted
+    """Drafts of a 5-token match (its class's prior: worth 8) all refused: fewer each time,
+    then one after 1, 2, 4 .. 16 decodes that send none."""
+    spec = Speculation(SPEC)
+    req = copying_row(spec, CYCLE + CYCLE[:5])
+    sent = []
+    for _ in range(80):
+        drafts = spec.draft(req, 1)
+        assert drafts is not None
+        sent.append(len(drafts))
+        if drafts:
+            spec.verified(req, len(drafts), 0)
+    assert sent[:8] == [4, 4, 2, 2, 1, 1, 1, 1]
+    probes = [i for i, n in enumerate(sent) if n][8:]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps == [2, 3, 5, 9, 17, 17, 17], sent  # each after 1, 2, 4, 8, 16 that sent none
+    # one that keeps a draft again is back to its estimate's length at once
+    spec.verified(req, 1, 1)
+    assert req.draft_state is not None and req.draft_state.backoff[3] == 1
 
 
 def test_a_row_sends_as_many_drafts_as_its_kept_ones_pay_for() -> None:
     rows = RowDrafts(NgramDrafts())
-    assert rows.length(8) == 2  # one in two kept: the third's chance is below DRAFT_COST
-    rows.kept, rows.refused = 9.0, 1.0  # nine in ten
-    assert rows.length(8) == 8 and rows.length(4) == 4
-    rows.kept, rows.refused = 0.0, 5.0
-    assert rows.length(8) == 0  # not even one (Speculation waits, then sends one to learn)
+    # the priors: a match of one token is worth no draft, of 2 two, of 3 four, of 4 or more 8
+    assert [match_class(n) for n in (1, 2, 3, 4, 7, 8, 16)] == [0, 1, 2, 3, 3, 4, 4]
+    assert [rows.length(c, 8) for c in range(len(PRIOR_KEPT))] == [0, 2, 4, 8, 8]
+    rows.kept[1], rows.refused[1] = 9.0, 1.0  # nine in ten
+    assert rows.length(1, 8) == 8 and rows.length(1, 4) == 4
+    rows.kept[1], rows.refused[1] = 0.0, 5.0
+    assert rows.length(1, 8) == 0  # not even one (Speculation waits, then sends one to learn)
+    assert rows.length(2, 8) == 4  # each class learns apart
     assert DRAFT_COST < 0.5**2  # two drafts at one in two: worth sending
     # more rows decoding, a draft costs more of a token's time: fewer are worth it
-    rows.kept, rows.refused = 9.0, 1.0
+    rows.kept[1], rows.refused[1] = 9.0, 1.0
     assert draft_cost(1) == DRAFT_COST and draft_cost(4) > 0.4 and draft_cost(8) > 0.58
-    assert rows.length(8, draft_cost(4)) == 8 and rows.length(8, draft_cost(8)) == 5
-    rows.kept, rows.refused = 1.0, 1.0
-    assert rows.length(8, draft_cost(4)) == 1 and rows.length(8, draft_cost(8)) == 0
+    assert rows.length(1, 8, draft_cost(4)) == 8 and rows.length(1, 8, draft_cost(8)) == 5
+    rows.kept[1], rows.refused[1] = 1.0, 1.0
+    assert rows.length(1, 8, draft_cost(4)) == 1 and rows.length(1, 8, draft_cost(8)) == 0
 
 
 def test_a_row_not_worth_one_draft_waits_then_sends_one() -> None:
-    """A row whose estimate is below even one draft's cost decodes as usual for 1, 2, 4 ..
-    decodes, then sends one draft to learn again (its estimate moves only by verifications)."""
+    """A class whose estimate is below even one draft's cost sends one after 1, 2, 4 ..
+    decodes (its estimate moves only by verifications); a match of one token, whose prior is
+    below the cost, never drafts."""
     spec = Speculation(SPEC)
-    sim = Sim()
-    sim.add("a", CYCLE + CYCLE[:5], max_new_tokens=60)
-    req = sim.planner.requests.reqs["a"]
-    req.draft_state = RowDrafts(NgramDrafts(1, 3, 4), kept=0.0, refused=5.0)
-    sent = []
-    for _ in range(10):
-        drafts = spec.draft(req, 1)
-        assert drafts is not None
-        sent.append(len(drafts))
-    assert sent == [0, 1, 0, 0, 1, 0, 0, 0, 0, 1]
+    req = copying_row(spec, CYCLE + CYCLE[:5])
+    req.draft_state = RowDrafts(NgramDrafts(1, 3, 4))
+    req.draft_state.kept[3], req.draft_state.refused[3] = 0.0, 5.0
+    assert [len(spec.draft(req, 1) or ()) for _ in range(10)] == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0]
+    short = copying_row(spec, [7, 8, 9, 7])  # "7" occurred once: a match of one token
+    assert not any(spec.draft(short, 1) for _ in range(40))
 
 
 def test_sampling_that_edits_per_token_never_drafts() -> None:
