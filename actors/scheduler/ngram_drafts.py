@@ -16,8 +16,8 @@ Invariants:
   longer n-gram before a shorter one.
 - `match` also says how long the agreement is: the n-gram's n, extended backwards past it
   token by token up to MATCH_CAP. The longer it is, the likelier the drafts are kept (on
-  SmolLM2's copy and prose answers, a draft after a match of 1 was kept 14-18% of the time,
-  after 4-7 about 80-90%, after 8 or more 76-98%: bench/README.md), which is what
+  SmolLM2's copy and prose answers, the first draft after a match of 1 was kept 14-18% of
+  the time, after 4-7 76-100%, after 8 or more 76-98%: bench/README.md), which is what
   speculation.py decides on.
 """
 

@@ -45,9 +45,9 @@ KEEP_MEMORY = 0.8  # how much of a row's earlier verifications its estimate keep
 MATCH_BOUNDS = (1, 2, 3, 7)
 # Each class's prior, as drafts kept against one refusal (a chance of kept / (kept + 1) that a
 # draft is kept after the one before): 0.09, 0.5, 0.67, 0.8, 0.89. Fitted loosely to SmolLM2's
-# greedy answers to bench/speculative.py's prompts (0.14-0.18 of drafts after a 1-token match
-# kept, 0.3-0.4 after 2, 0.5-0.8 after 3, 0.8-0.9 after 4-7, 0.76-0.98 after 8+;
-# bench/README.md): on those answers replayed through this policy, against the single
+# greedy answers to bench/speculative.py's prompts (the first draft kept after 14-18% of the
+# 1-token matches, 31-43% of 2, 53-82% of 3, 76-100% of 4-7, 76-98% of 8+; bench/README.md):
+# on those answers replayed through this policy (bench/spec_replay.py), against the single
 # estimate and backoff before it, the copy prompts' cost fell 6-20%, the prose ones' 1-13%.
 PRIOR_KEPT = (0.1, 1.0, 2.0, 4.0, 8.0)
 MAX_BACKOFF = 16
@@ -172,6 +172,7 @@ class Speculation:
         if waits:  # its tokens known so far: the one on its way makes a match one longer at most
             agree += 1
         elif not drafts:
+            rows.owed = False
             return ()
         cls = match_class(agree)
         cost = draft_cost(decoding)

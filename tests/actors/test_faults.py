@@ -361,6 +361,7 @@ async def test_a_grammar_that_cannot_go_on_ends_its_row_alone(make_engine: Engin
     await engine.check_integrity()
 
 
+@pytest.mark.usefixtures("eager_drafts")  # drafts at every match (conftest.py)
 async def test_a_verification_that_fails_fails_its_step_and_the_engine_serves_on(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

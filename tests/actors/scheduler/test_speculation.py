@@ -201,6 +201,23 @@ def test_a_row_not_worth_one_draft_waits_then_sends_one() -> None:
     assert not any(spec.draft(short, 1) for _ in range(40))
 
 
+def test_a_row_with_a_token_on_its_way_waits_only_for_a_match_worth_drafts() -> None:
+    """Its token on its way makes the known match one token longer at most: a row waits for
+    it (None, no overlap) when that match is worth drafts, else decodes overlapped."""
+    spec = Speculation(SPEC)
+    for prompt, waits, then in (
+        (CYCLE + CYCLE[:5], True, 4),  # 5 tokens agree, 6 with the next: worth 4 (at most)
+        ([7, 8, 9, 7], True, 0),  # one, two with the next: worth 2; in, it agreed in one
+        ([7, 8, 9, 10], False, 0),  # none, one with the next: worth none
+    ):
+        req = copying_row(spec, prompt)
+        req.pending = 1
+        assert (spec.draft(req, 1) is None) == waits, prompt
+        req.pending = 0  # (its token in: the same tokens here)
+        drafts = spec.draft(req, 1)
+        assert drafts is not None and len(drafts) == then, prompt
+
+
 def test_sampling_that_edits_per_token_never_drafts() -> None:
     assert drafts_allowed(SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1))
     for refused in (
