@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from shoal.actors.executor.device_state import DeviceState
 from shoal.actors.executor.stages import Stage, split_layers, stage_devices
 from shoal.actors.executor.streams import StepStreams
-from shoal.config import EngineOptions, Resolved
+from shoal.config import EngineOptions
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import AttentionBackend
 from shoal.kernels.cpu_kernels import CpuKernels
@@ -22,6 +22,7 @@ from shoal.models.kv_pool import KVPool
 from shoal.models.layout import Part
 from shoal.models.load import LoadedModel
 from shoal.models.registry import family_of
+from shoal.resolve_options import Resolved
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ from shoal.actors.supervise import FaultInjector
 from shoal.actors.tokenizer.tokenizer import Tokenizer
 from shoal.actors.transfer_messages import TransferMsg
 from shoal.cache.kv import KVCache
-from shoal.config import EngineOptions, Resolved
+from shoal.config import EngineOptions
 from shoal.disagg.backend import LocalFabric
 from shoal.models.load import LoadedModel
+from shoal.resolve_options import Resolved
 from shoal.results import EngineDeadError
 
 log = logging.getLogger("shoal")

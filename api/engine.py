@@ -46,13 +46,14 @@ from shoal.api.testing import EngineTesting
 from shoal.api.weight_calls import WeightCalls
 from shoal.api.weight_groups import WeightGroups
 from shoal.cache.stats import KVStats
-from shoal.config import EngineOptions, Resolved
+from shoal.config import EngineOptions
 from shoal.disagg.backend import LocalFabric
 from shoal.disagg.bootstrap import BootstrapServer
 from shoal.limits import check_prompt_size
 from shoal.loading.hf_tokenizer import HFTokenizer
 from shoal.models.load import LoadedModel
 from shoal.params import Bootstrap, ChatTemplateArgs, SamplingParams
+from shoal.resolve_options import Resolved
 from shoal.results import (
     EngineDeadError,
     FlushResult,

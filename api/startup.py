@@ -35,7 +35,7 @@ from shoal.actors.supervise import FaultInjector
 from shoal.actors.wiring import Actors, start_actors
 from shoal.api.fresh_thread import in_fresh_thread
 from shoal.api.http.bootstrap_listener import listener_rules
-from shoal.config import EngineOptions, Resolved, resolve, resolve_device
+from shoal.config import EngineOptions
 from shoal.disagg.backend import LocalFabric
 from shoal.disagg.bootstrap import BootstrapServer
 from shoal.heap import trim_host_heap
@@ -44,6 +44,7 @@ from shoal.kernels.cpu_kernels import CpuKernels, KernelUnavailable, load_cpu_ke
 from shoal.loading.loader import default_cache_dir
 from shoal.memory import DeviceMemory, measure_device_memory
 from shoal.models.load import LoadedModel, load_model
+from shoal.resolve_options import Resolved, resolve, resolve_device
 
 log = logging.getLogger("shoal")
 

@@ -67,8 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from shoal.config import EngineOptions, resolve_device
+    from shoal.config import EngineOptions
     from shoal.models.load import load_model
+    from shoal.resolve_options import resolve_device
 
     options: dict[str, Any] = {
         "device": args.device,

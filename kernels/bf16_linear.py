@@ -1,5 +1,5 @@
 """bfloat16 weights on the CPU, multiplied by the matrix units (`dtype="bfloat16"` on the CPU,
-the default where the CPU has AMX or AVX512-BF16; config.py).
+the default where the CPU has AMX or AVX512-BF16; resolve_options.py).
 
 The weight is held in bfloat16 in oneDNN's blocked layout for its matmul, packed once at load;
 a call rounds x to bfloat16, multiplies (AMX tiles where the CPU has them, AVX512-BF16 dot
@@ -9,7 +9,7 @@ stays float32, so the only rounding is of the matmuls' inputs and products to bf
 bfloat16 engine rounds them.
 
 On a CPU oneDNN has no bfloat16 kernel for (AVX2 only), a call multiplies in bfloat16 through
-`F.linear`, correct and slow: config.py takes float32 by default there.
+`F.linear`, correct and slow: resolve_options.py takes float32 by default there.
 
 Measured on the Intel Xeon (AMX) of bench/README.md, SmolLM2's 30 layers of projections,
 2 threads (bench/linear_kinds.py): 16 rows 6.8 ms against 17.8 for oneDNN float32 and 20.7 for

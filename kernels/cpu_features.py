@@ -2,7 +2,8 @@
 
 Every start reads the CPU's model and features (Linux's /proc/cpuinfo, and torch's own checks,
 which also ask the OS: AMX needs its permission) and picks its kernels from them without a
-flag (config.py); `python -m shoal serve` logs the pick at start and every bench line names it.
+flag (resolve_options.py); `python -m shoal serve` logs the pick at start and every bench line
+names it.
 
     feature        used by
     avx2           the compiled kernels' AVX2 build (csrc, kernel_build.py)

@@ -117,7 +117,7 @@ async def make_engine(tiny_model: LoadedModel) -> AsyncIterator[EngineFactory]:
         options.setdefault("strict_integrity", True)
         options.setdefault("seed", 0)
         # The tests hold greedy tokens to transformers' in float32: on a CPU with AMX or
-        # AVX512-BF16 dtype auto is bfloat16 (config.py), whose own tests ask for it
+        # AVX512-BF16 dtype auto is bfloat16 (resolve_options.py), whose own tests ask for it
         # (tests/kernels/test_bf16.py).
         options.setdefault("dtype", "float32")
         engine = await Engine(model or tiny_model, **options).start()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.config import CHOICES, CPU_MIXED_PREFILL_TOKENS, EngineOptions, resolve
+from shoal.config import CHOICES, EngineOptions
 from shoal.kernels.cpu_features import CpuFeatures
+from shoal.resolve_options import CPU_MIXED_PREFILL_TOKENS, resolve
 
 
 @pytest.mark.parametrize(
@@ -42,7 +43,7 @@ def test_a_closed_set_is_its_fields_literal() -> None:
 def test_auto_on_a_machine_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     # a CPU without AMX (auto on one with it: tests/kernels/test_bf16.py)
     epyc = CpuFeatures("AMD EPYC 7B13", frozenset({"avx2"}))
-    monkeypatch.setattr("shoal.config.read_cpu_features", lambda: epyc)
+    monkeypatch.setattr("shoal.resolve_options.read_cpu_features", lambda: epyc)
     resolved = resolve(EngineOptions(), model_context=8192)
     assert resolved.device == torch.device("cpu") and resolved.dtype == torch.float32
     assert resolved.attention == "cpu" and resolved.cuda_graph_max_batch == 0  # the C++ kernel
@@ -78,9 +79,9 @@ def test_the_mixed_prefill_cap_is_64_on_the_cpu_and_none_on_a_gpu(
         options = EngineOptions(device="cpu", max_mixed_prefill_tokens=given)
         assert resolve(options, model_context=8192).mixed_prefill_tokens == given
     monkeypatch.setattr(
-        "shoal.config.resolve_device", lambda _: (torch.device("cuda"), torch.bfloat16)
+        "shoal.resolve_options.resolve_device", lambda _: (torch.device("cuda"), torch.bfloat16)
     )
-    monkeypatch.setattr("shoal.config.resolve_attention", lambda *_: "torch")
+    monkeypatch.setattr("shoal.resolve_options.resolve_attention", lambda *_: "torch")
     gpu = EngineOptions(kv_cache_tokens=4096)
     assert resolve(gpu, model_context=8192).mixed_prefill_tokens == 0
     options = EngineOptions(kv_cache_tokens=4096, max_mixed_prefill_tokens=128)

@@ -12,8 +12,8 @@ function or under TYPE_CHECKING counts too.
     actors    the actors                                        over all of the above
     api       the doors                                         over everything
 
-The top-level modules (results.py, params.py, limits.py, config.py, memory.py, heap.py) are the
-vocabulary every part shares.
+The top-level modules (results.py, params.py, limits.py, config.py, resolve_options.py,
+memory.py, heap.py) are the vocabulary every part shares.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TOP_MODULES = ("results", "params", "limits", "config", "memory", "heap")
+TOP_MODULES = ("results", "params", "limits", "config", "resolve_options", "memory", "heap")
 VOCABULARY = tuple(f"shoal.{name}" for name in TOP_MODULES)
 
 # folder -> what its files may import of shoal (its own folder always)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.config import EngineOptions, resolve
+from shoal.config import EngineOptions
 from shoal.memory import CPU_KV_CACHE_TOKENS, GPU_MEMORY_FRACTION, DeviceMemory, kv_cache_tokens
+from shoal.resolve_options import resolve
 
 GIB = 2**30
 # An 8B Llama in bf16 on an 80 GB card: 32 layers x K and V x 8 heads x 128 x 2 bytes a token.

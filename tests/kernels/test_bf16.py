@@ -1,6 +1,6 @@
 """bfloat16 weights on the CPU (kernels/bf16_linear.py, `dtype="bfloat16"` there and the
 default on a CPU with AMX or AVX512-BF16): the linear against float matmul on
-bfloat16-rounded inputs, how config.py picks it from the CPU's features, an engine on it
+bfloat16-rounded inputs, how resolve_options.py picks it from the CPU's features, an engine on it
 (generation, weight updates, sessions), and its quality on SmolLM2."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from weight_kinds import (
     prompts,
 )
 
-from shoal.config import EngineOptions, resolve
+from shoal.config import EngineOptions
 from shoal.kernels import cpu_features
 from shoal.kernels.bf16_linear import (
     HEAD_CANDIDATES,
@@ -30,6 +30,7 @@ from shoal.kernels.bf16_linear import (
 from shoal.kernels.cpu_features import CpuFeatures, kernel_report
 from shoal.kernels.linear import make_linear
 from shoal.models.load import load_model
+from shoal.resolve_options import resolve
 
 needs_onednn_bf16 = pytest.mark.skipif(
     not onednn_bf16_available(), reason="oneDNN has no bfloat16 matmul on this CPU"
@@ -112,7 +113,7 @@ def fake_cpu(monkeypatch: pytest.MonkeyPatch, cpu: CpuFeatures) -> None:
     """The CPU `cpu` as the engine reads it: its flags, and oneDNN's own check of the matrix
     units as its flags say (on a CPU with AVX512-BF16 and no AMX, oneDNN's bfloat16 matmul runs
     without tiles, so `needs_onednn_bf16` passes while the real check would say no AMX)."""
-    monkeypatch.setattr("shoal.config.read_cpu_features", lambda: cpu)
+    monkeypatch.setattr("shoal.resolve_options.read_cpu_features", lambda: cpu)
     monkeypatch.setattr(cpu_features, "amx_bf16", lambda: cpu.amx_bf16)
 
 

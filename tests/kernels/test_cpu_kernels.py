@@ -16,7 +16,7 @@ from dense_attention import dense_outputs, poison_before_windows
 
 from shoal.api.engine import Engine
 from shoal.api.startup import cpu_kernels
-from shoal.config import EngineOptions, Resolved, resolve
+from shoal.config import EngineOptions
 from shoal.kernels import cpu_kernels as cpu_kernels_module
 from shoal.kernels.attention import TorchAttention, store_kv
 from shoal.kernels.batch import BatchShape
@@ -32,6 +32,7 @@ from shoal.kernels.linear import (
 from shoal.kernels.rope import cos_sin_table, inv_frequencies
 from shoal.models.load import LoadedModel
 from shoal.params import SamplingParams
+from shoal.resolve_options import Resolved, resolve
 
 
 @pytest.fixture(scope="module")

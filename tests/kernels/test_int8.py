@@ -18,7 +18,7 @@ from weight_kinds import (
     prompts,
 )
 
-from shoal.config import EngineOptions, resolve, resolve_linear
+from shoal.config import EngineOptions
 from shoal.kernels.int8_rows import MANY_ROWS_PANELS, MANY_ROWS_TILES, many_rows
 from shoal.kernels.linear import make_linear
 from shoal.kernels.quant import (
@@ -33,6 +33,7 @@ from shoal.kernels.quant import (
 from shoal.models.llama import LLAMA
 from shoal.models.load import load_model
 from shoal.models.weights import linear_weights
+from shoal.resolve_options import resolve, resolve_linear
 
 # Weights are int8 in blocks of 32 (relative step 1/127 of a block's largest weight) and
 # activations int16 (1/32767), so a product is off by well under 1% of its size.

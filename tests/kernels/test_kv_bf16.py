@@ -27,12 +27,13 @@ from weight_kinds import (
 )
 
 from shoal import Engine
-from shoal.config import EngineOptions, resolve, resolve_kv_dtype
+from shoal.config import EngineOptions
 from shoal.disagg.layout import KVLayout
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.cpu_features import read_cpu_features
 from shoal.kernels.cpu_kernels import CpuKernels, DecodeKernel
 from shoal.models.load import LoadedModel, load_model
+from shoal.resolve_options import resolve, resolve_kv_dtype
 
 BF16 = torch.bfloat16
 HAS_TILES = "amx_bf16" in read_cpu_features().flags
