@@ -222,7 +222,7 @@ class DeviceState:
             routed,
             drafts,
         )
-        verifying = None if drafts is None else (drafts, out.draft_logits)
+        verifying = None if drafts is None else (drafts, out.verified)
         return self._sample(out.logits, step, asks, out.prompt, routed, out.experts, verifying)
 
     def _sample(
@@ -248,9 +248,9 @@ class DeviceState:
         next_tokens = self.slots.sample(edited, rows, rows_host)
         emitted = None
         if verifying is not None:
-            drafts, draft_logits = verifying
-            assert draft_logits is not None and not self.slots.tracked[drafts.rows_host].any()
-            emitted = drafts.verify_slots(draft_logits, logits, next_tokens, self.slots)
+            drafts, both = verifying
+            assert both is not None and not self.slots.tracked[drafts.rows_host].any()
+            emitted = drafts.verify_slots(both, next_tokens, self.slots)
         self.last_token.index_copy_(0, rows, next_tokens)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)
         want: list[tuple[int, int, int]] = []
@@ -324,12 +324,12 @@ class DeviceState:
         if drafts is None:
             logits = stage.model.head(h, sample_index)
         else:
-            both = stage.model.head(h, torch.cat((sample_index, drafts.places)))
-            logits, draft_logits = both[: len(rows)], both[len(rows) :]
+            both = stage.model.head(h, torch.cat((drafts.places, sample_index)))
+            logits = both[len(drafts.places) :]
         next_tokens = sample(logits, rows, self.eos_token_ids)
         emitted = None
         if drafts is not None:
-            emitted = drafts.verify_views(draft_logits, logits, next_tokens, rows)
+            emitted = drafts.verify_views(both, next_tokens, rows)
         if states:
             self.last_token[rows_t] = next_tokens.to(self.last_token.device)
         to_copy: tuple[torch.Tensor, ...] = (next_tokens,)

@@ -2,9 +2,9 @@
 the host: which logits verify which drafts, the verification, and its tokens back.
 
     drafts = draft_asks(launch, device)        # None: no sequence drafts (every plain step)
-    logits = model.head(h, cat(sample_index, drafts.places))   # one head for both
-    next_tokens = slots.sample(logits[:S], ...)                # as every step
-    emitted = drafts.verify_slots(logits[S:], logits[:S], next_tokens, slots)
+    both = model.head(h, cat(drafts.places, sample_index))     # one head: drafts', then S
+    next_tokens = slots.sample(both[D:], ...)                  # as every step
+    emitted = drafts.verify_slots(both, next_tokens, slots)
     ... emitted goes to the host with the step's tokens ...
     drafts.unpack(emitted on the host)         # StepResult.drafted
 
@@ -51,7 +51,7 @@ from shoal.kernels.speculative import verify_sampled, verify_targets
 @dataclass(frozen=True)
 class DraftAsks:
     places: torch.Tensor  # int64 [D]: flat-batch places whose logits verify a draft
-    index: torch.Tensor  # int64 [R, K + 1]: each row's places in cat(draft logits, sampled)
+    index: torch.Tensor  # int64 [R, K + 1]: each row's places in `both` (below)
     drafts: torch.Tensor  # int64 [R, K]: each row's drafts, -1 past its length
     lengths: torch.Tensor  # int64 [R]
     lengths_host: tuple[int, ...]
@@ -62,18 +62,18 @@ class DraftAsks:
 
     def verify(
         self,
-        draft_logits: torch.Tensor,
-        logits: torch.Tensor,
+        both: torch.Tensor,
         next_tokens: torch.Tensor,
         greedy: np.ndarray,
         columns_of: Callable[[np.ndarray], SamplingColumns],
     ) -> torch.Tensor:
         """Each row's emitted tokens [R, K + 1] (its kept drafts, then one more, then -1);
-        writes its last into `next_tokens`. `greedy`: bool [R], the rows sampling greedily;
+        writes its last into `next_tokens`. `both`: [D + S, V], the drafts' places' logits
+        (`places`), then the step's S sampling places' (the head makes them in that order,
+        so that no copy joins them). `greedy`: bool [R], the rows sampling greedily;
         `columns_of(at)`: the sampling columns of the rows at `at` (all sampled), with the
         seed counters of this step's draw. The caller then moves each row's seed counter on
         by its k draws past the one every sampling row makes (`lengths`)."""
-        both = torch.cat((draft_logits, logits))
         emitted = torch.empty_like(self.index)
         device = self.index.device
         if greedy.any():
@@ -90,11 +90,7 @@ class DraftAsks:
         return emitted
 
     def verify_slots(
-        self,
-        draft_logits: torch.Tensor,
-        logits: torch.Tensor,
-        next_tokens: torch.Tensor,
-        slots: SamplingSlots,
+        self, both: torch.Tensor, next_tokens: torch.Tensor, slots: SamplingSlots
     ) -> torch.Tensor:
         """`verify` for rows whose parameters live in `slots` (one executor stage)."""
         rows_host, device = self.rows_host, self.rows.device
@@ -103,14 +99,10 @@ class DraftAsks:
             return slots.columns(torch.from_numpy(rows_host[at]).to(device), rows_host[at])
 
         greedy = slots.greedy(rows_host)
-        return self.verify(draft_logits, logits, next_tokens, greedy, columns_of)
+        return self.verify(both, next_tokens, greedy, columns_of)
 
     def verify_views(
-        self,
-        draft_logits: torch.Tensor,
-        logits: torch.Tensor,
-        next_tokens: torch.Tensor,
-        rows: Sequence[SamplingRow],
+        self, both: torch.Tensor, next_tokens: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> torch.Tensor:
         """`verify` for rows sampled from their views (pipeline stages' last stage): `rows`
         are the step's sampling rows, in order."""
@@ -120,10 +112,10 @@ class DraftAsks:
             chosen = [views[i] for i in at.tolist()]
             counters = [stream_counter(view.seed, view.step) for view in chosen]
             params = [view.params for view in chosen]
-            return sampling_columns(params, counters, logits.shape[1], logits.device)
+            return sampling_columns(params, counters, both.shape[1], both.device)
 
         greedy = np.array([view.params.temperature < MIN_TEMPERATURE for view in views])
-        return self.verify(draft_logits, logits, next_tokens, greedy, columns_of)
+        return self.verify(both, next_tokens, greedy, columns_of)
 
     def _sampled(self, both: torch.Tensor, at: torch.Tensor, base: SamplingColumns) -> torch.Tensor:
         """Rejection sampling for the sampled rows `at`, whose columns are `base`:

@@ -5,8 +5,9 @@
 - a decode graph replays (cuda_graphs.py) when every entry of the batch is one token and no
   prompt logprobs or routed experts ask for the layers' hidden states: plain decodes get
   their logits as they are, and speculating decodes (one entry a position:
-  step_inputs._shape) every entry's, the sampling places' and the drafts' taken from them;
-- eagerly, one head over the sampling places and the drafts' places, when prompt logprobs
+  step_inputs._shape) every entry's, the drafts' places' and the sampling places' taken
+  from them;
+- eagerly, one head over the drafts' places and the sampling places, when prompt logprobs
   (from the same hidden states), routed experts (recorded by the layer loop) or drafts that
   no graph holds ask for more than the sampled logits;
 - else the model's forward (on the CPU, the fused decode).
@@ -33,7 +34,9 @@ if TYPE_CHECKING:
 
 class StepLogits(NamedTuple):
     logits: torch.Tensor  # [S, V]: the sampling places'
-    draft_logits: torch.Tensor | None = None  # [D, V]: the drafts' places (drafts.places)
+    # [D + S, V] when drafts verify: the drafts' places' (drafts.places), then `logits` (its
+    # tail: one tensor, no copy to join them; draft_asks.py)
+    verified: torch.Tensor | None = None
     prompt: LogprobColumns | None = None  # the asked prompt positions' logprobs
     experts: torch.Tensor | None = None  # the routed places' expert ids
 
@@ -55,9 +58,8 @@ def step_logits(
     if replays and drafts is not None:
         assert graphs is not None
         every = graphs.run(step.ids, step.positions, token_rows(shape, step.ids.device))
-        return StepLogits(
-            every.index_select(0, step.sample_index), every.index_select(0, drafts.places)
-        )
+        verified = every.index_select(0, torch.cat((drafts.places, step.sample_index)))
+        return StepLogits(verified[len(drafts.places) :], verified)
     if replays and drafts is None and num_sampling == len(shape.rows):
         assert graphs is not None
         return StepLogits(graphs.run(step.ids, step.positions, step.sample_rows))
@@ -69,15 +71,15 @@ def step_logits(
         assert model.config.moe is not None
         recorder = routed.recorder(model.config.num_layers, model.config.moe.top_k)
     h = model.run_layers(model.embed(step.ids), step.positions, prepared, kv, recorder)
-    draft_logits = None
+    both = None
     if drafts is None:
         logits = model.head(h, step.sample_index)
     else:
-        both = model.head(h, torch.cat((step.sample_index, drafts.places)))
-        logits, draft_logits = both[:num_sampling], both[num_sampling:]
+        both = model.head(h, torch.cat((drafts.places, step.sample_index)))
+        logits = both[len(drafts.places) :]
     prompt = prompt_logprobs(model, h, asks) if asks is not None else None
     experts = recorder.ids() if recorder is not None else None
-    return StepLogits(logits, draft_logits, prompt, experts)
+    return StepLogits(logits, both, prompt, experts)
 
 
 def prompt_logprobs(model: DecoderModel, h: torch.Tensor, asks: PromptAsks) -> LogprobColumns:
