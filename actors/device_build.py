@@ -76,7 +76,7 @@ def attention_backend(
         return TritonAttention(page_size, num_kv_heads)
     if kernels is None:
         return TorchAttention(page_size)
-    return TorchAttention(page_size, kernels.paged_decode, kernels.store_kv)
+    return TorchAttention(page_size, kernels.paged_decode, kernels.store_kv, kernels.paged_extend)
 
 
 def build_stages(

@@ -1,8 +1,11 @@
-"""The attention kernels alone: Triton against the torch reference, at SmolLM2's head shapes
-(9 query heads over 3 KV heads of 64), on one device, in one process.
+"""The attention kernels alone, at SmolLM2's head shapes (9 query heads over 3 KV heads of 64),
+on one device, in one process: on a GPU Triton against the torch reference; on the CPU the
+compiled kernels (`cpu`: csrc/paged_decode.cpp, csrc/paged_extend.cpp) against it.
 
     python bench/kernels.py --device cuda                    # decode and extend, bf16
     python bench/kernels.py --device cuda --batch 1 64 256 --extend-batch 1 8 --context 1024 4096
+    python bench/kernels.py --device cpu --dtype float32 --batch 1 16 --extend-batch 1 \
+        --context 189 512 1024                               # the KV's dtype; q is float32
     TRITON_INTERPRET=1 python bench/kernels.py --smoke       # tiny shapes on CPU: runs, no figures
 
 Prints one line per kernel, implementation and shape:
@@ -30,8 +33,7 @@ import torch
 from bench_format import machine
 
 from shoal.kernels.attention import TorchAttention
-from shoal.kernels.batch import Attention, BatchShape
-from shoal.kernels.triton.attention import TritonAttention
+from shoal.kernels.batch import Attention, AttentionBackend, BatchShape
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -49,7 +51,8 @@ def make_batch(
     v_cache = torch.randn_like(k_cache)
     new = 1 if decode else context
     shape = BatchShape(tuple(range(batch)), (context - new,) * batch, (new,) * batch)
-    q = torch.randn(batch * new, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    q_dtype = dtype if device == "cuda" else torch.float32  # the CPU's q: float32
+    q = torch.randn(batch * new, NUM_HEADS, HEAD_DIM, dtype=q_dtype, device=device)
     return shape, table, k_cache, v_cache, q
 
 
@@ -72,10 +75,30 @@ def timed(fn: Callable[[], Any], iters: int, device: str) -> float:
     return statistics.median(times)
 
 
+def backends(impls: list[str], page_size: int) -> dict[str, AttentionBackend]:
+    """triton (imports the package), torch (the reference), cpu (the compiled kernels)."""
+    out: dict[str, AttentionBackend] = {}
+    for impl in impls:
+        if impl == "triton":
+            from shoal.kernels.triton.attention import TritonAttention
+
+            out[impl] = TritonAttention(page_size, NUM_KV_HEADS)
+        elif impl == "cpu":
+            from shoal.kernels.cpu_kernels import load_cpu_kernels
+            from shoal.loading.loader import default_cache_dir
+
+            k = load_cpu_kernels(default_cache_dir())
+            out[impl] = TorchAttention(page_size, k.paged_decode, k.store_kv, k.paged_extend)
+        else:
+            out[impl] = TorchAttention(page_size)
+    return out
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     dtype = getattr(torch, args.dtype)
     scale = HEAD_DIM**-0.5
     lines = []
+    chosen = backends(args.impls, args.page_size)
     for op, batches in (("decode", args.batch), ("extend", args.extend_batch)):
         for batch in batches:
             for context in args.context:
@@ -83,8 +106,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     batch, context, op == "decode", args.page_size, dtype, args.device
                 )
                 impls: dict[str, Attention] = {
-                    "triton": TritonAttention(args.page_size, NUM_KV_HEADS).prepare(table, shape),
-                    "torch": TorchAttention(args.page_size).prepare(table, shape),
+                    name: backend.prepare(table, shape) for name, backend in chosen.items()
                 }
                 for impl, attention in impls.items():
                     step = partial(attention.attend, q, k_cache, v_cache, scale)
@@ -118,12 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--impls", nargs="+", default=None, choices=["triton", "torch", "cpu"],
+        help="default: triton torch on cuda (and --smoke), torch cpu on the CPU",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     parser.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny shapes, 1 iter")
     args = parser.parse_args(argv)
     if args.smoke:
         args.device, args.dtype, args.iters, args.page_size = "cpu", "float32", 1, 4
         args.batch, args.extend_batch, args.context = [2], [2], [40]
+    if args.impls is None:
+        on_gpu = args.device == "cuda" or args.smoke
+        args.impls = ["triton", "torch"] if on_gpu else ["torch", "cpu"]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device (use --smoke on CPU)")
     lines = run(args)

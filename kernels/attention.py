@@ -1,4 +1,5 @@
-"""Paged attention, torch reference (the CPU path; Triton kernels must match these).
+"""Paged attention on the CPU and its torch reference (Triton kernels must match these): a step's
+metadata, built once and shared by its layers (the computation: paged_reference.py).
 
 KV layout, one pair of tensors per layer::
 
@@ -13,16 +14,18 @@ New K/V are stored first, so attention reads everything from the pages.
 
 Decodes go one of two ways: with a compiled kernel (cpu_kernels.py, the CPU default) all of a
 step's decodes are one call that reads the pages in place; without one they are gathered page by
-page into padded length groups and attended with SDPA. Multi-token chunks always take SDPA.
+page into padded length groups and attended with SDPA. Multi-token chunks likewise: with the
+compiled extend kernel all of a step's chunks are one call (csrc/paged_extend.cpp), except in a
+layer with a sliding window or soft-capped logits; else each is gathered and given to SDPA.
 
 A layer may attend through a sliding window of W keys (a query at position p sees the keys
 p - W < k <= p; Mistral, Gemma, Phi-3) and soft-cap its logits (Gemma 2: scores become
 c * tanh(scores / c) before the mask). Pages wholly before a sequence's window may already be
 freed and reused, so nothing reads them: the gathers start at the window's first page
 (`window_views`, built once per step and window) and the compiled kernel at its first key.
-Soft-capped logits take an explicit softmax (`capped_attention`), as SDPA has no cap.
+Soft-capped logits take an explicit softmax (paged_reference.py), as SDPA has no cap.
 A bfloat16 cache (`kv_cache_dtype`): stores round into it, the gathers widen what they read
-(docs/cpu-step.md: why not SDPA in bfloat16); the compiled decode kernel reads it as it is.
+(docs/cpu-step.md: why not SDPA in bfloat16); the compiled kernels read it as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from shoal.kernels.attention_views import (
     DecodePages,
@@ -40,17 +42,9 @@ from shoal.kernels.attention_views import (
     window_views,
 )
 from shoal.kernels.batch import BatchShape
-from shoal.kernels.cpu_kernels import DecodeKernel, StoreKernel
-
-
-@dataclass(frozen=True)
-class KernelDecodes:
-    """All of a step's decode sequences, for a compiled kernel reading the pages in place."""
-
-    kernel: DecodeKernel
-    token_index: torch.Tensor  # [B_dec] int64: which of the T tokens each decode is
-    page_ids: torch.Tensor  # [B_dec, P_max] int64: each sequence's pages (past its last: any)
-    seq_lens: torch.Tensor  # [B_dec] int64
+from shoal.kernels.cpu_kernels import DecodeKernel, ExtendKernel, StoreKernel
+from shoal.kernels.kernel_views import KernelDecodes, KernelExtends
+from shoal.kernels.paged_reference import paged_attention
 
 
 @dataclass(frozen=True)
@@ -67,6 +61,7 @@ class AttentionMetadata:
     kernel_decodes: KernelDecodes | None = None  # set: `decodes` is empty
     store_kernel: StoreKernel | None = None  # compiled store_kv (cpu_kernels.py), else torch's
     max_seq_len: int = 0  # a window at least this long masks nothing
+    kernel_extends: KernelExtends | None = None  # `extends` too, for an unwindowed, uncapped layer
     windowed: dict[int, Views] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -101,25 +96,31 @@ class AttentionMetadata:
             views = self.windowed[window]
         else:
             window = None
+        extends = self.kernel_extends if window is None and softcap is None else None
+        if extends is not None:
+            views = Views(views.decodes, ())
         return paged_attention(
             q, k_cache, v_cache, views, self.kernel_decodes, self.page_size, scale, window,
-            softcap,
+            softcap, extends,
         )  # fmt: skip
 
 
 class TorchAttention:
     """The reference backend: gathers each sequence's pages and calls SDPA (any device); with
-    a decode kernel (the "cpu" backend), decodes go to the kernel instead."""
+    a decode kernel (the "cpu" backend), decodes go to the kernel instead, and with an extend
+    kernel, chunks."""
 
     def __init__(
         self,
         page_size: int,
         decode_kernel: DecodeKernel | None = None,
         store_kernel: StoreKernel | None = None,
+        extend_kernel: ExtendKernel | None = None,
     ) -> None:
         self.page_size = page_size
         self.decode_kernel = decode_kernel
         self.store_kernel = store_kernel
+        self.extend_kernel = extend_kernel
         self.name = "torch" if decode_kernel is None else "cpu"
 
     def prepare(self, page_table: torch.Tensor, shape: BatchShape) -> AttentionMetadata:
@@ -131,6 +132,7 @@ class TorchAttention:
             self.page_size,
             self.decode_kernel,
             self.store_kernel,
+            self.extend_kernel,
         )
 
 
@@ -141,6 +143,7 @@ def build_metadata(
     page_size: int,
     decode_kernel: DecodeKernel | None = None,
     store_kernel: StoreKernel | None = None,
+    extend_kernel: ExtendKernel | None = None,
 ) -> AttentionMetadata:
     """page_table_rows: [B, max_pages] page ids of each sequence's row (host tensor).
 
@@ -161,14 +164,8 @@ def build_metadata(
     decode_ids = [i for i, n in enumerate(extend_lens) if n == 1]
     kernel_decodes = None
     if decode_kernel is not None and decode_ids:
-        ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
-        max_pages = -(-max(seq_lens[i] for i in decode_ids) // page_size)
-        kernel_decodes = KernelDecodes(
-            kernel=decode_kernel,
-            token_index=first_token[ids],
-            page_ids=pages[ids, :max_pages].contiguous(),
-            seq_lens=torch.tensor([seq_lens[i] for i in decode_ids], device=device),
-        )
+        kernel_decodes = KernelDecodes.of(decode_kernel, decode_ids, pages, first_token, seq_lens,
+                                          page_size)  # fmt: skip
         decode_ids = []
     decodes = []
     for group in length_groups(decode_ids, seq_lens, page_size):
@@ -197,9 +194,14 @@ def build_metadata(
             page_ids = pages[i, : -(-seq_len // page_size)]
             extends.append(ExtendSeq(token_start, n_new, seq_len, page_ids, mask))
         token_start += n_new
+    kernel_extends = None
+    if extend_kernel is not None and extends:
+        chunk_ids = [i for i, n in enumerate(extend_lens) if n > 1]
+        kernel_extends = KernelExtends.of(extend_kernel, chunk_ids, pages, first_token, new_counts,
+                                          seq_lens, page_size)  # fmt: skip
     return AttentionMetadata(
         slot_mapping, page_size, tuple(decodes), tuple(extends), kernel_decodes, store_kernel,
-        max(seq_lens, default=0),
+        max(seq_lens, default=0), kernel_extends=kernel_extends,
     )  # fmt: skip
 
 
@@ -213,88 +215,3 @@ def store_kv(
     """Write the new tokens' K/V ([T, Hkv, D]) into their slots (rounded to the cache's dtype)."""
     k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    views: Views,
-    kernel_decodes: KernelDecodes | None,
-    page_size: int,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """q: [T, H, D] for the new tokens; returns [T, H, D]. K/V of new tokens already stored.
-    `views` are already trimmed to `window`, which only the compiled kernel still needs."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense even when q is a view
-    fused = kernel_decodes
-    if fused is not None:
-        fused.kernel(
-            q, k_cache, v_cache, fused.page_ids, fused.seq_lens, fused.token_index,
-            page_size, scale, out, window or 0, softcap or 0.0,
-        )  # fmt: skip
-    for dec in views.decodes:
-        qd = q[dec.token_index].unsqueeze(2)  # [B, H, 1, D]
-        kd = gather_pages(k_cache, dec.page_ids, page_size).to(q.dtype).transpose(1, 2)
-        vd = gather_pages(v_cache, dec.page_ids, page_size).to(q.dtype).transpose(1, 2)
-        if softcap is None:
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=dec.key_mask, scale=scale, enable_gqa=True
-            )
-        else:
-            od = capped_attention(qd, kd, vd, dec.key_mask, scale, softcap)
-        out[dec.token_index] = od.squeeze(2)
-    for ext in views.extends:
-        end = ext.token_start + ext.num_new
-        num_keys = ext.seq_len - ext.key_start
-        qe = q[ext.token_start : end].transpose(0, 1)  # [H, n, D]
-        ke = gather_pages(k_cache, ext.page_ids[None], page_size)[0, :num_keys]
-        ve = gather_pages(v_cache, ext.page_ids[None], page_size)[0, :num_keys]
-        ke, ve = ke.to(q.dtype).transpose(0, 1), ve.to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
-        if softcap is None:
-            # Batched as [1, H, n, D]: given 3-D tensors SDPA takes its math path on the CPU
-            # (2.3x slower here for a 128-token chunk after 128 cached, 3.7x for a whole
-            # 256-token prompt); given 4-D, its flash kernel.
-            oe = F.scaled_dot_product_attention(
-                qe[None], ke[None], ve[None],  # K, V: [1, Hkv, L, D]
-                attn_mask=ext.mask, is_causal=ext.mask is None, scale=scale, enable_gqa=True,
-            )[0]  # fmt: skip
-        else:
-            mask = ext.mask
-            if mask is None:
-                mask = torch.ones(ext.num_new, num_keys, dtype=torch.bool, device=q.device).tril()
-            oe = capped_attention(qe, ke, ve, mask, scale, softcap)
-        out[ext.token_start : end] = oe.transpose(0, 1)
-    return out
-
-
-def capped_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """Attention with soft-capped logits, which SDPA cannot do, as Gemma 2's eager forward:
-    q [..., H, n, D], k and v [..., Hkv, L, D], mask (broadcast to [..., 1, n, L]) bool.
-    The query heads sharing a KV head are folded into its rows, so K/V are not repeated."""
-    *batch, heads, num_q, dim = q.shape
-    kv_heads = k.shape[-3]
-    grouped = q.reshape(*batch, kv_heads, heads // kv_heads * num_q, dim)
-    scores = torch.matmul(grouped, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.unflatten(-2, (heads // kv_heads, num_q))  # [..., Hkv, G, n, L]
-    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).flatten(-3, -2)
-    return torch.matmul(probs, v).reshape(q.shape)
-
-
-def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The tokens of whole pages: cache [slots, Hkv, D], page_ids [B, P] -> [B, P * page, Hkv, D]
-    (one index_select of page-sized blocks, far faster than one per token)."""
-    paged = cache.view(-1, page_size, *cache.shape[1:])
-    blocks = paged.index_select(0, page_ids.reshape(-1))
-    return blocks.view(page_ids.shape[0], -1, *cache.shape[1:])

@@ -6,6 +6,9 @@
                    csrc/tile_attention.cpp with a bfloat16 KV, its two products on AMX tiles
                                            where the CPU has them
     store_kv                               the new tokens' K and V into their slots, one op
+    paged_extend   csrc/paged_extend.cpp   a step's prompt chunks attend causally, reading K/V
+                                           in place, a block of keys at a time (no window, no
+                                           soft cap: those layers keep the reference)
     rms_norm       csrc/elementwise.cpp    RMSNorm of rows, in one op
     add_rms_norm                           the residual add and the next RMSNorm, in one op
     rope                                   q and k rotated in place, in one op
@@ -21,7 +24,8 @@
                                            (models/fused_layers.py)
 
 They are what `attention="cpu"` (the default on the CPU in float32) runs: the decode attention
-here, prompt chunks through the torch reference, and the element-wise ops through
+and prompt-chunk attention here (a windowed or soft-capped layer's chunks through the torch
+reference), and the element-wise ops through
 `elementwise.CompiledElementwise` in the model.
 
 The sources are compiled by torch's extension builder (a C++ compiler and ninja are needed)
@@ -53,8 +57,8 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(
     CSRC / name
     for name in (
-        "paged_decode.cpp", "tile_attention.cpp", "elementwise.cpp", "linear.cpp",
-        "block_linear.cpp", "decoder_layers.cpp",
+        "paged_decode.cpp", "paged_extend.cpp", "tile_attention.cpp", "elementwise.cpp",
+        "linear.cpp", "block_linear.cpp", "decoder_layers.cpp",
     )
 )  # fmt: skip
 
@@ -104,12 +108,29 @@ class DecodeKernel(Protocol):
     ) -> None: ...
 
 
+class ExtendKernel(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_new: torch.Tensor,
+        token_start: torch.Tensor,
+        page_size: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None: ...
+
+
 @dataclass(frozen=True)
 class CpuKernels:
     """The loaded ops (signatures in the sources' comments)."""
 
     paged_decode: DecodeKernel
     store_kv: StoreKernel
+    paged_extend: ExtendKernel
     rms_norm: Any
     add_rms_norm: Any
     rope: Any
@@ -159,6 +180,7 @@ def load_cpu_kernels(cache_dir: Path, cancel: threading.Event | None = None) -> 
     return CpuKernels(
         ops.paged_decode,
         ops.store_kv,
+        ops.paged_extend,
         ops.rms_norm,
         ops.add_rms_norm,
         ops.rope,

@@ -26,6 +26,12 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
               const at::Tensor& k, const at::Tensor& v);
 
+// paged_extend.cpp
+void paged_extend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& page_ids, const at::Tensor& seq_lens,
+                  const at::Tensor& num_new, const at::Tensor& token_start, int64_t page_size,
+                  double scale, const at::Tensor& out);
+
 // linear.cpp
 void f32_linear(const at::Tensor& x, const at::Tensor& panels,
                 const std::optional<at::Tensor>& bias, const at::Tensor& out);

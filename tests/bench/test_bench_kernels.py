@@ -1,5 +1,5 @@
-"""bench/kernels.py runs at tiny shapes (the Triton kernels under the interpreter on CPU) and
-prints its fixed format; its figures mean something only on a GPU."""
+"""bench/kernels.py runs at tiny shapes (the Triton kernels under the interpreter on CPU; the
+compiled CPU kernels beside the reference) and prints its fixed format."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from bench_scripts import fields, load_bench
 
-pytest.importorskip("triton", reason="the triton package is not installed")
+from shoal.kernels.cpu_kernels import CpuKernels
 
 
 def test_kernels_benchmark_smoke(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    pytest.importorskip("triton", reason="the triton package is not installed")
     bench = load_bench("kernels", monkeypatch)
     out = tmp_path / "kernels.jsonl"
     assert bench.main(["--smoke", "--out", str(out)]) == 0
@@ -28,3 +29,17 @@ def test_kernels_benchmark_smoke(
     assert [x["gbps"] != "-" for x in lines] == [True, True, False, False]
     assert len(out.read_text().splitlines()) == 4
     assert json.loads(out.read_text().splitlines()[0])["op"] == "decode"
+
+
+def test_kernels_benchmark_cpu_kernels(
+    kernels: CpuKernels, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled kernels beside the reference, a bfloat16 KV: decode and extend lines."""
+    bench = load_bench("kernels", monkeypatch)
+    argv = ["--device", "cpu", "--dtype", "bfloat16", "--batch", "2", "--extend-batch", "1"]
+    assert bench.main([*argv, "--context", "40", "--iters", "1", "--page-size", "4"]) == 0
+    lines = [fields(x) for x in capsys.readouterr().out.splitlines() if x.startswith("kernel ")]
+    assert [(x["op"], x["impl"]) for x in lines] == [
+        ("decode", "torch"), ("decode", "cpu"), ("extend", "torch"), ("extend", "cpu")
+    ]  # fmt: skip
+    assert all(float(x["ms"]) > 0 and x["dtype"] == "bfloat16" for x in lines)
