@@ -1,7 +1,8 @@
 """llama.cpp's side of bench/speculative.py, run by the Python of its own environment
-(llama-cpp-python built for this CPU): one stream of each workload's prompts, greedy, with
-prompt-lookup decoding (`LlamaPromptLookupDecoding`) and without, on the same GGUF. Prints
-one JSON line per (workload, lookup) with its output tokens and seconds.
+(llama-cpp-python built for this CPU): one stream of each workload's first `--prompts` prompts
+one after another, greedy, with prompt-lookup decoding (`LlamaPromptLookupDecoding`) and
+without, on the same GGUF. Prints one JSON line per (workload, lookup, prompt) with its output
+tokens and seconds.
 
     $LLAMA_PY bench/llamacpp_lookup.py --gguf FILE --workload copy prose --max-tokens 256
 """
@@ -25,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gguf", required=True)
     parser.add_argument("--workload", nargs="+", default=list(WORKLOADS))
-    parser.add_argument("--prompt", type=int, default=0, help="which of the workload's prompts")
+    parser.add_argument("--prompts", type=int, default=1, help="the workload's first N prompts")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-pred-tokens", type=int, default=10)
@@ -44,15 +45,17 @@ def main() -> None:
             messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.0
         )
         for workload in args.workload:
-            messages = WORKLOADS[workload](args.prompt)
-            started = time.perf_counter()
-            answer = llm.create_chat_completion(
-                messages=messages, max_tokens=args.max_tokens, temperature=0.0, top_k=1
-            )
-            seconds = time.perf_counter() - started
-            tokens = answer["usage"]["completion_tokens"]
-            line = {"workload": workload, "lookup": lookup, "tokens": tokens, "seconds": seconds}
-            print(json.dumps(line), flush=True)
+            for prompt in range(args.prompts):
+                messages = WORKLOADS[workload](prompt)
+                started = time.perf_counter()
+                answer = llm.create_chat_completion(
+                    messages=messages, max_tokens=args.max_tokens, temperature=0.0, top_k=1
+                )
+                seconds = time.perf_counter() - started
+                tokens = answer["usage"]["completion_tokens"]
+                line = {"workload": workload, "lookup": lookup, "prompt": prompt}
+                line |= {"tokens": tokens, "seconds": seconds}
+                print(json.dumps(line), flush=True)
         del llm
 
 

@@ -5,10 +5,13 @@ decoding on the same GGUF and prompts (one stream: llama-cpp-python serves one a
 
 Each round runs speculation off, then on (one engine at a time, started for its turn), then
 the peer, so that a noisy machine's drift falls on each alike. Greedy, the model's chat
-template; a request's rate is its output tokens over its wall time, prompt included, for
-every system alike (N streams: all their tokens over the round's wall time). shoal's decode
-rate leaves the prompt out: the tokens after each request's first over the time after the
-requests' median first token (one stream: what its reader sees once the answer starts).
+template; a rate is output tokens over wall time, prompt included, for every system alike:
+one stream runs the workload's first `--prompts` prompts (3: all of copy's code blocks) one
+after another, the round's rate their tokens over their summed times, each prompt's own rate
+printed too (`per_prompt`); N streams: N requests at once, all their tokens over the round's
+wall time. shoal's decode rate leaves the prompt out: the tokens after each request's first
+over the time after the requests' median first token (one stream: what its reader sees once
+the answer starts).
 
     python bench/speculative.py                      # bundled SmolLM2 in float32 and int8
     python bench/speculative.py --modes float32 --streams 1 --rounds 3
@@ -18,7 +21,7 @@ requests' median first token (one stream: what its reader sees once the answer s
 Prints per mode, workload and stream count the median of the rounds:
     speculative system=<shoal|llamacpp> mode=<float32|int8|Q4_1> workload=<copy|prose>
                 streams=<n> spec=<off|on> output_tok_s=<x> rounds=<..> decode_tok_s=<x>
-                tokens=<n> machine=<desc>
+                tokens=<n> machine=<desc> [per_prompt=<x,..>: one stream]
     speculative ratio mode=<m> workload=<w> streams=<n> on_over_off=<x>
                 decode_on_over_off=<x> on_over_llamacpp_lookup=<x> acceptance=<x>
                 accepted_per_step=<x>
@@ -54,33 +57,50 @@ async def timed(run: Any) -> tuple[float, int]:
 
 
 async def one_round(
-    engine: Any, workload: str, streams: int, max_tokens: int
-) -> tuple[float, float, int]:
-    """The round's rate (all tokens over its wall time) and its decode rate (the tokens after
-    each request's first over the time after the requests' median first token), its tokens."""
+    engine: Any, workload: str, streams: int, prompts: int, max_tokens: int
+) -> tuple[float, float, int, list[float]]:
+    """The round's rate (all tokens over its wall time), its decode rate (the tokens after each
+    request's first over the time after the requests' median first token), its tokens, and
+    each request's own rate. One stream: the workload's first `prompts` prompts one after
+    another, their times summed; N streams: N requests at once, prompt i % (its prompts)."""
+    waves = [[i] for i in range(prompts)] if streams == 1 else [list(range(streams))]
     messages = WORKLOADS[workload]
-    started = time.perf_counter()
-    runs = [
-        engine.generate(messages=messages(i), max_new_tokens=max_tokens, temperature=0.0)
-        for i in range(streams)
-    ]
-    done = await asyncio.gather(*(timed(r) for r in runs))
-    ended = time.perf_counter()
-    tokens = sum(n for _, n in done)
-    decode = (tokens - streams) / max(ended - median(first for first, _ in done), 1e-9)
-    return tokens / (ended - started), decode, tokens
+    wall = after_first = 0.0
+    tokens = later = 0
+    each = []
+    for wave in waves:
+        started = time.perf_counter()
+        runs = [
+            engine.generate(messages=messages(i), max_new_tokens=max_tokens, temperature=0.0)
+            for i in wave
+        ]
+        done = await asyncio.gather(*(timed(r) for r in runs))
+        ended = time.perf_counter()
+        wave_tokens = sum(n for _, n in done)
+        wall += ended - started
+        after_first += ended - median(first for first, _ in done)
+        tokens += wave_tokens
+        later += wave_tokens - len(wave)
+        each += [n / (ended - started) for _, n in done] if streams == 1 else []
+    return tokens / wall, later / max(after_first, 1e-9), tokens, each
 
 
-def peer_round(python: str, gguf: Path, max_tokens: int) -> dict[tuple[str, bool], float]:
-    """llama.cpp's one-stream rates, lookup off and on, per workload (llamacpp_lookup.py)."""
+def peer_round(
+    python: str, gguf: Path, max_tokens: int, prompts: int
+) -> dict[tuple[str, bool], float]:
+    """llama.cpp's one-stream rates, lookup off and on, per workload (llamacpp_lookup.py): the
+    workload's first `prompts` prompts one after another, their tokens over their times."""
     command = [python, str(HERE / "llamacpp_lookup.py"), "--gguf", str(gguf)]
     command += ["--max-tokens", str(max_tokens), "--threads", str(os.cpu_count() or 1)]
+    command += ["--prompts", str(prompts)]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    rates = {}
+    sums: dict[tuple[str, bool], list[float]] = {}
     for line in out.splitlines():
         item = json.loads(line)
-        rates[(item["workload"], item["lookup"])] = item["tokens"] / item["seconds"]
-    return rates
+        total = sums.setdefault((item["workload"], item["lookup"]), [0.0, 0.0])
+        total[0] += item["tokens"]
+        total[1] += item["seconds"]
+    return {key: tokens / seconds for key, (tokens, seconds) in sums.items()}
 
 
 async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[float]]) -> None:
@@ -101,6 +121,7 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
         rates: dict[tuple[str, str], list[float]] = {}
         decodes: dict[tuple[str, str], list[float]] = {}  # after the first tokens
         tokens: dict[tuple[str, str], int] = {}
+        each: dict[tuple[str, str], list[list[float]]] = {}  # one stream: each prompt's rates
         # speculation's verifications, drafted and kept tokens, per workload
         counted: dict[str, list[int]] = {w: [0, 0, 0] for w in WORKLOADS}
         for _ in range(args.rounds):
@@ -109,10 +130,11 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
                     await engine.generate(prompt="warm up", max_new_tokens=8).result()
                     for workload in WORKLOADS:
                         before = await engine.snapshot()
-                        rate, decode, count = await one_round(
-                            engine, workload, streams, args.max_tokens
+                        rate, decode, count, own = await one_round(
+                            engine, workload, streams, args.prompts, args.max_tokens
                         )
                         rates.setdefault((workload, name), []).append(rate)
+                        each.setdefault((workload, name), []).append(own)
                         decodes.setdefault((workload, name), []).append(decode)
                         tokens[(workload, name)] = count
                         after = await engine.snapshot()
@@ -125,7 +147,7 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
                         counted[workload] = [a + b for a, b in zip(total, moved, strict=True)]
             if args.gguf is not None and streams == 1 and args.llamacpp_python:
                 for (workload, lookup), rate in peer_round(
-                    args.llamacpp_python, args.gguf, args.max_tokens
+                    args.llamacpp_python, args.gguf, args.max_tokens, args.prompts
                 ).items():
                     peer.setdefault(f"{workload} {lookup}", []).append(rate)
         for workload, name in ((w, n) for w in WORKLOADS for n in ("off", "on")):
@@ -137,6 +159,9 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
                 "decode_tok_s": round(median(decodes[(workload, name)]), 2),
                 "tokens": tokens[(workload, name)], "machine": machine(),
             }  # fmt: skip
+            if streams == 1:  # each prompt's median rate over the rounds
+                per_prompt = zip(*each[(workload, name)], strict=True)
+                line["per_prompt"] = ",".join(f"{median(r):.1f}" for r in per_prompt)
             emit("speculative", line, args.out)
         for workload in WORKLOADS:
             on_rate = median(rates[(workload, "on")])
@@ -179,6 +204,10 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument(
+        "--prompts", type=int, default=3,
+        help="one stream: a round runs the workload's first N prompts, one after another",
+    )  # fmt: skip
+    parser.add_argument(
         "--num-draft-tokens",
         type=int,
         default=None,
@@ -195,6 +224,7 @@ def parse() -> argparse.Namespace:
     args = parser.parse_args()
     if args.smoke:
         args.streams, args.rounds, args.max_tokens, args.modes = [1, 2], 1, 8, ["float32"]
+        args.prompts = 2
     args.gguf = None
     if args.llamacpp_python:
         from shoal.loading.loader import bundled_model_path

@@ -1,6 +1,7 @@
 """bench/speculative.py runs (`--smoke` on the tiny model: 1 and 2 streams, one round, no
-peer) and prints its fixed format: a line per workload, stream count and setting with a
-positive rate, and a ratio per workload and stream count."""
+peer, one stream running two prompts in turn) and prints its fixed format: a line per
+workload, stream count and setting with a positive rate (one stream: each prompt's too), and a
+ratio per workload and stream count."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def test_speculative_smoke(tiny_folder: Path, prebuilt_cpu_kernels: Path) -> Non
     ]
     assert all(float(r["output_tok_s"]) > 0 and r["system"] == "shoal" for r in runs)
     assert all(float(r["decode_tok_s"]) > 0 for r in runs)
+    for run in runs:  # one stream: its two prompts' own rates; N streams: none
+        each = run["per_prompt"].split(",") if run["streams"] == "1" else []
+        assert len(each) == (2 if run["streams"] == "1" else 0) and all(float(x) > 0 for x in each)
+        assert run["streams"] == "1" or "per_prompt" not in run
     ratios = [fields(line) for line in lines if line.startswith("speculative ratio ")]
     assert [(r["workload"], r["streams"]) for r in ratios] == [
         (workload, streams) for streams in ("1", "2") for workload in ("copy", "prose")
