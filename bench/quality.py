@@ -8,6 +8,7 @@ fixed English text (bench/quality_text.txt, 2,714 tokens), bundled SmolLM2, CPU.
     python bench/quality.py --tokens 512          # the first 512 tokens only
     python bench/quality.py --linear packed --kv-dtype bfloat16   # a bfloat16 KV alone
     python bench/quality.py --linear bf16 --chunk 1 --attention cpu   # decodes, compiled kernel
+    python bench/quality.py --linear bf16 --chunk 64 --attention cpu  # chunks, compiled kernel
 
 The text is cut into windows of --window tokens, each run from position 0 on an empty KV cache,
 fed to `DecoderModel.forward` --chunk tokens at a time; every position but a window's last
@@ -17,8 +18,9 @@ activations, as a decode of a few sequences does; from those rows on it multipli
 weights in bfloat16 or float32, as the CPU has it (a chunk of 512 measures that path).
 The tested model's KV cache holds --kv-dtype (auto: bfloat16 for bf16, as the engine's
 `kv_cache_dtype` auto, else float32); the baseline's is float32. Attention is the torch
-reference, or with --attention cpu the compiled decode kernel for chunks of one token (with a
-bfloat16 KV on an AMX CPU, its tiles: csrc/tile_attention.cpp), both models alike.
+reference, or with --attention cpu the engine's compiled kernels: the decode kernel for chunks
+of one token (with a bfloat16 KV on an AMX CPU, its tiles: csrc/tile_attention.cpp), the
+extend kernel for longer ones (csrc/paged_extend.cpp), both models alike.
 
 Prints one line:
     quality linear=<kind> kv=<dtype> attention=<a> chunk=<n> baseline=<kind> tokens=<n>
@@ -148,12 +150,15 @@ def compare(
 ) -> dict[str, object]:
     """The quality line's fields: `kind` (its KV in `kv_dtype`, default as the engine's auto)
     scored against `baseline` (float32 KV) on the same tokens, both attending through
-    `attention` (torch: the reference; cpu: the compiled decode kernel for one-token chunks)."""
+    `attention` (torch: the reference; cpu: the engine's compiled kernels, the decode kernel for
+    one-token chunks and the extend kernel for longer ones)."""
     kv = kv_dtype_for(kind) if kv_dtype is None else kv_dtype
     backend = TorchAttention(PAGE_SIZE)
     if attention == "cpu":
         kernels = load_cpu_kernels(default_cache_dir())
-        backend = TorchAttention(PAGE_SIZE, kernels.paged_decode, kernels.store_kv)
+        backend = TorchAttention(
+            PAGE_SIZE, kernels.paged_decode, kernels.store_kv, kernels.paged_extend
+        )
     base = score(build(loaded, baseline), ids, window, chunk, torch.float32, backend)
     test = score(build(loaded, kind), ids, window, chunk, kv, backend)
     agreement = float((test.argmax == base.argmax).double().mean())
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--attention", default="torch", choices=["torch", "cpu"],
-        help="cpu: the compiled decode kernel, for --chunk 1 (longer chunks: the reference)",
+        help="cpu: the compiled kernels (decode for --chunk 1, extend for longer chunks)",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
