@@ -39,6 +39,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "attention_args.h"
 #include "ops.h"
 #include "tile_attention.h"
 
@@ -210,28 +211,11 @@ void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                 const at::Tensor& page_ids, const at::Tensor& seq_lens,
                 const at::Tensor& token_index, int64_t page_size, int64_t window,
                 const at::Tensor& out) {
-  for (const at::Tensor* t : {&q, &out}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3,
-                "paged_decode: q and out must be 3-d float32 CPU tensors");
-  }
-  for (const at::Tensor* t : {&k_cache, &v_cache}) {
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 &&
-                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) &&
-                    t->scalar_type() == k_cache.scalar_type(),
-                "paged_decode: the caches must be 3-d CPU tensors, both float32 or bfloat16");
-  }
+  shoal_attention::check_tensors("paged_decode", q, k_cache, v_cache, page_size, out);
   for (const at::Tensor* t : {&page_ids, &seq_lens, &token_index}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "paged_decode: page_ids, seq_lens and token_index must be contiguous int64");
   }
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == dim,
-              "paged_decode: k_cache and v_cache must be contiguous [slots, Hkv, D]");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_decode: H must be a multiple of Hkv");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == dim, "paged_decode: q rows must be [H, D] dense");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "paged_decode: out must match q");
-  TORCH_CHECK(page_size > 0 && k_cache.size(0) % page_size == 0, "paged_decode: bad page_size");
   TORCH_CHECK(page_ids.dim() == 2 && seq_lens.dim() == 1 && token_index.dim() == 1 &&
                   page_ids.size(0) == seq_lens.size(0) && token_index.size(0) == seq_lens.size(0),
               "paged_decode: page_ids [B, P], seq_lens [B] and token_index [B] disagree");

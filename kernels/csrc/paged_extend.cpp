@@ -20,6 +20,7 @@
 // scores all of them with multiply-adds (S^T = K Q^T over a transposed, pre-scaled Q), and the
 // probabilities weight V's rows for 4 (AVX2: 2) query rows a pass with their sums in registers.
 // Items go to threads largest first, round-robin (a causal item's cost grows with its keys).
+// The vector blocks (widen, score_keys, add_values) are extend_blocks.h's.
 //
 // Built by kernels/cpu_kernels.py; tests/kernels/test_paged_extend.py checks it against the
 // gather-and-SDPA reference.
@@ -30,6 +31,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "attention_args.h"
+#include "extend_blocks.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -44,99 +47,14 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 using at::BFloat16;
 
-constexpr int64_t kLanes = Vec::size();
-constexpr int kRowVectors = 3;                   // query rows a pass of the scores: 3 vectors
-constexpr int64_t kKeyBlock = 32;                // keys a block of the online softmax
-constexpr int kOutRows = kLanes >= 16 ? 4 : 2;   // O's rows a pass (4 x 4 vectors: 16 zmm)
-constexpr int kOutVectors = 4;                   // O's vectors a row a pass
-constexpr float kMasked = -1e30f;                // a masked score before its exp (then 0)
-
-// n values of a cache row as float32 into dst, zeros after them up to `padded`.
-template <typename T>
-inline void widen(const T* src, float* dst, int64_t n, int64_t padded) {
-  int64_t i = 0;
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    for (; i + kLanes <= n; i += kLanes) {
-      Vec v;
-      at::vec::load_to_float(src + i, v);
-      v.store(dst + i);
-    }
-  } else {
-    for (; i + kLanes <= n; i += kLanes) Vec::loadu(src + i).store(dst + i);
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-  for (; i < padded; ++i) dst[i] = 0.f;
-}
-
-// s[j, v0 * L ..] = the query rows' scores against key j of the block (S^T), NV vectors of rows.
-template <int NV>
-void score_keys(const float* qt, int64_t rows, int64_t v0, const float* keys, int64_t dim,
-                int64_t num_keys, float* s) {
-  int64_t j = 0;
-  for (; j + 4 <= num_keys; j += 4) {
-    Vec acc[4][NV];
-    for (int k = 0; k < 4; ++k)
-      for (int v = 0; v < NV; ++v) acc[k][v] = Vec(0.f);
-    for (int64_t d = 0; d < dim; ++d) {
-      Vec qv[NV];
-      for (int v = 0; v < NV; ++v) qv[v] = Vec::loadu(qt + d * rows + (v0 + v) * kLanes);
-      for (int k = 0; k < 4; ++k) {
-        const Vec kd(keys[(j + k) * dim + d]);
-        for (int v = 0; v < NV; ++v) acc[k][v] = at::vec::fmadd(kd, qv[v], acc[k][v]);
-      }
-    }
-    for (int k = 0; k < 4; ++k)
-      for (int v = 0; v < NV; ++v) acc[k][v].store(s + (j + k) * rows + (v0 + v) * kLanes);
-  }
-  for (; j < num_keys; ++j) {
-    Vec acc[NV];
-    for (int v = 0; v < NV; ++v) acc[v] = Vec(0.f);
-    for (int64_t d = 0; d < dim; ++d) {
-      const Vec kd(keys[j * dim + d]);
-      for (int v = 0; v < NV; ++v) {
-        acc[v] = at::vec::fmadd(kd, Vec::loadu(qt + d * rows + (v0 + v) * kLanes), acc[v]);
-      }
-    }
-    for (int v = 0; v < NV; ++v) acc[v].store(s + j * rows + (v0 + v) * kLanes);
-  }
-}
-
-// o[m .. m + R, c0 * L .. (c0 + C) * L] = o * corr + sum_j p[j, m + r] * values[j]
-template <int R, int C>
-void add_values(float* o, int64_t dim, const float* p, int64_t rows, int64_t m,
-                const float* values, int64_t num_keys, int64_t c0, const float* corr) {
-  Vec acc[R][C];
-  for (int r = 0; r < R; ++r) {
-    const Vec scale(corr[m + r]);
-    for (int c = 0; c < C; ++c) acc[r][c] = Vec::loadu(o + (m + r) * dim + (c0 + c) * kLanes) * scale;
-  }
-  for (int64_t j = 0; j < num_keys; ++j) {
-    Vec v[C];
-    for (int c = 0; c < C; ++c) v[c] = Vec::loadu(values + j * dim + (c0 + c) * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec w(p[j * rows + m + r]);
-      for (int c = 0; c < C; ++c) acc[r][c] = at::vec::fmadd(w, v[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c].store(o + (m + r) * dim + (c0 + c) * kLanes);
-}
-
-template <int R>
-void add_values_row_block(float* o, int64_t dim, const float* p, int64_t rows, int64_t m,
-                          const float* values, int64_t num_keys, const float* corr) {
-  const int64_t vectors = dim / kLanes;
-  int64_t c0 = 0;
-  for (; c0 + kOutVectors <= vectors; c0 += kOutVectors) {
-    add_values<R, kOutVectors>(o, dim, p, rows, m, values, num_keys, c0, corr);
-  }
-  switch (vectors - c0) {
-    case 3: add_values<R, 3>(o, dim, p, rows, m, values, num_keys, c0, corr); break;
-    case 2: add_values<R, 2>(o, dim, p, rows, m, values, num_keys, c0, corr); break;
-    case 1: add_values<R, 1>(o, dim, p, rows, m, values, num_keys, c0, corr); break;
-    default: break;
-  }
-}
+using shoal_extend::add_values_row_block;
+using shoal_extend::kKeyBlock;
+using shoal_extend::kLanes;
+using shoal_extend::kMasked;
+using shoal_extend::kOutRows;
+using shoal_extend::kRowVectors;
+using shoal_extend::score_keys;
+using shoal_extend::widen;
 
 struct Item {
   int64_t seq, kv, first, end;  // positions first .. end - 1 of the sequence's new tokens
@@ -243,29 +161,12 @@ void attend_item(const Item& it, const float* q_data, int64_t q_stride, const T*
 void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& page_ids, const at::Tensor& seq_lens, const at::Tensor& num_new,
                 const at::Tensor& token_start, int64_t page_size, const at::Tensor& out) {
-  for (const at::Tensor* t : {&q, &out}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3,
-                "paged_extend: q and out must be 3-d float32 CPU tensors");
-  }
-  for (const at::Tensor* t : {&k_cache, &v_cache}) {
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 &&
-                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) &&
-                    t->scalar_type() == k_cache.scalar_type() && t->is_contiguous(),
-                "paged_extend: the caches must be contiguous 3-d CPU tensors, both float32 or "
-                "bfloat16");
-  }
+  shoal_attention::check_tensors("paged_extend", q, k_cache, v_cache, page_size, out);
   for (const at::Tensor* t : {&page_ids, &seq_lens, &num_new, &token_start}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "paged_extend: page_ids, seq_lens, num_new and token_start must be contiguous "
                 "int64");
   }
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == dim,
-              "paged_extend: k_cache and v_cache must be [slots, Hkv, D]");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_extend: H must be a multiple of Hkv");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == dim, "paged_extend: q rows must be [H, D] dense");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "paged_extend: out must match q");
-  TORCH_CHECK(page_size > 0 && k_cache.size(0) % page_size == 0, "paged_extend: bad page_size");
   const int64_t seqs = seq_lens.size(0);
   TORCH_CHECK(page_ids.dim() == 2 && page_ids.size(0) == seqs && seq_lens.dim() == 1 &&
                   num_new.dim() == 1 && num_new.size(0) == seqs && token_start.dim() == 1 &&
