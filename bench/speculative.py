@@ -67,7 +67,7 @@ async def one_round(
     messages = WORKLOADS[workload]
     wall = after_first = 0.0
     tokens = later = 0
-    each = []
+    each: list[float] = []  # one stream: each request's rate
     for wave in waves:
         started = time.perf_counter()
         runs = [
@@ -81,7 +81,8 @@ async def one_round(
         after_first += ended - median(first for first, _ in done)
         tokens += wave_tokens
         later += wave_tokens - len(wave)
-        each += [n / (ended - started) for _, n in done] if streams == 1 else []
+        if streams == 1:
+            each.append(wave_tokens / (ended - started))
     return tokens / wall, later / max(after_first, 1e-9), tokens, each
 
 

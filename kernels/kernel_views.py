@@ -28,15 +28,8 @@ class KernelDecodes:
         seq_lens: list[int], page_size: int,
     ) -> KernelDecodes:  # fmt: skip
         """The sequences `ids` of the step (its decodes)."""
-        device = pages.device
-        index = torch.tensor(ids, dtype=torch.int64, device=device)
-        max_pages = -(-max(seq_lens[i] for i in ids) // page_size)
-        return KernelDecodes(
-            kernel=kernel,
-            token_index=first_token[index],
-            page_ids=pages[index, :max_pages].contiguous(),
-            seq_lens=torch.tensor([seq_lens[i] for i in ids], device=device),
-        )
+        index, page_ids, lens = _sequences(ids, pages, seq_lens, page_size)
+        return KernelDecodes(kernel, first_token[index], page_ids, lens)
 
 
 @dataclass(frozen=True)
@@ -56,13 +49,16 @@ class KernelExtends:
         new_counts: torch.Tensor, seq_lens: list[int], page_size: int,
     ) -> KernelExtends:  # fmt: skip
         """The sequences `ids` of the step (its chunks)."""
-        device = pages.device
-        index = torch.tensor(ids, dtype=torch.int64, device=device)
-        max_pages = -(-max(seq_lens[i] for i in ids) // page_size)
-        return KernelExtends(
-            kernel,
-            pages[index, :max_pages].contiguous(),
-            torch.tensor([seq_lens[i] for i in ids], dtype=torch.int64, device=device),
-            new_counts[index],
-            first_token[index],
-        )
+        index, page_ids, lens = _sequences(ids, pages, seq_lens, page_size)
+        return KernelExtends(kernel, page_ids, lens, new_counts[index], first_token[index])
+
+
+def _sequences(
+    ids: list[int], pages: torch.Tensor, seq_lens: list[int], page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sequences `ids` of a step: their index, their pages [len(ids), P_max] (as many as
+    the longest needs) and their lengths."""
+    index = torch.tensor(ids, dtype=torch.int64, device=pages.device)
+    max_pages = -(-max(seq_lens[i] for i in ids) // page_size)
+    lens = torch.tensor([seq_lens[i] for i in ids], dtype=torch.int64, device=pages.device)
+    return index, pages[index, :max_pages].contiguous(), lens
