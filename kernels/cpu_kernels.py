@@ -22,6 +22,7 @@
     DecoderLayers  csrc/decoder_layers.cpp a class: the standard layers of a decode-only step,
                                            the kernels above chained in C++
                                            (models/fused_layers.py)
+    argmax_rows    csrc/argmax.cpp         each row's argmax, as torch's, vectorized (greedy.py)
 
 They are what `attention="cpu"` (the default on the CPU in float32) runs: the decode attention
 and prompt-chunk attention here (a windowed or soft-capped layer's chunks through the torch
@@ -58,7 +59,7 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_decode.cpp", "paged_extend.cpp", "tile_attention.cpp", "elementwise.cpp",
-        "linear.cpp", "block_linear.cpp", "decoder_layers.cpp",
+        "linear.cpp", "block_linear.cpp", "decoder_layers.cpp", "argmax.cpp",
     )
 )  # fmt: skip
 

@@ -37,6 +37,7 @@ import torch
 
 from shoal.kernels.constraints import RowConstraint
 from shoal.kernels.device_copy import to_device
+from shoal.kernels.greedy import greedy_tokens
 from shoal.kernels.logprob_gather import logprob_columns
 from shoal.kernels.sampling_columns import (
     MIN_TEMPERATURE,
@@ -85,7 +86,7 @@ def sample(
     """
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     if all(_plain_greedy(row, eos_token_ids) for row in rows):
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     edited = edit_logits(logits, rows, range(len(rows)), eos_token_ids)
     counters = [stream_counter(row.seed, row.step) for row in rows]
     params = [row.params for row in rows]

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from shoal.kernels.device_copy import to_device
+from shoal.kernels.greedy import greedy_tokens
 from shoal.params import SamplingParams
 
 MIN_TEMPERATURE = 1e-5
@@ -138,7 +139,7 @@ def sample_columns(logits: torch.Tensor, columns: SamplingColumns) -> torch.Tens
     logits are never written to."""
     host = columns.host
     if not host.any_sampled:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     logits = logits.float()
     temperature = columns.temperature
     greedy = None
@@ -150,7 +151,7 @@ def sample_columns(logits: torch.Tensor, columns: SamplingColumns) -> torch.Tens
     tokens = _inverse_cdf(probs, row_uniforms(columns.counter))
     if greedy is None:
         return tokens
-    return torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return torch.where(greedy, greedy_tokens(logits), tokens)
 
 
 def target_probs(logits: torch.Tensor, columns: SamplingColumns) -> torch.Tensor:

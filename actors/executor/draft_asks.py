@@ -36,6 +36,7 @@ import torch
 from shoal.actors.executor.sampling_slots import SamplingSlots
 from shoal.actors.executor_messages import Launch
 from shoal.kernels.device_copy import to_device
+from shoal.kernels.greedy import greedy_tokens
 from shoal.kernels.sampling import SamplingRow
 from shoal.kernels.sampling_columns import (
     MIN_TEMPERATURE,
@@ -78,7 +79,7 @@ class DraftAsks:
         device = self.index.device
         if greedy.any():
             at = torch.from_numpy(np.flatnonzero(greedy)).to(device)
-            targets = both.argmax(dim=-1)[self.index[at]]
+            targets = greedy_tokens(both)[self.index[at]]
             emitted[at] = verify_targets(targets, self.drafts[at], self.lengths[at])[1]
         if not greedy.all():
             at_host = np.flatnonzero(~greedy)

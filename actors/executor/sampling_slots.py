@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from shoal.kernels.device_copy import to_device
+from shoal.kernels.greedy import greedy_tokens
 from shoal.kernels.sampling_columns import (
     GREEDY,
     ColumnsHost,
@@ -99,7 +100,7 @@ class SamplingSlots:
         assert logits.shape[1] == self.vocab_size, (tuple(logits.shape), self.vocab_size)
         host = columns_host(self.codes[rows_host])
         if host is GREEDY:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         return sample_columns(logits, self._columns(rows, host))
 
     def columns(self, rows: torch.Tensor, rows_host: np.ndarray) -> SamplingColumns:
