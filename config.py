@@ -178,7 +178,7 @@ class EngineOptions:
         "one step (unset: off)",
     )
     speculative_num_draft_tokens: int = option(
-        8, "drafts one request verifies in a step at most (fewer while its drafts are refused)"
+        12, "drafts one request verifies in a step at most (fewer while its drafts are refused)"
     )
     speculative_ngram_min_match_window_size: int = option(
         1, "the shortest run of a request's last tokens an ngram draft is looked up by"

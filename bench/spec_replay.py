@@ -10,10 +10,12 @@ out): what bench/speculative.py measures end to end, this explains.
     python bench/spec_replay.py                          # bundled SmolLM2, float32
     python bench/spec_replay.py --modes float32 int8 --save answers.json
     python bench/spec_replay.py --answers answers.json --draft-cost 0.15 0.25 --trace
+    python bench/spec_replay.py --answers answers.json --num-draft-tokens 8 12 16
 
-Prints per answer and draft cost:
-    spec_replay mode=<m> workload=<copy|prose> prompt=<i> draft_cost=<c> tokens=<n>
-                steps=<cost> speedup=<x> oracle=<x> verifications=<n> drafted=<n> kept=<n>
+Prints per answer, draft cost and most drafts:
+    spec_replay mode=<m> workload=<copy|prose> prompt=<i> draft_cost=<c> num_draft_tokens=<k>
+                tokens=<n> steps=<cost> speedup=<x> oracle=<x> verifications=<n> drafted=<n>
+                kept=<n>
 `oracle`: the speedup were each verification to send exactly the drafts that will be kept (the
 same n-gram drafts, known in advance), which no policy passes. --trace adds the verifications
 in order (`sent/kept`, `.` a plain decode).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -136,16 +139,23 @@ async def capture(model: str | None, mode: str, prompts: int, max_tokens: int) -
     return answers
 
 
-def report(answers: list[Answer], costs: list[float], wait_cost: float, trace: bool) -> None:
-    config = SpecConfig()
+def report(
+    answers: list[Answer],
+    costs: list[float],
+    num_draft_tokens: list[int],
+    wait_cost: float,
+    trace: bool,
+) -> None:
     for answer in answers:
-        for cost in costs:
+        for cost, most in itertools.product(costs, num_draft_tokens):
+            config = SpecConfig(num_draft_tokens=most)
             got = replay(answer.prompt, answer.output, cost, wait_cost, config)
             tokens = len(answer.output)
             best = oracle(answer.prompt, answer.output, cost, config)
             line = (
                 f"spec_replay mode={answer.mode} workload={answer.workload} "
-                f"prompt={answer.index} draft_cost={cost:g} tokens={tokens} "
+                f"prompt={answer.index} draft_cost={cost:g} num_draft_tokens={most} "
+                f"tokens={tokens} "
                 f"steps={got.steps:.2f} speedup={tokens / got.steps:.3f} "
                 f"oracle={tokens / best:.3f} verifications={got.verifications} "
                 f"drafted={got.drafted} kept={got.kept}"
@@ -162,7 +172,7 @@ async def main(args: argparse.Namespace) -> None:
             answers += await capture(args.model, mode, args.prompts, args.max_tokens)
         if args.save is not None:
             args.save.write_text(json.dumps([a.__dict__ for a in answers]))
-    report(answers, args.draft_cost, args.wait_cost, args.trace)
+    report(answers, args.draft_cost, args.num_draft_tokens, args.wait_cost, args.trace)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -172,6 +182,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=3, help="prompts a workload")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--draft-cost", type=float, nargs="+", default=[0.15])
+    parser.add_argument(
+        "--num-draft-tokens", type=int, nargs="+", default=[SpecConfig().num_draft_tokens],
+        help="the most drafts a verification sends (speculative_num_draft_tokens)",
+    )  # fmt: skip
     parser.add_argument("--wait-cost", type=float, default=0.05, help="a wait, in decode steps")
     parser.add_argument("--answers", type=Path, default=None, help="replay these (from --save)")
     parser.add_argument("--save", type=Path, default=None, help="keep the answers as JSON")

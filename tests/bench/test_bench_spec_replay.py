@@ -54,3 +54,21 @@ def test_saved_answers_replay_in_its_format(
     assert int(copy["tokens"]) == 50 and int(copy["kept"]) > 0
     assert float(lines[1]["speedup"]) < float(copy["speedup"])  # dearer drafts pay less
     assert lines[2]["speedup"] == "1.000" and lines[2]["trace"] == ".,.,."
+
+
+def test_the_most_drafts_a_verification_sends_is_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = load_bench("spec_replay", monkeypatch)
+    passage = list(range(10, 70))
+    saved = tmp_path / "answers.json"
+    answer = {"mode": "float32", "workload": "copy", "index": 0, "prompt": [1, *passage]}
+    saved.write_text(json.dumps([{**answer, "output": passage}]))
+    args = bench.parse(["--answers", str(saved), "--num-draft-tokens", "2", "8", "--trace"])
+    asyncio.run(bench.main(args))
+    short, long = [fields(line) for line in capsys.readouterr().out.splitlines()]
+    assert (short["num_draft_tokens"], long["num_draft_tokens"]) == ("2", "8")
+    assert max(int(v.split("/")[0]) for v in short["trace"].split(",") if v != ".") == 2
+    assert max(int(v.split("/")[0]) for v in long["trace"].split(",") if v != ".") == 8
+    assert int(short["verifications"]) > int(long["verifications"])
+    assert float(short["speedup"]) < float(long["speedup"])
