@@ -51,14 +51,19 @@ class Bf16Linear:
         self.load(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 (rounded to bfloat16 here) or already bfloat16."""
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if self.onednn:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, None, "none", [], "")
-        else:
-            y = F.linear(rows, self.weight)
+        y = self.product(x.reshape(-1, shape[-1]))
         out = y.float() if self.bias is None else torch.add(self.bias, y)
         return out.view(*shape[:-1], self.out_features)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, K] times the weight, in bfloat16 (no bias): [T, N] bfloat16, as oneDNN
+        gives it (bf16_mlp.py hands it to the next matmul without a float32 copy)."""
+        rows = rows.to(torch.bfloat16)
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(rows, self.weight, None, "none", [], "")
+        return F.linear(rows, self.weight)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.to(torch.float32, copy=True)

@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from shoal.kernels.attention import AttentionMetadata
 from shoal.kernels.batch import Attention
 from shoal.kernels.elementwise import Elementwise, TorchElementwise
-from shoal.kernels.linear import GatedPanels, LinearKind
+from shoal.kernels.linear import LinearKind
 from shoal.kernels.moe import Experts
-from shoal.kernels.quant import GatedInt8Linear
 from shoal.kernels.rope import apply_rope, rope_tables
 from shoal.kernels.routed_experts import Recorder
 from shoal.loading.config import ModelConfig
+from shoal.models.dense_mlp import dense_mlp
 from shoal.models.fused_layers import FusedLayers, fused_layers
 from shoal.models.kv_pool import KVPool
 from shoal.models.layout import ModelSource, Part, part_of
@@ -291,10 +291,4 @@ class DecoderModel:
         mlp = layer.mlp
         if isinstance(mlp, Experts):
             return mlp(x) if rec is None else rec.run(mlp, x, n)
-        if isinstance(mlp.gate_up, GatedPanels | GatedInt8Linear):
-            return mlp.down(mlp.gate_up.silu_mul(x))
-        gate_up = mlp.gate_up(x)
-        if self.config.activation == "silu":
-            return mlp.down(self.elementwise.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return mlp.down(F.gelu(gate, approximate="tanh") * up)
+        return dense_mlp(mlp, x, self.elementwise, self.config.activation)

@@ -72,17 +72,22 @@ int64_t parts_of(int64_t kind) {
   return kind == kQ4 ? 4 : kind == kQ8 ? 3 : 1;
 }
 
-// x [M, K] float32 times a bfloat16 weight in oneDNN's layout (bf16_linear.py's Bf16Linear):
-// x rounded to bfloat16, oneDNN's matmul (AMX where the CPU has it), the product in float32
-// and the bias added in float32, as the Python linear computes it.
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
+// x [M, K] times a bfloat16 weight in oneDNN's layout (bf16_linear.py's Bf16Linear): x
+// rounded to bfloat16 (or already bfloat16), oneDNN's matmul (AMX where the CPU has it), the
+// product in bfloat16.
+at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& weight) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x.to(at::kBFloat16), weight, c10::IValue(), std::string("none"),
                           c10::List<std::optional<at::Scalar>>(), c10::IValue(std::string(""))};
   op.callBoxed(&stack);
-  const at::Tensor product = stack[0].toTensor();
+  return stack[0].toTensor();
+}
+
+// The same product in float32 and the bias added in float32, as the Python linear computes it.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  const at::Tensor product = bf16_product(x, weight);
   return bias.has_value() ? at::add(*bias, product) : product.to(at::kFloat);
 }
 
@@ -103,6 +108,11 @@ struct Linear {
   std::optional<at::Tensor> bias;
 
   bool gated() const { return last == kGatedPanels; }
+
+  // Whether a step of `rows` rows multiplies in bfloat16 through oneDNN.
+  bool bf16_at(int64_t rows, int64_t many_rows) const {
+    return last == kOneDnnBf16 && on_last(rows, many_rows);
+  }
 
   // Whether a step of `rows` rows multiplies by the last part (not by int8 blocks).
   bool on_last(int64_t rows, int64_t many_rows) const {
@@ -130,8 +140,18 @@ struct Linear {
     return out;
   }
 
-  // silu(gate) * up of a gate_up: [T, out_features / 2].
-  at::Tensor silu_mul(const at::Tensor& x, int64_t many_rows) const {
+  // silu(gate) * up of a gate_up: [T, out_features / 2]; in bfloat16 when `bf16_act` (the
+  // next linear multiplies in bfloat16 too): the product kept bfloat16 and the activation
+  // rounded once, the bits of widening the product and rounding at the next call
+  // (kernels/bf16_mlp.py does the same in the Python forward).
+  at::Tensor silu_mul(const at::Tensor& x, int64_t many_rows, bool bf16_act = false) const {
+    if (bf16_act && bf16_at(x.size(0), many_rows) && !bias.has_value()) {
+      at::Tensor product;
+      traced("bf16_linear", [&] { product = bf16_product(x, parts.back()); });
+      at::Tensor act = at::empty({x.size(0), out_features / 2}, product.options());
+      traced("silu_mul", [&] { shoal_ops::silu_mul(product, act); });
+      return act;
+    }
     at::Tensor act = at::empty({x.size(0), out_features / 2}, x.options());
     if (gated() && on_last(x.size(0), many_rows)) {
       traced("f32_silu_mul", [&] { shoal_ops::f32_silu_mul(x, parts.back(), act); });
@@ -226,7 +246,9 @@ struct DecoderLayers : torch::CustomClassHolder {
       const at::Tensor o = layer.o(attended.view({tokens, q_width}), many_rows);
       traced("add_rms_norm",
              [&] { shoal_ops::add_rms_norm(h, o, layer.post_attention_norm, eps, x); });
-      const at::Tensor down = layer.down(layer.gate_up.silu_mul(x, many_rows), many_rows);
+      const bool bf16_act = layer.down.bf16_at(tokens, many_rows);
+      const at::Tensor act = layer.gate_up.silu_mul(x, many_rows, bf16_act);
+      const at::Tensor down = layer.down(act, many_rows);
       if (i + 1 < n) {
         traced("add_rms_norm",
                [&] { shoal_ops::add_rms_norm(h, down, layers[i + 1].input_norm, eps, x); });

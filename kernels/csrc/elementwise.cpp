@@ -6,11 +6,12 @@
 //   rope(x, cos, sin)                       x = x * cos + rotate_half(x) * sin in place  [T, H, D]
 //   silu_mul(gate_up, out)                  out = silu(gate) * up, gate_up = [gate | up]  [T, 2I]
 //
-// Float32 only. RoPE is bit-equal to Hugging Face's formula (separate multiplies and an add, no
-// fused multiply-add: the build passes -ffp-contract=off); RMSNorm sums the squares in another
-// order than torch, so it may differ in the last bit. silu_mul is torch's own formula on
-// ATen's vector type (x / (1 + exp(-x)), the same exp), so bit-equal too. tests/test_cpu_kernels.py
-// checks them.
+// Float32 only, but silu_mul also takes a bfloat16 gate_up and out (both bfloat16: a bfloat16
+// matmul's product in, the next one's input out; computed in float32, rounded once). RoPE is
+// bit-equal to Hugging Face's formula (separate multiplies and an add, no fused multiply-add:
+// the build passes -ffp-contract=off); RMSNorm sums the squares in another order than torch,
+// so it may differ in the last bit. silu_mul is torch's own formula on ATen's vector type
+// (x / (1 + exp(-x)), the same exp), so bit-equal too. tests/test_cpu_kernels.py checks them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +24,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -144,12 +146,48 @@ void rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+// silu_mul of a bfloat16 matmul's product into the next one's bfloat16 input: each row widened
+// to float32 (exactly), the float32 formula on the same vectors, rounded to nearest even once,
+// so the bits of widening, the float32 op and rounding its result as three steps.
+void silu_mul_bf16(const at::Tensor& gate_up, const at::Tensor& out) {
+  const int64_t inter = out.size(1);
+  const at::BFloat16* gu = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
+  const int64_t gu_stride = gate_up.stride(0), out_stride = out.stride(0);
+  at::parallel_for(0, out.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* gate = gu + r * gu_stride;
+      const at::BFloat16* up = gate + inter;
+      int64_t i = 0;
+      for (; i + Vec::size() <= inter; i += Vec::size()) {
+        Vec g, u;
+        at::vec::load_fp32_from_bf16(gate + i, g);
+        at::vec::load_fp32_from_bf16(up + i, u);
+        shoal_silu::silu_mul(g, u).store(row.data() + i);
+      }
+      for (; i < inter; ++i) {
+        row[i] = shoal_silu::silu_mul(static_cast<float>(gate[i]), static_cast<float>(up[i]));
+      }
+      at::vec::convert(row.data(), out_data + r * out_stride, inter);  // to nearest even
+    }
+  });
+}
+
 void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
-  check_rows(gate_up, "gate_up");
-  check_rows(out, "out");
+  const bool bf16 = gate_up.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16;
+  if (bf16) {
+    TORCH_CHECK(gate_up.device().is_cpu() && out.device().is_cpu() && gate_up.dim() == 2 &&
+                    out.dim() == 2 && gate_up.stride(1) == 1 && out.stride(1) == 1,
+                "silu_mul: gate_up and out must be 2-d CPU tensors with contiguous rows");
+  } else {
+    check_rows(gate_up, "gate_up");
+    check_rows(out, "out");
+  }
   const int64_t inter = out.size(1);
   TORCH_CHECK(gate_up.size(1) == 2 * inter && gate_up.size(0) == out.size(0),
               "silu_mul: gate_up must be [T, 2I] for out [T, I]");
+  if (bf16) return silu_mul_bf16(gate_up, out);
   const float* gu = gate_up.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   const int64_t gu_stride = gate_up.stride(0), out_stride = out.stride(0);
