@@ -31,21 +31,32 @@ def test_a_copied_answer_is_drafted_and_a_fresh_one_is_not(monkeypatch: pytest.M
     assert set(alone.trace.split()) == {"."}
 
 
+def replayed(
+    answers: list[dict[str, object]],
+    argv: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> list[dict[str, str]]:
+    """The script run on these answers (saved as --save writes them): its lines' fields."""
+    bench = load_bench("spec_replay", monkeypatch)
+    saved = tmp_path / "answers.json"
+    saved.write_text(json.dumps(answers))
+    asyncio.run(bench.main(bench.parse(["--answers", str(saved), *argv])))
+    return [fields(line) for line in capsys.readouterr().out.splitlines()]
+
+
 def test_saved_answers_replay_in_its_format(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench = load_bench("spec_replay", monkeypatch)
     passage = list(range(10, 60))
-    saved = tmp_path / "answers.json"
-    answers = [
+    answers: list[dict[str, object]] = [
         {"mode": "float32", "workload": "copy", "index": 0, "prompt": [1, *passage]},
         {"mode": "float32", "workload": "prose", "index": 0, "prompt": [1, 2]},
     ]
     answers[0]["output"], answers[1]["output"] = passage, [7, 8, 9]
-    saved.write_text(json.dumps(answers))
-    args = bench.parse(["--answers", str(saved), "--draft-cost", "0.15", "0.3", "--trace"])
-    asyncio.run(bench.main(args))
-    lines = [fields(line) for line in capsys.readouterr().out.splitlines()]
+    argv = ["--draft-cost", "0.15", "0.3", "--trace"]
+    lines = replayed(answers, argv, tmp_path, monkeypatch, capsys)
     assert [(f["workload"], f["draft_cost"]) for f in lines] == [
         ("copy", "0.15"), ("copy", "0.3"), ("prose", "0.15"), ("prose", "0.3")
     ]  # fmt: skip
@@ -59,14 +70,10 @@ def test_saved_answers_replay_in_its_format(
 def test_the_most_drafts_a_verification_sends_is_asked_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench = load_bench("spec_replay", monkeypatch)
     passage = list(range(10, 70))
-    saved = tmp_path / "answers.json"
     answer = {"mode": "float32", "workload": "copy", "index": 0, "prompt": [1, *passage]}
-    saved.write_text(json.dumps([{**answer, "output": passage}]))
-    args = bench.parse(["--answers", str(saved), "--num-draft-tokens", "2", "8", "--trace"])
-    asyncio.run(bench.main(args))
-    short, long = [fields(line) for line in capsys.readouterr().out.splitlines()]
+    argv = ["--num-draft-tokens", "2", "8", "--trace"]
+    short, long = replayed([{**answer, "output": passage}], argv, tmp_path, monkeypatch, capsys)
     assert (short["num_draft_tokens"], long["num_draft_tokens"]) == ("2", "8")
     assert max(int(v.split("/")[0]) for v in short["trace"].split(",") if v != ".") == 2
     assert max(int(v.split("/")[0]) for v in long["trace"].split(",") if v != ".") == 8
