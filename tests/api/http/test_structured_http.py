@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -144,13 +145,19 @@ async def test_a_bad_grammar_is_a_400_naming_it_and_the_server_serves_on(
 async def test_health_answers_while_a_grammar_compiles(
     serve: ServeFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A grammar compiles on the compile thread, off the event loop: /health answers meanwhile,
-    each within 50 ms. The compile is made a second longer (the tiny vocabulary compiles in a
-    blink; tests/kernels/test_grammars.py checks that xgrammar's releases the GIL)."""
+    """A grammar compiles on the compile thread, off the event loop: /health answers meanwhile.
+    The compile is made two seconds longer (the tiny vocabulary compiles in a blink;
+    tests/kernels/test_grammars.py checks that xgrammar's releases the GIL), so a compile on the
+    loop would hold it that long. This test's probes share the server's loop, so what is timed
+    is each probe's round, its 20 ms pause included (a blocked loop holds whichever is under
+    way): the longest must stay under half the compile, most (the median) under 70 ms. Not one
+    tight bound on every round: a shared 2-core machine under the whole suite once stalled a
+    probe 0.56 s with the compile off the loop."""
     compile_ = Grammars.compile
+    added = 2.0
 
     def slow(self: Grammars, spec: GrammarSpec) -> Any:
-        time.sleep(1.0)
+        time.sleep(added)
         return compile_(self, spec)
 
     monkeypatch.setattr(Grammars, "compile", slow)
@@ -159,18 +166,18 @@ async def test_health_answers_while_a_grammar_compiles(
             "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": json.loads(heavy_schema(60))}}}  # fmt: skip  # noqa: E501
     started = time.monotonic()
     heavy = asyncio.create_task(post(s, "/v1/chat/completions", body))
-    slowest, probes = 0.0, 0
+    rounds: list[float] = []
     while not heavy.done():
         t0 = time.monotonic()
         async with s.http.get(s.url + "/health") as resp:
             assert resp.status == 200
-        slowest = max(slowest, time.monotonic() - t0)
-        probes += 1
         await asyncio.sleep(0.02)
+        rounds.append(time.monotonic() - t0)
     status, got = await heavy
     assert status == 200, got
-    assert time.monotonic() - started > 1.0 and probes >= 10, probes
-    assert slowest < 0.05, slowest
+    assert time.monotonic() - started > added and len(rounds) >= 20, rounds
+    assert max(rounds) < added / 2, rounds
+    assert statistics.median(rounds) < 0.07, rounds
 
 
 @pytest.mark.slow
