@@ -5,6 +5,7 @@ falls back."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 from typing import NamedTuple
@@ -115,6 +116,45 @@ def test_kernel_in_a_window_and_soft_capped_equals_dense_attention(
     got = fused.attend(q, k_cache, v_cache, dim**-0.5, window=window, softcap=softcap)
     expected = dense_outputs(q, k_cache, v_cache, table, shape, page, dim**-0.5, window, softcap)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "page"), [(9, 3, 64, 16), (8, 1, 128, 16), (6, 2, 20, 1)]
+)
+def test_a_decode_gives_each_head_its_bits_however_the_threads_share_it(
+    kernel: DecodeKernel, heads: int, kv_heads: int, dim: int, page: int,
+    dtype: torch.dtype, window: int,
+) -> None:  # fmt: skip
+    """A work item is a whole sequence where there are enough to share out, one KV head of one
+    where there are not; each head's arithmetic is the same either way: 1, 2 and 3 threads over
+    1 and 2 sequences give the same bits, and the reference's values. Heads of 64 and 128 take
+    the four-key products and the register-held sums, 20 the one-key loops."""
+    gen = torch.Generator().manual_seed(heads + dim + window)
+    step = random_step(gen, [150, 40], [1, 1], heads, kv_heads, dim, page)
+    k_cache, v_cache = step.k_cache.to(dtype), step.v_cache.to(dtype)
+    meta = TorchAttention(page, kernel).prepare(step.page_table, step.shape)
+    meta.store(k_cache, v_cache, step.k_new, step.v_new)
+    fused = meta.kernel_decodes
+    assert fused is not None
+    before = torch.get_num_threads()
+    try:
+        for softcap in (0.0, 5.0):
+            outs = []
+            for threads, rows in itertools.product((1, 2, 3), (1, 2)):
+                torch.set_num_threads(threads)
+                out = torch.zeros(step.q.shape)
+                kernel(step.q, k_cache, v_cache, fused.page_ids[:rows], fused.seq_lens[:rows],
+                       fused.token_index[:rows], page, dim**-0.5, out, window, softcap)  # fmt: skip
+                outs.append(out[0])
+            assert all(torch.equal(out, outs[0]) for out in outs[1:]), softcap
+            expected = dense_outputs(step.q, k_cache.float(), v_cache.float(), step.page_table,
+                                     step.shape, page, dim**-0.5, window or None,
+                                     softcap or None)  # fmt: skip
+            torch.testing.assert_close(outs[0].double(), expected[0], rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("garbage", [1e4, float("nan")])
