@@ -23,6 +23,8 @@
                                            the kernels above chained in C++
                                            (models/fused_layers.py)
     argmax_rows    csrc/argmax.cpp         each row's argmax, as torch's, vectorized (greedy.py)
+    top_rows       csrc/top_rows.cpp       each row's k largest logits' indices, vectorized
+                                           (top_indices.py: the bfloat16 head's candidates)
 
 They are what `attention="cpu"` (the default on the CPU in float32) runs: the decode attention
 and prompt-chunk attention here (a windowed or soft-capped layer's chunks through the torch
@@ -59,7 +61,7 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_decode.cpp", "paged_extend.cpp", "tile_attention.cpp", "elementwise.cpp",
-        "linear.cpp", "block_linear.cpp", "decoder_layers.cpp", "argmax.cpp",
+        "linear.cpp", "block_linear.cpp", "decoder_layers.cpp", "argmax.cpp", "top_rows.cpp",
     )
 )  # fmt: skip
 
