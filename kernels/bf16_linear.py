@@ -8,6 +8,14 @@ Everything around the matmuls (the residual stream, norms, RoPE, attention, the 
 stays float32, so the only rounding is of the matmuls' inputs and products to bfloat16, as a
 bfloat16 engine rounds them.
 
+On a CPU with AVX512-BF16's dot products and no AMX tiles (the AMD EPYC of bench/README.md),
+the weight is packed instead in panels of 16 channels for the compiled `bf16_panel_linear`
+(csrc/bf16_panels.cpp): x rounded to bfloat16 as above, the products summed in float32 and
+never rounded (oneDNN rounds them to bfloat16), faster than oneDNN's matmul there at every
+step size measured (SmolLM2's layers, 2 threads: 1 row 7.1-8.5 ms against 13.4-14.3, 16 rows
+12.1-15.2 against 16.9-18.1, 64 rows 36.7-44.1 against 42.0-44.7, 256 rows even). With AMX,
+oneDNN's matmul on the tiles.
+
 On a CPU oneDNN has no bfloat16 kernel for (AVX2 only), a call multiplies in bfloat16 through
 `F.linear`, correct and slow: resolve_options.py takes float32 by default there.
 
@@ -42,33 +50,71 @@ def amx_bf16() -> bool:
 
 # Candidates of a row whose logits a head computes again in float32 (Bf16Head)
 HEAD_CANDIDATES = 8
+PANEL = 16  # output channels a bfloat16 panel (csrc/bf16_panels.cpp)
+
+
+def bf16_panels_available() -> bool:
+    """Whether a bfloat16 linear multiplies through the compiled panels here: the kernels are
+    loaded (cpu_kernels.py) and the CPU has AVX512-BF16's dot products and no AMX tiles."""
+    if not hasattr(torch.ops.shoal_cpu, "bf16_panel_linear"):
+        return False
+    return bool(torch.ops.shoal_cpu.bf16_panels_supported()) and not amx_bf16()
+
+
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (K even) -> [ceil(N / 16), K / 2, 32] bfloat16: panel p's pair i holds
+    channel 16 p + j's weights 2 i and 2 i + 1 at 2 j and 2 j + 1, channels past N zero."""
+    n, k = weight.shape
+    count = -(-n // PANEL)
+    padded = torch.zeros(count * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach().to(torch.bfloat16)
+    pairs = padded.view(count, PANEL, k // 2, 2).transpose(1, 2)
+    return pairs.contiguous().view(count, k // 2, 2 * PANEL)
 
 
 class Bf16Linear:
-    """x w.T + b with w in bfloat16: [.., K] float32 -> [.., N] float32."""
+    """x w.T + b with w in bfloat16: [.., K] float32 -> [.., N] float32. Its form: compiled
+    panels (`panels` set: bf16_panels_available() and K even), else oneDNN's matmul (`onednn`),
+    else torch's bfloat16 `F.linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = int(weight.shape[0])
-        self.onednn = onednn_bf16_available()
+        self.use_panels = bf16_panels_available() and int(weight.shape[1]) % 2 == 0
+        self.onednn = not self.use_panels and onednn_bf16_available()
         self.load(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 (rounded to bfloat16 here) or already bfloat16."""
         shape = x.shape
-        y = self.product(x.reshape(-1, shape[-1]))
+        rows = x.reshape(-1, shape[-1])
+        if self.panels is not None:
+            if rows.dtype not in (torch.float32, torch.bfloat16):
+                rows = rows.float()
+            out = torch.empty(rows.shape[0], self.out_features)
+            torch.ops.shoal_cpu.bf16_panel_linear(rows.contiguous(), self.panels, self.bias, out)
+            return out.view(*shape[:-1], self.out_features)
+        y = self.product(rows)
         out = y.float() if self.bias is None else torch.add(self.bias, y)
         return out.view(*shape[:-1], self.out_features)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, K] times the weight, in bfloat16 (no bias): [T, N] bfloat16, as oneDNN
-        gives it (bf16_mlp.py hands it to the next matmul without a float32 copy)."""
+        gives it (bf16_mlp.py hands it to the next matmul without a float32 copy). Not in the
+        panels' form, whose products stay float32."""
+        if self.weight is None:
+            raise RuntimeError("Bf16Linear.product: the panels' products are float32; call it")
         rows = rows.to(torch.bfloat16)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(rows, self.weight, None, "none", [], "")
         return F.linear(rows, self.weight)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.bias = None if bias is None else bias.to(torch.float32, copy=True)
+        self.bias = None if bias is None else bias.to(torch.float32, copy=True).contiguous()
+        self.panels: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        if self.use_panels:
+            self.panels = pack_bf16_panels(weight)
+            return
         plain = weight.detach().to(torch.bfloat16).contiguous()
         self.weight = (
             torch.ops.mkldnn._reorder_linear_weight(plain, _ROWS_HINT) if self.onednn else plain

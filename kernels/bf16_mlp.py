@@ -53,4 +53,6 @@ def _bf16_of(linear: object, rows: int) -> Bf16Linear | None:
         linear = linear.tiles
     if not isinstance(linear, Bf16Linear) or isinstance(linear, Bf16Head):
         return None
+    if linear.weight is None:  # the panels' form: its products are float32
+        return None
     return linear if linear.bias is None else None

@@ -105,7 +105,8 @@ def kernel_choice(
 ) -> str:
     """The kernels picked: `linear=<kind>:<how> attention=<backend>[:<build>]`, where how is
     panels-<build> (float32, csrc/panels.h), onednn (float32 without the compiled kernels),
-    onednn-amx / onednn-avx512bf16 / onednn-emulated (bfloat16), blocks-<build> (int8, then
+    onednn-amx / panels-avx512bf16 (csrc/bf16_panels.cpp) / onednn-avx512bf16 (without the
+    compiled kernels) / onednn-emulated (bfloat16), blocks-<build> (int8, then
     `+<how>@<rows>`: the form its steps of many rows take, int8_rows.py) or torch (dense),
     and the build the compiled kernels' (cpu_kernels.build_isa)."""
     if device.type != "cpu":
@@ -115,13 +116,16 @@ def kernel_choice(
     cpu = features or read_cpu_features()
     built = build_isa()
     compiled = hasattr(torch.ops.shoal_cpu, "f32_linear")  # loaded: cpu_kernels.py
+    panels = hasattr(torch.ops.shoal_cpu, "bf16_panel_linear")  # bf16_linear.py's form
     if "amx_bf16" in cpu.flags:
         bf16 = "onednn-amx"
+    elif "avx512_bf16" in cpu.flags:
+        bf16 = "panels-avx512bf16" if panels else "onednn-avx512bf16"
     else:
-        bf16 = "onednn-avx512bf16" if "avx512_bf16" in cpu.flags else "onednn-emulated"
+        bf16 = "onednn-emulated"
     how = {
         "packed": f"panels-{built}" if compiled else "onednn",
-        "bf16": bf16 if onednn_bf16_available() else "torch",
+        "bf16": bf16 if bf16.startswith("panels") or onednn_bf16_available() else "torch",
         "int8": f"blocks-{built}{int8_many_rows(cpu, bf16, built)}",
         "dense": "torch",
     }.get(linear_kind, linear_kind)

@@ -17,6 +17,9 @@
                                            channels (`PackedLinear`, linear.py; panels.h)
     f32_silu_mul                           silu(gate) * up of a gated MLP's gate_up in one op,
                                            over gated panels (`GatedPanels`, linear.py)
+    bf16_panel_linear  csrc/bf16_panels.cpp  x w.T + b, bfloat16 weights packed in panels of
+                                           16 channels, AVX512-BF16's dot products where the
+                                           CPU has them and no AMX (`Bf16Linear`, bf16_linear.py)
     q8_linear      csrc/block_linear.cpp   x w.T + b with weights in int8 or 4-bit blocks of
     q4_linear                              32, x in int16 (`quantization="int8"`, quant.py)
     DecoderLayers  csrc/decoder_layers.cpp a class: the standard layers of a decode-only step,
@@ -61,7 +64,8 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_decode.cpp", "paged_extend.cpp", "tile_attention.cpp", "elementwise.cpp",
-        "linear.cpp", "block_linear.cpp", "decoder_layers.cpp", "argmax.cpp", "top_rows.cpp",
+        "linear.cpp", "block_linear.cpp", "bf16_panels.cpp", "decoder_layers.cpp", "argmax.cpp",
+        "top_rows.cpp",
     )
 )  # fmt: skip
 

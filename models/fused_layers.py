@@ -11,7 +11,8 @@ has a compiled form:
     the model   standard layers (no q/k norm, no sandwich norms, RoPE over the whole head, no
                 sliding window or soft-cap, a SiLU-gated dense MLP), the compiled element-wise
                 ops, every linear packed float32 (in panels, gate_up in gated ones), int8
-                (a gate_up's float32 panels gated too) or bfloat16 in oneDNN's layout
+                (a gate_up's float32 panels gated too) or bfloat16 (in oneDNN's layout, or in
+                panels: bf16_linear.py)
     the step    every token a decode, attended by the compiled kernel (`attention="cpu"`)
 
 Anything else takes the Python forward, which stays the reference.
@@ -34,7 +35,7 @@ from shoal.models.weights import DenseWeights, LayerWeights
 
 # A linear's kind as decoder_layers.cpp numbers them, and the form of its last part.
 FLOAT32, Q8, Q4, BF16 = 0, 1, 2, 3
-PANELS, GATED, ONEDNN_BF16 = 0, 1, 2
+PANELS, GATED, ONEDNN_BF16, BF16_PANELS = 0, 1, 2, 3
 
 
 class FusedLayers:
@@ -138,19 +139,22 @@ def kernel_form(
 ) -> tuple[int, list[torch.Tensor], torch.Tensor | None, int] | None:
     """(kind, parts, bias, the last part's form) as decoder_layers.cpp takes a linear, or None
     without one. The last part is what the linear multiplies by at every row count (float32,
-    bf16) or from int8_rows.many_rows() rows on (int8): float32 panels, gated panels, or a bfloat16
-    weight in oneDNN's layout (an empty tensor where int8's blocks take every step)."""
+    bf16) or from int8_rows.many_rows() rows on (int8): float32 panels, gated panels, a bfloat16
+    weight in oneDNN's layout, or bfloat16 panels (an empty tensor where int8's blocks take
+    every step)."""
     if isinstance(linear, PackedLinear) and linear.panels is not None:
         return FLOAT32, [linear.panels], linear.bias, PANELS
     if isinstance(linear, GatedPanels):
         return FLOAT32, [linear.panels], None, GATED
     if isinstance(linear, Bf16Linear):
-        return (BF16, [linear.weight], linear.bias, ONEDNN_BF16) if linear.onednn else None
+        form = bf16_form(linear)
+        return None if form is None else (BF16, [form[0]], linear.bias, form[1])
     if isinstance(linear, Int8Linear):
         if linear.tiles is not None:
-            if not linear.tiles.onednn:
+            tiles = bf16_form(linear.tiles)
+            if tiles is None:
                 return None
-            many, last = linear.tiles.weight, ONEDNN_BF16
+            many, last = tiles
         else:  # float32 panels, or none where the blocks take every step (int8_rows.py)
             many = linear.panels if linear.panels is not None else torch.empty(0)
             last = GATED if isinstance(linear, GatedInt8Linear) else PANELS
@@ -159,4 +163,14 @@ def kernel_form(
             return Q4, [blocks.q, blocks.d, blocks.m, many], linear.bias, last
         if isinstance(blocks, Q8Blocks):
             return Q8, [blocks.q, blocks.d, many], linear.bias, last
+    return None
+
+
+def bf16_form(linear: Bf16Linear) -> tuple[torch.Tensor, int] | None:
+    """A bfloat16 linear's weight as decoder_layers.cpp takes it and its form: its panels
+    (bf16_panels.cpp), or its weight in oneDNN's layout; None for torch's `F.linear`."""
+    if linear.panels is not None:
+        return linear.panels, BF16_PANELS
+    if linear.onednn and linear.weight is not None:
+        return linear.weight, ONEDNN_BF16
     return None

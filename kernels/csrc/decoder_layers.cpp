@@ -24,7 +24,9 @@
 //   layout    per layer and linear: its kind, its output channels, 1 if it has a bias else 0,
 //             then its last part's form (16 a layer): 0 float32 panels, 1 gated panels, 2 a
 //             bfloat16 weight in oneDNN's layout (kBf16's, and int8's on a CPU with AMX,
-//             quant.py: its many-row steps on the matrix tiles). Gated panels (gate_up only,
+//             quant.py: its many-row steps on the matrix tiles), 3 bfloat16 panels
+//             (bf16_panel_linear, bf16_panels.cpp: kBf16's and int8's on a CPU with
+//             AVX512-BF16 and no AMX). Gated panels (gate_up only,
 //             without a bias) hold 8 gate channels and their 8 up channels each, and their
 //             product is the activation itself (f32_silu_mul, linear.cpp); an int8 gate_up's
 //             blocks stay as they are, for steps of fewer than `many_rows` rows
@@ -63,6 +65,7 @@ constexpr int64_t kBf16 = 3;
 constexpr int64_t kPanels = 0;
 constexpr int64_t kGatedPanels = 1;
 constexpr int64_t kOneDnnBf16 = 2;
+constexpr int64_t kBf16Panels = 3;
 constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kLayoutPerLinear = 4;
 
@@ -103,7 +106,7 @@ struct Linear {
   int64_t kind;
   int64_t out_features;
   int64_t last;  // the last part's form: kPanels, kGatedPanels (silu_mul, not operator()),
-                 // kOneDnnBf16
+                 // kOneDnnBf16, kBf16Panels
   std::vector<at::Tensor> parts;
   std::optional<at::Tensor> bias;
 
@@ -129,7 +132,10 @@ struct Linear {
     TORCH_CHECK(!(gated() && panels),
                 "DecoderLayers: gated panels give an activation, not a product");
     at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-    if (panels) {
+    if (panels && last == kBf16Panels) {
+      traced("bf16_panel_linear",
+             [&] { shoal_ops::bf16_panel_linear(x, parts.back(), bias, out); });
+    } else if (panels) {
       traced("f32_linear", [&] { shoal_ops::f32_linear(x, parts.back(), bias, out); });
     } else if (kind == kQ8) {
       traced("q8_linear", [&] { shoal_ops::q8_linear(x, parts[0], parts[1], bias, out); });
@@ -187,10 +193,11 @@ struct DecoderLayers : torch::CustomClassHolder {
     };
     auto linear = [&]() {
       Linear l{layout[entry], layout[entry + 1], layout[entry + 3], {}, std::nullopt};
-      TORCH_CHECK(l.last == kPanels || l.last == kGatedPanels || l.last == kOneDnnBf16,
+      TORCH_CHECK(l.last == kPanels || l.last == kGatedPanels || l.last == kOneDnnBf16 ||
+                      l.last == kBf16Panels,
                   "DecoderLayers: unknown form ", l.last);
-      TORCH_CHECK((l.kind == kBf16) == (l.last == kOneDnnBf16) || l.kind == kQ8 ||
-                      l.kind == kQ4,
+      const bool bf16_last = l.last == kOneDnnBf16 || l.last == kBf16Panels;
+      TORCH_CHECK((l.kind == kBf16) == bf16_last || l.kind == kQ8 || l.kind == kQ4,
                   "DecoderLayers: a bf16 linear, and only it or an int8 one, ends in a "
                   "bfloat16 weight");
       const bool has_bias = layout[entry + 2] != 0;

@@ -43,4 +43,9 @@ void q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
 void q4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
                const at::Tensor& m, const std::optional<at::Tensor>& bias, const at::Tensor& out);
 
+// bf16_panels.cpp
+bool bf16_panels_supported();
+void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& out);
+
 }  // namespace shoal_ops

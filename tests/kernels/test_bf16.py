@@ -28,6 +28,7 @@ from shoal.kernels.bf16_linear import (
     onednn_bf16_available,
 )
 from shoal.kernels.cpu_features import CpuFeatures, kernel_report
+from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.linear import make_linear
 from shoal.models.load import load_model
 from shoal.resolve_options import resolve
@@ -161,9 +162,11 @@ def test_bfloat16_asked_for_on_the_cpu_is_the_weights_only(
     assert (resolved.linear_kind, resolved.dtype) == ("bf16", torch.float32)
 
 
-def test_the_report_names_the_cpu_and_the_kernels() -> None:
+def test_the_report_names_the_cpu_and_the_kernels(kernels: CpuKernels) -> None:
     cpu = torch.device("cpu")
     line = kernel_report(cpu, "bf16", "cpu", XEON)
+    # AVX512-BF16 without AMX: the compiled panels (bf16_panels.cpp), loaded here
+    assert "linear=bf16:panels-avx512bf16 " in kernel_report(cpu, "bf16", "cpu", EPYC_BF16)
     assert line.startswith('cpu="Intel(R) Xeon(R) Processor" isa=avx2+avx512f+avx512_vnni+')
     assert "amx_bf16" in line and "attention=cpu:" in line
     assert "linear=bf16:onednn-amx" in line or not onednn_bf16_available()

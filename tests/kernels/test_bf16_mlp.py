@@ -2,7 +2,9 @@
 (kernels/bf16_mlp.py, models/dense_mlp.py, silu_mul over bfloat16 in csrc/elementwise.cpp): the
 same bits as the float32 path it replaces (the product widened, silu_mul in float32, the
 activation rounded at the down's call), for bfloat16 weights and for int8's steps of many rows;
-where it does not apply (a bias, the lm_head, int8's few rows, float32) the usual path."""
+where it does not apply (a bias, the lm_head, int8's few rows, float32, bfloat16 panels whose
+products stay float32) the usual path. The pair tests take oneDNN's form (`onednn_form`), the
+one a CPU with AMX runs, wherever the CPU would take the compiled panels."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels import bf16_linear
 from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear, onednn_bf16_available
 from shoal.kernels.bf16_mlp import bf16_pair
 from shoal.kernels.cpu_kernels import CpuKernels
@@ -22,6 +25,12 @@ from shoal.models.weights import DenseWeights
 needs_onednn_bf16 = pytest.mark.skipif(
     not onednn_bf16_available(), reason="oneDNN has no bfloat16 matmul on this CPU"
 )
+
+
+@pytest.fixture
+def onednn_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bfloat16 linears built now take oneDNN's matmul, not the compiled panels."""
+    monkeypatch.setattr(bf16_linear, "bf16_panels_available", lambda: False)
 
 
 @pytest.mark.parametrize(("rows", "inter"), [(1, 64), (3, 37), (40, 1536), (17, 16), (5, 1)])
@@ -55,6 +64,7 @@ def unfused(mlp: DenseWeights, x: torch.Tensor, kernels: CpuKernels) -> torch.Te
     return mlp.down(ops.silu_mul(mlp.gate_up(x)))
 
 
+@pytest.mark.usefixtures("onednn_form")
 @needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 7, 64, 189])
 def test_bf16_weights_give_the_unfused_bits(kernels: CpuKernels, rows: int) -> None:
@@ -73,6 +83,7 @@ def test_bf16_weights_give_the_unfused_bits(kernels: CpuKernels, rows: int) -> N
     assert torch.equal(reference, mlp.down(F.silu(gate) * up))
 
 
+@pytest.mark.usefixtures("onednn_form")
 @needs_onednn_bf16
 @pytest.mark.parametrize("rows", [3, 4, 70])
 def test_int8_many_rows_give_the_unfused_bits(kernels: CpuKernels, rows: int) -> None:
@@ -89,6 +100,7 @@ def test_int8_many_rows_give_the_unfused_bits(kernels: CpuKernels, rows: int) ->
     assert torch.equal(got, unfused(mlp, x, kernels))
 
 
+@pytest.mark.usefixtures("onednn_form")
 @needs_onednn_bf16
 def test_what_keeps_the_float32_path(kernels: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -102,3 +114,21 @@ def test_what_keeps_the_float32_path(kernels: CpuKernels) -> None:
     never = Int8Linear(weight.T.contiguous(), None, form=ManyRows(4, False))
     assert bf16_pair(plain, never, x) is None  # float32 panels
     assert bf16_pair(plain, Bf16Linear(weight.T.contiguous(), None), x) is not None
+
+
+def test_bf16_panels_keep_the_float32_path(kernels: CpuKernels) -> None:
+    """A bfloat16 linear in the compiled panels' form (bf16_panels.cpp) gives its product in
+    float32: no pair, the usual path's bits."""
+    if not bf16_linear.bf16_panels_available():
+        pytest.skip("the compiled bfloat16 panels need AVX512-BF16 and no AMX")
+    gen = torch.Generator().manual_seed(3)
+    mlp = DenseWeights(
+        Bf16Linear(torch.randn(2 * 96, 48, generator=gen) * 0.2, None),
+        Bf16Linear(torch.randn(48, 96, generator=gen) * 0.2, None),
+    )
+    x = torch.randn(9, 48, generator=gen)
+    assert mlp.gate_up.panels is not None and bf16_pair(mlp.gate_up, mlp.down, x) is None
+    with pytest.raises(RuntimeError, match="float32"):
+        mlp.gate_up.product(x)
+    got = dense_mlp(mlp, x, CompiledElementwise(kernels), "silu")
+    assert torch.equal(got, unfused(mlp, x, kernels))

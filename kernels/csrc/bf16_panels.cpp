@@ -1,0 +1,208 @@
+// A bfloat16 linear over weights packed once in panels of 16 output channels, multiplied by
+// AVX512-BF16's dot products (`vdpbf16ps`), for `dtype="bfloat16"` on a CPU that has them and
+// no AMX tiles (bf16_linear.py):
+//
+//   bf16_panel_linear(x, panels, bias, out)
+//       x       [M, K] float32 (rounded to bfloat16 here, nearest even, as torch's .to()) or
+//               bfloat16, rows contiguous; K even
+//       panels  [ceil(N / 16), K / 2, 32] bfloat16, contiguous (bf16_linear.pack_bf16_panels):
+//               panels[p, i] = w[16 p + j, 2 i + h] at 2 j + h, channels past N zero
+//       bias    [N] float32 or None
+//       out     [M, N] float32, rows contiguous: x w.T + bias
+//
+// A panel's pair i is one zmm: 16 channels x the two weights of K's pair i. One `vdpbf16ps`
+// of it against the row's pair broadcast adds both products to the 16 channels' float32 sums:
+// a row costs one instruction a pair and 16 channels, nothing to scale or convert after, and
+// the product is never rounded to bfloat16 (oneDNN's is). A step's rows go through a panel up
+// to 8 at a time, its weights read once for them; threads split the panels. A row's sums are
+// the same whatever rows share its tile or thread (each row its own accumulator, K in order),
+// so a row's logits do not depend on the step it is in.
+//
+// Against oneDNN's bfloat16 matmul (`mkldnn::_linear_pointwise`, AVX512-BF16 without AMX) on
+// the 2-core AMD EPYC of bench/README.md, SmolLM2's 30 layers, float32 in and out: 1 row
+// 7.1-8.5 ms against 13.4-14.3, 16 rows 12.1-15.2 against 16.9-18.1, 64 rows 36.7-44.1 against
+// 42.0-44.7, 256 rows (4 layers) 18.9 against 18.7.
+//
+// The dot products are compiled for AVX512-BF16 by a function target and taken only where the
+// CPU has it (cpuid): elsewhere the op refuses, and bf16_linear.py never packs panels there.
+
+#include <torch/library.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "tiles.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#define SHOAL_BF16_DOTS 1
+#endif
+
+namespace {
+
+constexpr int64_t kWidth = 16;     // output channels a panel
+constexpr int kMaxRows = 8;        // rows a tile: 8 accumulators
+constexpr int64_t kAhead = 1024;   // bytes of a panel asked for ahead
+
+#ifdef SHOAL_BF16_DOTS
+
+#define SHOAL_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+bool cpu_has_bf16_dots() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  return (eax & (1u << 5)) != 0;  // AVX512_BF16
+}
+
+// Rows [m0, m0 + MR) of x (bfloat16 pairs, `pairs` a row) times one panel into out's 16
+// channels from n0 (`valid` of them inside N).
+template <int MR>
+SHOAL_BF16_TARGET void panel_rows(const uint32_t* x, int64_t pairs, const uint16_t* panel,
+                                  const float* bias, float* out, int64_t out_stride, int64_t n0,
+                                  int64_t valid) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const char* bytes = reinterpret_cast<const char*>(panel);
+  for (int64_t i = 0; i < pairs; ++i) {
+    __builtin_prefetch(bytes + 64 * i + kAhead, 0, 0);
+    const __m512bh w = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bytes + 64 * i));
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(
+          static_cast<int>(x[r * pairs + i])));
+      acc[r] = _mm512_dpbf16_ps(acc[r], w, xv);
+    }
+  }
+  alignas(64) float y[kWidth];
+  for (int r = 0; r < MR; ++r) {
+    __m512 v = acc[r];
+    if (bias != nullptr && valid == kWidth) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
+    float* row = out + r * out_stride + n0;
+    if (valid == kWidth) {
+      _mm512_storeu_ps(row, v);
+    } else {
+      _mm512_store_ps(y, v);
+      for (int64_t j = 0; j < valid; ++j) row[j] = y[j] + (bias != nullptr ? bias[n0 + j] : 0.f);
+    }
+  }
+}
+
+template <int MR>
+void rows_at(int64_t rows, const uint32_t* x, int64_t pairs, const uint16_t* panel,
+             const float* bias, float* out, int64_t out_stride, int64_t n0, int64_t valid) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return rows_at<MR - 1>(rows, x, pairs, panel, bias, out, out_stride, n0, valid);
+  }
+  panel_rows<MR>(x, pairs, panel, bias, out, out_stride, n0, valid);
+}
+
+// n floats to bfloat16, rounded to nearest even with NaN as 0x7FC0: c10::BFloat16's rounding
+// (torch's .to(torch.bfloat16)) bit for bit, 16 a pass.
+SHOAL_BF16_TARGET void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+  const __m512i nan = _mm512_set1_epi32(0x7FC0);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, half)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]).x;
+}
+
+#endif  // SHOAL_BF16_DOTS
+
+// x's rows as bfloat16, contiguous: x's own memory when it is bfloat16 and contiguous, else
+// a copy rounded as torch's .to(torch.bfloat16) rounds.
+const uint16_t* bf16_rows(const at::Tensor& x, std::vector<uint16_t>& copy) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (x.scalar_type() == at::kBFloat16 && x.stride(0) == k) {
+    return reinterpret_cast<const uint16_t*>(x.data_ptr());
+  }
+  copy.resize(static_cast<size_t>(m * k));
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    for (int64_t r = 0; r < m; ++r) std::memcpy(&copy[r * k], src + r * x.stride(0), 2 * k);
+    return copy.data();
+  }
+#ifdef SHOAL_BF16_DOTS
+  const float* src = x.data_ptr<float>();
+  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) round_to_bf16(src + r * x.stride(0), &copy[r * k], k);
+  });
+#endif
+  return copy.data();
+}
+
+}  // namespace
+
+namespace shoal_ops {
+
+bool bf16_panels_supported() {
+#ifdef SHOAL_BF16_DOTS
+  static const bool supported = cpu_has_bf16_dots();
+  return supported;
+#else
+  return false;
+#endif
+}
+
+void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  const char* op = "bf16_panel_linear";
+  TORCH_CHECK(bf16_panels_supported(), op, ": this CPU has no AVX512-BF16 dot products");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              op, ": x must be a 2-d float32 or bfloat16 CPU tensor with contiguous rows");
+  TORCH_CHECK(out.dim() == 2, op, ": out must be 2-d");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  TORCH_CHECK(k % 2 == 0, op, ": K must be even, got ", k);
+  const int64_t num_panels = (n + kWidth - 1) / kWidth, pairs = k / 2;
+  shoal_tiles::check_tensor(op, "panels", panels, at::kBFloat16, {num_panels, pairs, 2 * kWidth});
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == m,
+              op, ": out must be a float32 [M, N] with contiguous rows");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == n,
+                op, ": bias must be a contiguous float32 [N]");
+  }
+  if (m == 0 || n == 0) return;
+#ifdef SHOAL_BF16_DOTS
+  std::vector<uint16_t> copy;
+  const auto* rows = reinterpret_cast<const uint32_t*>(bf16_rows(x, copy));
+  const auto* weights = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  const int64_t out_stride = out.stride(0);
+  // the rows in as few tiles of at most kMaxRows as there can be, of even sizes
+  const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
+  const int64_t tile_rows = (m + tiles - 1) / tiles;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = weights + p * pairs * 2 * kWidth;
+      const int64_t n0 = p * kWidth, valid = std::min(kWidth, n - n0);
+      for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
+        rows_at<kMaxRows>(std::min(tile_rows, m - m0), rows + m0 * pairs, pairs, panel,
+                          bias_data, out_data + m0 * out_stride, out_stride, n0, valid);
+      }
+    }
+  });
+#endif
+}
+
+}  // namespace shoal_ops
+
+TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
+  m.def("bf16_panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()",
+        &shoal_ops::bf16_panel_linear);
+  m.def("bf16_panels_supported() -> bool", &shoal_ops::bf16_panels_supported);
+}
