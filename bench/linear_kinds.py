@@ -1,8 +1,10 @@
 """The CPU's matmuls at a model's shapes, each way shoal could run them (issue 32): shoal's
 float32 panels (`f32_linear`, csrc/linear.cpp), oneDNN's packed float32 (what PackedLinear
-falls back to), `F.linear` (MKL's sgemm), and oneDNN's packed bfloat16 (AMX where the CPU has
-it), and int8's blocks (`q4_linear` for the projections, as the bundled SmolLM2's Q4_1
-weights are kept, `q8_linear` for the lm_head; csrc/block_linear.cpp). One line per row count:
+falls back to), `F.linear` (MKL's sgemm), oneDNN's packed bfloat16 (AMX where the CPU has
+it), shoal's bfloat16 panels (`bf16_panel_linear`, csrc/bf16_panels.cpp, where the CPU has
+AVX512-BF16; x given in float32, rounded there), and int8's blocks (`q4_linear` for the
+projections, as the bundled SmolLM2's Q4_1 weights are kept, `q8_linear` for the lm_head;
+csrc/block_linear.cpp). One line per row count:
 a whole decoder's projections (each layer's qkv, o, gate_up and down, times the layer count)
 and the lm_head, in milliseconds.
 
@@ -10,7 +12,7 @@ and the lm_head, in milliseconds.
     python bench/linear_kinds.py --rows 1 16 --repeats 20 --out bench/linear_kinds.jsonl
 
     linear_kinds part=<layers|lm_head> rows=<M> panels_ms=<x> onednn_ms=<x> f_linear_ms=<x>
-        onednn_bf16_ms=<x> int8_blocks_ms=<x> isa=<flags> machine=<desc>
+        onednn_bf16_ms=<x> bf16_panels_ms=<x> int8_blocks_ms=<x> isa=<flags> machine=<desc>
 
 The weights are random (the time does not depend on their values); the panels need the
 compiled CPU kernels (without them that column is absent).
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 from bench_format import emit, machine
 
+from shoal.kernels.bf16_linear import pack_bf16_panels
 from shoal.kernels.cpu_features import read_cpu_features
 from shoal.kernels.cpu_kernels import KernelUnavailable, load_cpu_kernels
 from shoal.kernels.linear import pack_panels
@@ -60,6 +63,12 @@ def runner(
         assert blocks is not None
         y = torch.empty(rows, weight.shape[0])
         return lambda: blocks.run(x, None, y)
+    if kind == "bf16_panels":
+        ops = torch.ops.shoal_cpu
+        if not hasattr(ops, "bf16_panel_linear") or not ops.bf16_panels_supported():
+            return None
+        bf16, out = pack_bf16_panels(weight), torch.empty(rows, weight.shape[0])
+        return lambda: ops.bf16_panel_linear(x, bf16, None, out)
     if kind == "panels":
         if not hasattr(torch.ops.shoal_cpu, "f32_linear"):
             return None
@@ -93,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     for part, (shapes, times) in parts.items():
         for rows in args.rows:
             line: dict[str, object] = {"part": part, "rows": rows}
-            for kind in ("panels", "onednn", "f_linear", "onednn_bf16", "int8_blocks"):
+            kinds = ("panels", "onednn", "f_linear", "onednn_bf16", "bf16_panels", "int8_blocks")
+            for kind in kinds:
                 total, ran = 0.0, True
                 for out_features, in_features in shapes:
                     weight = torch.randn(out_features, in_features)

@@ -44,7 +44,7 @@ from bench_format import emit, machine
 BUCKETS: dict[str, tuple[str, ...]] = {
     "matmul": (
         "mm", "addmm", "linear", "matmul", "_mkl_linear", "_linear_pointwise", "bmm",
-        "f32_linear", "q8_linear", "q4_linear", "f32_silu_mul",
+        "f32_linear", "q8_linear", "q4_linear", "f32_silu_mul", "bf16_panel_linear",
     ),
     "attention": (
         "_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention",

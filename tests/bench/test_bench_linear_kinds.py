@@ -17,4 +17,7 @@ def test_linear_kinds_smoke(
     for line in lines:
         for kind in ("onednn", "f_linear", "onednn_bf16"):
             assert float(line[f"{kind}_ms"]) > 0
+        # shoal's bfloat16 panels where the CPU has AVX512-BF16 (csrc/bf16_panels.cpp)
+        assert ("bf16_panels_ms" in line) == ("avx512_bf16" in line["isa"].split("+"))
+        assert float(line.get("bf16_panels_ms", 1.0)) > 0
         assert line["isa"] and line["machine"]
