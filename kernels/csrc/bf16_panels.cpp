@@ -49,6 +49,7 @@ namespace {
 constexpr int64_t kWidth = 16;     // output channels a panel
 constexpr int kMaxRows = 8;        // rows a tile: 8 accumulators
 constexpr int64_t kAhead = 1024;   // bytes of a panel asked for ahead
+constexpr int64_t kKeptCopy = int64_t{8} << 20;  // bytes of x in bfloat16 a thread keeps
 
 #ifdef SHOAL_BF16_DOTS
 
@@ -127,7 +128,7 @@ const uint16_t* bf16_rows(const at::Tensor& x, std::vector<uint16_t>& copy) {
   if (x.scalar_type() == at::kBFloat16 && x.stride(0) == k) {
     return reinterpret_cast<const uint16_t*>(x.data_ptr());
   }
-  copy.resize(static_cast<size_t>(m * k));
+  if (copy.size() < static_cast<size_t>(m * k)) copy.resize(static_cast<size_t>(m * k));
   if (x.scalar_type() == at::kBFloat16) {
     const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
     for (int64_t r = 0; r < m; ++r) std::memcpy(&copy[r * k], src + r * x.stride(0), 2 * k);
@@ -177,7 +178,12 @@ void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
   }
   if (m == 0 || n == 0) return;
 #ifdef SHOAL_BF16_DOTS
-  std::vector<uint16_t> copy;
+  // x in bfloat16: up to kKeptCopy bytes in the calling thread's buffer, kept between calls
+  // (a prompt's rows are hundreds of KB, which malloc would map, fault in and unmap at every
+  // call), a bigger one for this call alone
+  thread_local std::vector<uint16_t> kept;
+  std::vector<uint16_t> once;
+  auto& copy = m * k * 2 <= kKeptCopy ? kept : once;
   const auto* rows = reinterpret_cast<const uint32_t*>(bf16_rows(x, copy));
   const auto* weights = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
