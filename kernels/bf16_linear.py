@@ -11,10 +11,10 @@ bfloat16 engine rounds them.
 On a CPU with AVX512-BF16's dot products and no AMX tiles (the AMD EPYC of bench/README.md),
 the weight is packed instead in panels of 16 channels for the compiled `bf16_panel_linear`
 (csrc/bf16_panels.cpp): x rounded to bfloat16 as above, the products summed in float32 and
-never rounded (oneDNN rounds them to bfloat16), faster than oneDNN's matmul there at every
-step size measured (SmolLM2's layers, 2 threads: 1 row 7.1-8.5 ms against 13.4-14.3, 16 rows
-12.1-15.2 against 16.9-18.1, 64 rows 36.7-44.1 against 42.0-44.7, 256 rows even). With AMX,
-oneDNN's matmul on the tiles.
+never rounded (oneDNN rounds them to bfloat16), faster than oneDNN's matmul there from one row
+to 64 and level from 256 to 1024 (SmolLM2's 30 layers from memory, 2 threads: 1 row 7.1-9.4
+ms against 13.4-14.3, 16 rows 12.1-16.9 against 16.5-19.3, 64 rows 36.5-46.4 against
+42.0-49.4; bench/README.md). With AMX, oneDNN's matmul on the tiles.
 
 On a CPU oneDNN has no bfloat16 kernel for (AVX2 only), a call multiplies in bfloat16 through
 `F.linear`, correct and slow: resolve_options.py takes float32 by default there.
@@ -102,7 +102,10 @@ class Bf16Linear:
         gives it (bf16_mlp.py hands it to the next matmul without a float32 copy). Not in the
         panels' form, whose products stay float32."""
         if self.weight is None:
-            raise RuntimeError("Bf16Linear.product: the panels' products are float32; call it")
+            raise RuntimeError(
+                "Bf16Linear.product: in the panels' form the products are float32; call the "
+                "linear itself"
+            )
         rows = rows.to(torch.bfloat16)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(rows, self.weight, None, "none", [], "")

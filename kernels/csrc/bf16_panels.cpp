@@ -19,9 +19,9 @@
 // so a row's logits do not depend on the step it is in.
 //
 // Against oneDNN's bfloat16 matmul (`mkldnn::_linear_pointwise`, AVX512-BF16 without AMX) on
-// the 2-core AMD EPYC of bench/README.md, SmolLM2's 30 layers, float32 in and out: 1 row
-// 7.1-8.5 ms against 13.4-14.3, 16 rows 12.1-15.2 against 16.9-18.1, 64 rows 36.7-44.1 against
-// 42.0-44.7, 256 rows (4 layers) 18.9 against 18.7.
+// the 2-core AMD EPYC of bench/README.md, SmolLM2's 30 layers from memory, float32 in and out:
+// 1 row 7.1-9.4 ms against 13.4-14.3, 16 rows 12.1-16.9 against 16.5-19.3, 64 rows 36.5-46.4
+// against 42.0-49.4; from cache (bench/linear_kinds.py) level from 256 rows to 1024.
 //
 // The dot products are compiled for AVX512-BF16 by a function target and taken only where the
 // CPU has it (cpuid): elsewhere the op refuses, and bf16_linear.py never packs panels there.
