@@ -26,9 +26,10 @@
 // The dot products are compiled for AVX512-BF16 by a function target and taken only where the
 // CPU has it (cpuid): elsewhere the op refuses, and bf16_linear.py never packs panels there.
 
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
-
-#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -102,23 +103,6 @@ void rows_at(int64_t rows, const uint32_t* x, int64_t pairs, const uint16_t* pan
   panel_rows<MR>(x, pairs, panel, bias, out, out_stride, n0, valid);
 }
 
-// n floats to bfloat16, rounded to nearest even with NaN as 0x7FC0: c10::BFloat16's rounding
-// (torch's .to(torch.bfloat16)) bit for bit, 16 a pass.
-SHOAL_BF16_TARGET void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
-  const __m512i nan = _mm512_set1_epi32(0x7FC0);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(src + i);
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, half)), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
-  }
-  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]).x;
-}
-
 #endif  // SHOAL_BF16_DOTS
 
 // x's rows as bfloat16, contiguous: x's own memory when it is bfloat16 and contiguous, else
@@ -134,12 +118,11 @@ const uint16_t* bf16_rows(const at::Tensor& x, std::vector<uint16_t>& copy) {
     for (int64_t r = 0; r < m; ++r) std::memcpy(&copy[r * k], src + r * x.stride(0), 2 * k);
     return copy.data();
   }
-#ifdef SHOAL_BF16_DOTS
   const float* src = x.data_ptr<float>();
-  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) round_to_bf16(src + r * x.stride(0), &copy[r * k], k);
+  auto* dst = reinterpret_cast<at::BFloat16*>(copy.data());
+  at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {  // ATen's vectorized rounding
+    for (int64_t r = begin; r < end; ++r) at::vec::convert(src + r * x.stride(0), dst + r * k, k);
   });
-#endif
   return copy.data();
 }
 
