@@ -26,15 +26,25 @@ import torch
 @dataclass(frozen=True)
 class BatchShape:
     """A ragged batch as the host sees it, one entry per sequence, in token order:
-    sequence i brings extend_lens[i] new tokens at positions prefix_lens[i] .. of row rows[i]."""
+    sequence i brings extend_lens[i] new tokens at positions prefix_lens[i] .. of row rows[i].
+    `drafts`: how many of its tokens are drafts it verifies (a speculating decode is one entry
+    a position, its row's last token and then its drafts: step_inputs._shape)."""
 
     rows: tuple[int, ...]
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
+    drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+    def kernel_rows(self) -> int | None:
+        """The rows the step stands for where a linear picks its kernel by size (int8's,
+        kernels/int8_rows.py): its tokens less its drafts, so that a verification's positions
+        take the kernel of its row's one decode and keep that decode's bits; None without
+        drafts (every token a row)."""
+        return self.num_tokens - self.drafts if self.drafts else None
 
 
 class Attention(Protocol):

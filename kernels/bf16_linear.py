@@ -83,17 +83,18 @@ class Bf16Linear:
         self.onednn = not self.use_panels and onednn_bf16_available()
         self.load(weight, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x float32 (rounded to bfloat16 here) or already bfloat16."""
+    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """x float32 (rounded to bfloat16 here) or already bfloat16; one kernel at every size
+        (`rows` unused)."""
         shape = x.shape
-        rows = x.reshape(-1, shape[-1])
+        flat = x.reshape(-1, shape[-1])
         if self.panels is not None:
-            if rows.dtype not in (torch.float32, torch.bfloat16):
-                rows = rows.float()
-            out = torch.empty(rows.shape[0], self.out_features)
-            torch.ops.shoal_cpu.bf16_panel_linear(rows.contiguous(), self.panels, self.bias, out)
+            if flat.dtype not in (torch.float32, torch.bfloat16):
+                flat = flat.float()
+            out = torch.empty(flat.shape[0], self.out_features)
+            torch.ops.shoal_cpu.bf16_panel_linear(flat.contiguous(), self.panels, self.bias, out)
             return out.view(*shape[:-1], self.out_features)
-        y = self.product(rows)
+        y = self.product(flat)
         out = y.float() if self.bias is None else torch.add(self.bias, y)
         return out.view(*shape[:-1], self.out_features)
 
@@ -138,12 +139,12 @@ class Bf16Head(Bf16Linear):
         self.exact = weight
         super().__init__(weight, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         logits = super().__call__(x)
-        rows = x.reshape(-1, x.shape[-1]).float()
+        inputs = x.reshape(-1, x.shape[-1]).float()
         flat = logits.view(-1, self.out_features)
         top = top_indices(flat, min(HEAD_CANDIDATES, self.out_features))
-        exact = torch.bmm(self.exact[top], rows.unsqueeze(2)).squeeze(2)
+        exact = torch.bmm(self.exact[top], inputs.unsqueeze(2)).squeeze(2)
         if self.bias is not None:
             exact += self.bias[top]
         flat.scatter_(-1, top, exact)

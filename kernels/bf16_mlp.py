@@ -6,7 +6,7 @@ the activation to bfloat16 again at the down's call. The same bits (widening is 
 float32 formula is the same, the rounding the same); two full passes over [T, 2I] and [T, I]
 fewer.
 
-    pair = bf16_pair(mlp.gate_up, mlp.down, x)   # None: the usual path
+    pair = bf16_pair(mlp.gate_up, mlp.down, x, rows)   # None: the usual path
     out = pair.run(x, elementwise.silu_mul)
 """
 
@@ -36,11 +36,14 @@ class Bf16Pair:
         return self.down(act).view(*x.shape[:-1], -1)
 
 
-def bf16_pair(gate_up: object, down: object, x: torch.Tensor) -> Bf16Pair | None:
-    """The two bfloat16 matmuls a step of x's rows would run for this MLP, or None where either
-    is not one (or has a bias: its product is added in float32)."""
-    rows = x.numel() // x.shape[-1]
-    first, second = _bf16_of(gate_up, rows), _bf16_of(down, rows)
+def bf16_pair(
+    gate_up: object, down: object, x: torch.Tensor, rows: int | None = None
+) -> Bf16Pair | None:
+    """The two bfloat16 matmuls a step of x's rows (or standing for `rows`, kernels/batch.py:
+    kernel_rows) would run for this MLP, or None where either is not one (or has a bias: its
+    product is added in float32)."""
+    count = x.numel() // x.shape[-1] if rows is None else rows
+    first, second = _bf16_of(gate_up, count), _bf16_of(down, count)
     if first is None or second is None:
         return None
     return Bf16Pair(first, second)
@@ -48,7 +51,7 @@ def bf16_pair(gate_up: object, down: object, x: torch.Tensor) -> Bf16Pair | None
 
 def _bf16_of(linear: object, rows: int) -> Bf16Linear | None:
     if isinstance(linear, Int8Linear):
-        if rows < linear.many_rows or linear.tiles is None:
+        if not linear.takes_many(rows) or linear.tiles is None:
             return None
         linear = linear.tiles
     if not isinstance(linear, Bf16Linear) or isinstance(linear, Bf16Head):

@@ -17,6 +17,10 @@
              GatedInt8Linear                      likewise a SiLU-gated gate_up, its panels
                                                   gated, with GatedPanels' `silu_mul(x)`
 
+A call may say how many rows its step stands for (`rows`): int8 picks its kernel by it, so
+that a verification's drafts take their row's decode kernel (kernels/batch.py: kernel_rows);
+the others have one kernel at every size and need not know.
+
 `Linear.load` takes a new weight of the same shape (a weight update): a dense linear copies it
 into the tensor it already holds (a captured CUDA graph keeps reading that tensor); a packed one
 packs it again. Packed and dense give float32 results that may differ in the last bits (another
@@ -43,7 +47,7 @@ _ONEDNN_ROWS_HINT = 16
 class Linear(Protocol):
     out_features: int
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor: ...
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None: ...
 
@@ -54,7 +58,7 @@ class DenseLinear:
         self.bias = bias
         self.out_features = int(weight.shape[0])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -80,14 +84,14 @@ class PackedLinear:
         self.out_features = int(weight.shape[0])
         self.load(weight, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1])
+        flat = x.reshape(-1, shape[-1])
         if self.panels is not None:
-            y = torch.empty(rows.shape[0], self.out_features)
-            torch.ops.shoal_cpu.f32_linear(rows.contiguous(), self.panels, self.bias, y)
+            y = torch.empty(flat.shape[0], self.out_features)
+            torch.ops.shoal_cpu.f32_linear(flat.contiguous(), self.panels, self.bias, y)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return y.view(*shape[:-1], self.out_features)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -114,17 +118,17 @@ class GatedPanels:
         self.inter = self.out_features // 2
         self.load(weight, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).contiguous()
-        return gated_product(rows, self.panels, self.inter).view(*shape[:-1], self.out_features)
+        flat = x.reshape(-1, shape[-1]).contiguous()
+        return gated_product(flat, self.panels, self.inter).view(*shape[:-1], self.out_features)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """silu(gate) * up: [.., K] -> [.., I]."""
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).contiguous()
-        out = torch.empty(rows.shape[0], self.inter)
-        torch.ops.shoal_cpu.f32_silu_mul(rows, self.panels, out)
+        flat = x.reshape(-1, shape[-1]).contiguous()
+        out = torch.empty(flat.shape[0], self.inter)
+        torch.ops.shoal_cpu.f32_silu_mul(flat, self.panels, out)
         return out.view(*shape[:-1], self.inter)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -159,19 +159,26 @@ class Int8Linear:
         self.many_rows = self.form.rows if self.form.head or not head else NEVER
         self.load(weight, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """`rows`: how many rows the step stands for (kernels/batch.py: kernel_rows; None: x's),
+        which picks the blocks or the dequantized weights."""
         shape = x.shape
-        rows = _float_rows(x, self.in_features)
-        if rows.shape[0] >= self.many_rows and self.tiles is not None:
-            out = self.tiles(rows)
+        flat = _float_rows(x, self.in_features)
+        many = self.takes_many(flat.shape[0] if rows is None else rows)
+        if many and self.tiles is not None:
+            out = self.tiles(flat)
         else:
-            out = torch.empty(rows.shape[0], self.out_features)
-            if rows.shape[0] >= self.many_rows:
-                torch.ops.shoal_cpu.f32_linear(rows, self.panels, self.bias, out)
+            out = torch.empty(flat.shape[0], self.out_features)
+            if many:
+                torch.ops.shoal_cpu.f32_linear(flat, self.panels, self.bias, out)
             else:
-                self.blocks.run(rows, self.bias, out)
+                self.blocks.run(flat, self.bias, out)
         y = out.view(*shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def takes_many(self, rows: int) -> bool:
+        """Whether a step standing for `rows` rows multiplies by the dequantized weights."""
+        return rows >= self.many_rows
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Quantize a weight of this linear's shape (also a weight update)."""
@@ -211,21 +218,23 @@ class GatedInt8Linear(Int8Linear):
         self.inter = int(weight.shape[0]) // 2
         super().__init__(weight, bias, form=form)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // self.in_features < self.many_rows or self.tiles is not None:
-            return super().__call__(x)
+    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        count = x.numel() // self.in_features if rows is None else rows
+        if not self.takes_many(count) or self.tiles is not None:
+            return super().__call__(x, count)
         assert self.panels is not None  # no AMX tiles: float32 panels
         y = gated_product(_float_rows(x, self.in_features), self.panels, self.inter)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """silu(gate) * up: [.., K] -> [.., I]."""
-        rows = _float_rows(x, self.in_features)
-        out = torch.empty(rows.shape[0], self.inter)
-        if rows.shape[0] >= self.many_rows and self.panels is not None:
-            torch.ops.shoal_cpu.f32_silu_mul(rows, self.panels, out)
+        flat = _float_rows(x, self.in_features)
+        count = flat.shape[0] if rows is None else rows
+        out = torch.empty(flat.shape[0], self.inter)
+        if self.takes_many(count) and self.panels is not None:
+            torch.ops.shoal_cpu.f32_silu_mul(flat, self.panels, out)
         else:
-            torch.ops.shoal_cpu.silu_mul(super().__call__(rows), out)
+            torch.ops.shoal_cpu.silu_mul(super().__call__(flat, count), out)
         return out.view(*x.shape[:-1], self.inter).to(x.dtype)
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:

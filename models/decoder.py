@@ -196,10 +196,13 @@ class DecoderModel:
         attention: Attention,
         kv: KVPool,
         recorder: Recorder = None,
+        rows: int | None = None,
     ) -> torch.Tensor:
         """This part's layers over the residual stream h [T, hidden]; `kv` holds exactly
         their K/V (a stage's pool, in order). `recorder` takes each MoE layer's top-k ids
-        (kernels/routed_experts.py); a recording batch runs the layer loop, never fused."""
+        (kernels/routed_experts.py); a recording batch runs the layer loop, never fused.
+        `rows`: the rows the step stands for where a linear picks its kernel by size
+        (BatchShape.kernel_rows: a step that verifies drafts; None: its T)."""
         cfg = self.config
         ops = self.elementwise
         eps = cfg.rms_norm_eps
@@ -208,22 +211,22 @@ class DecoderModel:
         fused = self.fused
         if recorder is None and fused is not None and fused.takes(attention, int(h.shape[0])):
             assert isinstance(attention, AttentionMetadata)
-            return fused(h, *rotations[0], attention, kv)
+            return fused(h, *rotations[0], attention, kv, rows)
         first = self.part.layers.start
         x = ops.rms_norm(h, layers[0].norms.input, eps)
         for layer_id, layer in enumerate(layers):
             cos, sin = rotations[self.table_of_layer[first + layer_id]]
             window = self.windows[first + layer_id]
-            attn = self._attend(layer, x, cos, sin, attention, kv, layer_id, window)
+            attn = self._attend(layer, x, cos, sin, attention, kv, layer_id, window, rows)
             norms = layer.norms
             if norms.pre_mlp is not None and norms.post_mlp is not None:
                 h = h + ops.rms_norm(attn, norms.post_attention, eps)
                 x = ops.rms_norm(h, norms.pre_mlp, eps)
-                mlp = self._mlp(layer, x, recorder, first + layer_id)
+                mlp = self._mlp(layer, x, recorder, first + layer_id, rows)
                 mlp = ops.rms_norm(mlp, norms.post_mlp, eps)
             else:
                 h, x = ops.add_rms_norm(h, attn, norms.post_attention, eps)
-                mlp = self._mlp(layer, x, recorder, first + layer_id)
+                mlp = self._mlp(layer, x, recorder, first + layer_id, rows)
             if layer_id + 1 < len(layers):  # the residual add, fused with the next layer's norm
                 h, x = ops.add_rms_norm(h, mlp, layers[layer_id + 1].norms.input, eps)
             else:
@@ -231,13 +234,17 @@ class DecoderModel:
         return h
 
     @torch.inference_mode()
-    def head(self, h: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
-        """The last part's end: the rows of h that sample -> float32 logits [S, V]."""
+    def head(
+        self, h: torch.Tensor, sample_index: torch.Tensor, rows: int | None = None
+    ) -> torch.Tensor:
+        """The last part's end: the rows of h that sample -> float32 logits [S, V]. `rows`: the
+        rows the head stands for (run_layers): a verification's drafts' places and its sampling
+        place are its row's one."""
         cfg = self.config
         weights = self.weights
         assert weights.norm is not None and weights.lm_head is not None, "the last stage only"
         last = self.elementwise.rms_norm(h[sample_index], weights.norm, cfg.rms_norm_eps)
-        logits = weights.lm_head(last)
+        logits = weights.lm_head(last, rows)
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits.float()
@@ -252,6 +259,7 @@ class DecoderModel:
         kv: KVPool,
         layer_id: int,
         window: int | None,
+        rows: int | None,
     ) -> torch.Tensor:
         """The attention block up to and including o_proj: [T, hidden]. layer_id: the layer's
         place in this part (and in `kv`)."""
@@ -259,7 +267,7 @@ class DecoderModel:
         ops = self.elementwise
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = heads * dim, kv_heads * dim
-        qkv = layer.qkv(x)
+        qkv = layer.qkv(x, rows)
         qk = qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, dim)
         norms = layer.norms
         if norms.q is not None and norms.k is not None:
@@ -282,13 +290,18 @@ class DecoderModel:
             out = attention.attend(
                 q, k_cache, v_cache, self.scale, window=window, softcap=cfg.attn_softcap
             )
-        return layer.o(out.reshape(-1, q_size))
+        return layer.o(out.reshape(-1, q_size), rows)
 
     def _mlp(
-        self, layer: LayerWeights, x: torch.Tensor, rec: Recorder = None, n: int = 0
+        self,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        rec: Recorder = None,
+        n: int = 0,
+        rows: int | None = None,
     ) -> torch.Tensor:
         """`rec` records the experts of the model's layer `n` (kernels/routed_experts.py)."""
         mlp = layer.mlp
         if isinstance(mlp, Experts):
             return mlp(x) if rec is None else rec.run(mlp, x, n)
-        return dense_mlp(mlp, x, self.elementwise, self.config.activation)
+        return dense_mlp(mlp, x, self.elementwise, self.config.activation, rows)

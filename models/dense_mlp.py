@@ -17,18 +17,22 @@ from shoal.models.weights import DenseWeights
 
 
 def dense_mlp(
-    mlp: DenseWeights, x: torch.Tensor, elementwise: Elementwise, activation: str
+    mlp: DenseWeights,
+    x: torch.Tensor,
+    elementwise: Elementwise,
+    activation: str,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """[.., hidden] -> [.., hidden]."""
+    """[.., hidden] -> [.., hidden]; `rows`: the rows the step stands for (linear.py)."""
     silu = activation == "silu"
     compiled = silu and isinstance(elementwise, CompiledElementwise)
-    pair = bf16_pair(mlp.gate_up, mlp.down, x) if compiled else None
+    pair = bf16_pair(mlp.gate_up, mlp.down, x, rows) if compiled else None
     if pair is not None:  # bfloat16 from the gate_up's product to the down's input
         return pair.run(x, elementwise.silu_mul)
     if isinstance(mlp.gate_up, GatedPanels | GatedInt8Linear):
-        return mlp.down(mlp.gate_up.silu_mul(x))
-    gate_up = mlp.gate_up(x)
+        return mlp.down(mlp.gate_up.silu_mul(x, rows), rows)
+    gate_up = mlp.gate_up(x, rows)
     if silu:
-        return mlp.down(elementwise.silu_mul(gate_up))
+        return mlp.down(elementwise.silu_mul(gate_up), rows)
     gate, up = gate_up.chunk(2, dim=-1)
-    return mlp.down(F.gelu(gate, approximate="tanh") * up)
+    return mlp.down(F.gelu(gate, approximate="tanh") * up, rows)

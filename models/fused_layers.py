@@ -65,13 +65,15 @@ class FusedLayers:
         sin: torch.Tensor,
         attention: AttentionMetadata,
         kv: KVPool,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """h [T, hidden], updated in place and returned; cos, sin [T, head_dim]."""
+        """h [T, hidden], updated in place and returned; cos, sin [T, head_dim]; `rows`: the
+        rows the step stands for (DecoderModel.run_layers; None: its T)."""
         fused = attention.kernel_decodes
         assert fused is not None
         return self.layers.forward(  # type: ignore[attr-defined]
             h, cos, sin, kv.k, kv.v, attention.slot_mapping, fused.page_ids, fused.seq_lens,
-            fused.token_index, attention.page_size,
+            fused.token_index, attention.page_size, int(h.shape[0]) if rows is None else rows,
         )  # fmt: skip
 
 

@@ -291,7 +291,11 @@ class DeviceState:
             monitor.gate(0)
             attention = self.attention.prepare(self.page_table, step.shape)
             h = self.model.run_layers(
-                self.model.embed(step.ids), step.positions, attention, self.kv
+                self.model.embed(step.ids),
+                step.positions,
+                attention,
+                self.kv,
+                rows=step.shape.kernel_rows(),
             )
             self.streams.synchronize()  # h is whole before stage 1 reads it
         finally:
@@ -324,7 +328,7 @@ class DeviceState:
         if drafts is None:
             logits = stage.model.head(h, sample_index)
         else:
-            both = stage.model.head(h, torch.cat((drafts.places, sample_index)))
+            both = stage.model.head(h, torch.cat((drafts.places, sample_index)), len(sample_index))
             logits = both[len(drafts.places) :]
         next_tokens = sample(logits, rows, self.eos_token_ids)
         emitted = None

@@ -164,7 +164,9 @@ class StagePipeline:
                 h = h.to(device)
                 positions = micro.positions.to(device)
                 attention = stage.attention.prepare(self.tables[k], micro.shape)
-                h = stage.model.run_layers(h, positions, attention, stage.kv)
+                h = stage.model.run_layers(
+                    h, positions, attention, stage.kv, rows=micro.shape.kernel_rows()
+                )
                 result = self.finish(stage, h, micro) if last else None
             stage.streams.synchronize()  # h is whole before the next stage reads it
         except BaseException as exc:

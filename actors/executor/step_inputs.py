@@ -110,8 +110,10 @@ def _shape(launch: Launch) -> BatchShape:
     row's earlier drafts as a chunk would, through the decode kernels."""
     rows, starts = list(launch.decode_rows), list(launch.decode_starts)
     lengths = [1] * len(rows)
+    drafts = 0
     for seq in launch.seqs:
         if seq.num_drafts:
+            drafts += seq.num_drafts
             rows += [seq.row] * seq.num_tokens
             starts += range(seq.start, seq.start + seq.num_tokens)
             lengths += [1] * seq.num_tokens
@@ -119,4 +121,4 @@ def _shape(launch: Launch) -> BatchShape:
             rows.append(seq.row)
             starts.append(seq.start)
             lengths.append(seq.num_tokens)
-    return BatchShape(tuple(rows), tuple(starts), tuple(lengths))
+    return BatchShape(tuple(rows), tuple(starts), tuple(lengths), drafts)

@@ -70,12 +70,14 @@ def step_logits(
     if routed is not None:
         assert model.config.moe is not None
         recorder = routed.recorder(model.config.num_layers, model.config.moe.top_k)
-    h = model.run_layers(model.embed(step.ids), step.positions, prepared, kv, recorder)
+    h = model.run_layers(
+        model.embed(step.ids), step.positions, prepared, kv, recorder, shape.kernel_rows()
+    )
     both = None
     if drafts is None:
         logits = model.head(h, step.sample_index)
-    else:
-        both = model.head(h, torch.cat((drafts.places, step.sample_index)))
+    else:  # the head stands for the S sampling rows (a verification is its row's one decode)
+        both = model.head(h, torch.cat((drafts.places, step.sample_index)), num_sampling)
         logits = both[len(drafts.places) :]
     prompt = prompt_logprobs(model, h, asks) if asks is not None else None
     experts = recorder.ids() if recorder is not None else None

@@ -6,7 +6,7 @@
 //   layers = torch.classes.shoal_cpu.DecoderLayers(tensors, layout, heads, kv_heads, head_dim,
 //                                                  eps, scale, many_rows)
 //   layers.forward(h, cos, sin, k_caches, v_caches, slots, page_ids, seq_lens, token_index,
-//                  page_size) -> h
+//                  page_size, rows) -> h
 //
 // The layers are the standard ones (Llama, Qwen 2, Mistral without a window): RMSNorm before
 // attention and before the MLP, one fused qkv projection (bias optional), RoPE over the whole
@@ -36,6 +36,9 @@
 //   k_caches, v_caches   one [slots, Hkv, D] per layer, in order
 //   slots, page_ids, seq_lens, token_index, page_size   as store_kv and paged_decode take them;
 //             token_index must name every one of the T tokens (a step of decodes only)
+//   rows      the rows the step stands for where int8 picks its kernels (`many_rows`): its T
+//             tokens less the drafts it verifies (a speculating decode's 1 + k positions are
+//             its row's one decode, so they take the kernels that decode takes)
 //
 // Each kernel checks its arguments as its own op does; a bad step raises, it never reads stray
 // memory.
@@ -112,18 +115,15 @@ struct Linear {
 
   bool gated() const { return last == kGatedPanels; }
 
-  // Whether a step of `rows` rows multiplies in bfloat16 through oneDNN.
-  bool bf16_at(int64_t rows, int64_t many_rows) const {
-    return last == kOneDnnBf16 && on_last(rows, many_rows);
-  }
+  // Whether a step multiplies in bfloat16 through oneDNN; `many`: it stands for int8's many
+  // rows (DecoderLayers::forward).
+  bool bf16_at(bool many) const { return last == kOneDnnBf16 && on_last(many); }
 
-  // Whether a step of `rows` rows multiplies by the last part (not by int8 blocks).
-  bool on_last(int64_t rows, int64_t many_rows) const {
-    return kind == kFloat32 || kind == kBf16 || rows >= many_rows;
-  }
+  // Whether a step multiplies by the last part (not by int8 blocks).
+  bool on_last(bool many) const { return kind == kFloat32 || kind == kBf16 || many; }
 
-  at::Tensor operator()(const at::Tensor& x, int64_t many_rows) const {
-    const bool panels = on_last(x.size(0), many_rows);
+  at::Tensor operator()(const at::Tensor& x, bool many) const {
+    const bool panels = on_last(many);
     if (panels && last == kOneDnnBf16) {
       at::Tensor out;
       traced("bf16_linear", [&] { out = bf16_linear(x, parts.back(), bias); });
@@ -150,8 +150,8 @@ struct Linear {
   // next linear multiplies in bfloat16 too): the product kept bfloat16 and the activation
   // rounded once, the bits of widening the product and rounding at the next call
   // (kernels/bf16_mlp.py does the same in the Python forward).
-  at::Tensor silu_mul(const at::Tensor& x, int64_t many_rows, bool bf16_act = false) const {
-    if (bf16_act && bf16_at(x.size(0), many_rows) && !bias.has_value()) {
+  at::Tensor silu_mul(const at::Tensor& x, bool many, bool bf16_act = false) const {
+    if (bf16_act && bf16_at(many) && !bias.has_value()) {
       at::Tensor product;
       traced("bf16_linear", [&] { product = bf16_product(x, parts.back()); });
       at::Tensor act = at::empty({x.size(0), out_features / 2}, product.options());
@@ -159,10 +159,10 @@ struct Linear {
       return act;
     }
     at::Tensor act = at::empty({x.size(0), out_features / 2}, x.options());
-    if (gated() && on_last(x.size(0), many_rows)) {
+    if (gated() && on_last(many)) {
       traced("f32_silu_mul", [&] { shoal_ops::f32_silu_mul(x, parts.back(), act); });
     } else {
-      const at::Tensor product = (*this)(x, many_rows);
+      const at::Tensor product = (*this)(x, many);
       traced("silu_mul", [&] { shoal_ops::silu_mul(product, act); });
     }
     return act;
@@ -225,7 +225,7 @@ struct DecoderLayers : torch::CustomClassHolder {
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin,
                      std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                      at::Tensor slots, at::Tensor page_ids, at::Tensor seq_lens,
-                     at::Tensor token_index, int64_t page_size) {
+                     at::Tensor token_index, int64_t page_size, int64_t rows) {
     RECORD_FUNCTION("decoder_layers", c10::ArrayRef<const c10::IValue>{});
     const int64_t n = static_cast<int64_t>(layers.size()), tokens = h.size(0);
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n &&
@@ -234,12 +234,15 @@ struct DecoderLayers : torch::CustomClassHolder {
     TORCH_CHECK(token_index.dim() == 1 && token_index.size(0) == tokens,
                 "DecoderLayers: every token of the step must be a decode");
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+    // int8's kernels by the rows the step stands for (a verification's positions are its
+    // row's one decode), not by its tokens: each row's bits those of its plain decode
+    const bool many = rows >= many_rows;
     at::Tensor x = at::empty_like(h);
     at::Tensor attended = at::empty({tokens, heads, head_dim}, h.options());
     traced("rms_norm", [&] { shoal_ops::rms_norm(h, layers[0].input_norm, eps, x); });
     for (int64_t i = 0; i < n; ++i) {
       const Layer& layer = layers[i];
-      const at::Tensor qkv = layer.qkv(x, many_rows);
+      const at::Tensor qkv = layer.qkv(x, many);
       const at::Tensor qk = qkv.narrow(1, 0, q_width + kv_width).view({tokens, -1, head_dim});
       traced("rope", [&] { shoal_ops::rope(qk, cos, sin); });
       const at::Tensor q = qk.narrow(1, 0, heads);
@@ -250,12 +253,12 @@ struct DecoderLayers : torch::CustomClassHolder {
         shoal_ops::paged_decode(q, k_caches[i], v_caches[i], page_ids, seq_lens, token_index,
                                 page_size, scale, attended, 0, 0.);
       });
-      const at::Tensor o = layer.o(attended.view({tokens, q_width}), many_rows);
+      const at::Tensor o = layer.o(attended.view({tokens, q_width}), many);
       traced("add_rms_norm",
              [&] { shoal_ops::add_rms_norm(h, o, layer.post_attention_norm, eps, x); });
-      const bool bf16_act = layer.down.bf16_at(tokens, many_rows);
-      const at::Tensor act = layer.gate_up.silu_mul(x, many_rows, bf16_act);
-      const at::Tensor down = layer.down(act, many_rows);
+      const bool bf16_act = layer.down.bf16_at(many);
+      const at::Tensor act = layer.gate_up.silu_mul(x, many, bf16_act);
+      const at::Tensor down = layer.down(act, many);
       if (i + 1 < n) {
         traced("add_rms_norm",
                [&] { shoal_ops::add_rms_norm(h, down, layers[i + 1].input_norm, eps, x); });

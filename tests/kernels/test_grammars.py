@@ -83,7 +83,7 @@ def test_a_compile_lets_other_threads_run(grammars: Grammars) -> None:
     ticker.start()
     started = time.perf_counter()
     try:
-        grammars.compile(GrammarSpec("json_schema", heavy_schema(60)))
+        grammars.compile(GrammarSpec("json_schema", heavy_schema(120)))
     finally:
         done.set()
         ticker.join()
