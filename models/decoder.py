@@ -201,8 +201,7 @@ class DecoderModel:
         """This part's layers over the residual stream h [T, hidden]; `kv` holds exactly
         their K/V (a stage's pool, in order). `recorder` takes each MoE layer's top-k ids
         (kernels/routed_experts.py); a recording batch runs the layer loop, never fused.
-        `rows`: the rows the step stands for where a linear picks its kernel by size
-        (BatchShape.kernel_rows: a step that verifies drafts; None: its T)."""
+        `rows`: the rows the step stands for (BatchShape.kernel_rows; None: its T)."""
         cfg = self.config
         ops = self.elementwise
         eps = cfg.rms_norm_eps
@@ -237,9 +236,8 @@ class DecoderModel:
     def head(
         self, h: torch.Tensor, sample_index: torch.Tensor, rows: int | None = None
     ) -> torch.Tensor:
-        """The last part's end: the rows of h that sample -> float32 logits [S, V]. `rows`: the
-        rows the head stands for (run_layers): a verification's drafts' places and its sampling
-        place are its row's one."""
+        """The last part's end: the rows of h that sample -> float32 logits [S, V]; `rows`: as
+        many as it stands for (run_layers: a verification's places are its row's one)."""
         cfg = self.config
         weights = self.weights
         assert weights.norm is not None and weights.lm_head is not None, "the last stage only"
@@ -293,12 +291,7 @@ class DecoderModel:
         return layer.o(out.reshape(-1, q_size), rows)
 
     def _mlp(
-        self,
-        layer: LayerWeights,
-        x: torch.Tensor,
-        rec: Recorder = None,
-        n: int = 0,
-        rows: int | None = None,
+        self, layer: LayerWeights, x: torch.Tensor, rec: Recorder, n: int, rows: int | None
     ) -> torch.Tensor:
         """`rec` records the experts of the model's layer `n` (kernels/routed_experts.py)."""
         mlp = layer.mlp
