@@ -13,15 +13,20 @@
 // A panel's pair i is one zmm: 16 channels x the two weights of K's pair i. One `vdpbf16ps`
 // of it against the row's pair broadcast adds both products to the 16 channels' float32 sums:
 // a row costs one instruction a pair and 16 channels, nothing to scale or convert after, and
-// the product is never rounded to bfloat16 (oneDNN's is). A step's rows go through a panel up
-// to 8 at a time, its weights read once for them; threads split the panels. A row's sums are
-// the same whatever rows share its tile or thread (each row its own accumulator, K in order),
-// so a row's logits do not depend on the step it is in.
+// the product is never rounded to bfloat16 (oneDNN's is). A tile is 3 panels (48 channels) and
+// up to 8 rows: 24 independent sums, each pair's three weight vectors loaded once for the 8
+// rows and each row's pair broadcast once for the 3 panels; threads split the panels' groups. A
+// row's sums are the same whatever rows share its tile or thread (each row its own
+// accumulator, K in order), so a row's logits do not depend on the step it is in.
 //
 // Against oneDNN's bfloat16 matmul (`mkldnn::_linear_pointwise`, AVX512-BF16 without AMX) on
-// the 2-core AMD EPYC of bench/README.md, SmolLM2's 30 layers from memory, float32 in and out:
-// 1 row 7.1-9.4 ms against 13.4-14.3, 16 rows 12.1-16.9 against 16.5-19.3, 64 rows 36.5-46.4
-// against 42.0-49.4; from cache (bench/linear_kinds.py) level from 256 rows to 1024.
+// the 2-core AMD EPYC (Zen 4) of bench/README.md, one panel a tile then, SmolLM2's 30 layers
+// from memory, float32 in and out: 1 row 7.1-9.4 ms against 13.4-14.3, 16 rows 12.1-16.9
+// against 16.5-19.3, 64 rows 36.5-46.4 against 42.0-49.4; from cache (bench/linear_kinds.py)
+// level from 256 rows to 1024. On a Zen 5 EPYC (two 512-bit dot products a cycle) one panel's 8
+// sums could not keep its units busy: from cache, 64 rows 23.1 ms against oneDNN's 16.7, 256
+// rows 84.7 against 55.7; three panels a tile 16.1 and 57.7 (1 row 2.61 -> 1.82 ms, 16 rows
+// 6.25 -> 4.33; two panels 15.8 and 59.6, four at 6 rows 16.6 and 61.4).
 //
 // The dot products are compiled for AVX512-BF16 by a function target and taken only where the
 // CPU has it (cpuid): elsewhere the op refuses, and bf16_linear.py never packs panels there.
@@ -48,7 +53,8 @@
 namespace {
 
 constexpr int64_t kWidth = 16;     // output channels a panel
-constexpr int kMaxRows = 8;        // rows a tile: 8 accumulators
+constexpr int64_t kPanels = 3;     // panels a tile
+constexpr int kMaxRows = 8;        // rows a tile: 8 x 3 accumulators
 constexpr int64_t kAhead = 1024;   // bytes of a panel asked for ahead
 constexpr int64_t kKeptCopy = int64_t{8} << 20;  // bytes of x in bfloat16 a thread keeps
 
@@ -62,45 +68,68 @@ bool cpu_has_bf16_dots() {
   return (eax & (1u << 5)) != 0;  // AVX512_BF16
 }
 
-// Rows [m0, m0 + MR) of x (bfloat16 pairs, `pairs` a row) times one panel into out's 16
-// channels from n0 (`valid` of them inside N).
-template <int MR>
+// Rows [m0, m0 + MR) of x (bfloat16 pairs, `pairs` a row) times NP panels from `panel` (each
+// `stride` elements after the last) into out's channels from n0 (n: the output's channels).
+template <int MR, int NP>
 SHOAL_BF16_TARGET void panel_rows(const uint32_t* x, int64_t pairs, const uint16_t* panel,
-                                  const float* bias, float* out, int64_t out_stride, int64_t n0,
-                                  int64_t valid) {
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+                                  int64_t stride, const float* bias, float* out,
+                                  int64_t out_stride, int64_t n0, int64_t n) {
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
   const char* bytes = reinterpret_cast<const char*>(panel);
+  const int64_t step = 2 * stride;  // bytes from a panel to the next
   for (int64_t i = 0; i < pairs; ++i) {
-    __builtin_prefetch(bytes + 64 * i + kAhead, 0, 0);
-    const __m512bh w = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bytes + 64 * i));
+    __m512bh w[NP];
+    for (int q = 0; q < NP; ++q) {
+      __builtin_prefetch(bytes + q * step + 64 * i + kAhead, 0, 0);
+      w[q] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bytes + q * step + 64 * i));
+    }
     for (int r = 0; r < MR; ++r) {
       const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(
           static_cast<int>(x[r * pairs + i])));
-      acc[r] = _mm512_dpbf16_ps(acc[r], w, xv);
+      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], w[q], xv);
     }
   }
   alignas(64) float y[kWidth];
-  for (int r = 0; r < MR; ++r) {
-    __m512 v = acc[r];
-    if (bias != nullptr && valid == kWidth) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0));
-    float* row = out + r * out_stride + n0;
-    if (valid == kWidth) {
-      _mm512_storeu_ps(row, v);
-    } else {
-      _mm512_store_ps(y, v);
-      for (int64_t j = 0; j < valid; ++j) row[j] = y[j] + (bias != nullptr ? bias[n0 + j] : 0.f);
+  for (int q = 0; q < NP; ++q) {
+    const int64_t c0 = n0 + q * kWidth, valid = std::min(kWidth, n - c0);
+    for (int r = 0; r < MR; ++r) {
+      __m512 v = acc[r][q];
+      if (bias != nullptr && valid == kWidth) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c0));
+      float* row = out + r * out_stride + c0;
+      if (valid == kWidth) {
+        _mm512_storeu_ps(row, v);
+      } else {
+        _mm512_store_ps(y, v);
+        for (int64_t j = 0; j < valid; ++j) row[j] = y[j] + (bias != nullptr ? bias[c0 + j] : 0.f);
+      }
     }
   }
 }
 
-template <int MR>
+template <int MR, int NP>
 void rows_at(int64_t rows, const uint32_t* x, int64_t pairs, const uint16_t* panel,
-             const float* bias, float* out, int64_t out_stride, int64_t n0, int64_t valid) {
+             int64_t stride, const float* bias, float* out, int64_t out_stride, int64_t n0,
+             int64_t n) {
   if constexpr (MR > 1) {
-    if (rows < MR) return rows_at<MR - 1>(rows, x, pairs, panel, bias, out, out_stride, n0, valid);
+    if (rows < MR) {
+      return rows_at<MR - 1, NP>(rows, x, pairs, panel, stride, bias, out, out_stride, n0, n);
+    }
   }
-  panel_rows<MR>(x, pairs, panel, bias, out, out_stride, n0, valid);
+  panel_rows<MR, NP>(x, pairs, panel, stride, bias, out, out_stride, n0, n);
+}
+
+template <int NP>
+void panels_at(int64_t panels, int64_t rows, const uint32_t* x, int64_t pairs,
+               const uint16_t* panel, int64_t stride, const float* bias, float* out,
+               int64_t out_stride, int64_t n0, int64_t n) {
+  if constexpr (NP > 1) {
+    if (panels < NP) {
+      return panels_at<NP - 1>(panels, rows, x, pairs, panel, stride, bias, out, out_stride, n0, n);
+    }
+  }
+  rows_at<kMaxRows, NP>(rows, x, pairs, panel, stride, bias, out, out_stride, n0, n);
 }
 
 #endif  // SHOAL_BF16_DOTS
@@ -175,13 +204,15 @@ void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
   // the rows in as few tiles of at most kMaxRows as there can be, of even sizes
   const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
   const int64_t tile_rows = (m + tiles - 1) / tiles;
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint16_t* panel = weights + p * pairs * 2 * kWidth;
-      const int64_t n0 = p * kWidth, valid = std::min(kWidth, n - n0);
+  const int64_t stride = pairs * 2 * kWidth;
+  const int64_t groups = (num_panels + kPanels - 1) / kPanels;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p = g * kPanels, count = std::min(kPanels, num_panels - p);
       for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
-        rows_at<kMaxRows>(std::min(tile_rows, m - m0), rows + m0 * pairs, pairs, panel,
-                          bias_data, out_data + m0 * out_stride, out_stride, n0, valid);
+        panels_at<kPanels>(count, std::min(tile_rows, m - m0), rows + m0 * pairs, pairs,
+                           weights + p * stride, stride, bias_data, out_data + m0 * out_stride,
+                           out_stride, p * kWidth, n);
       }
     }
   });
