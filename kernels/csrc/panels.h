@@ -4,10 +4,14 @@
 //            each k's 16 weights side by side (channels past N are zeros)
 //   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])
 //
-// The tile: up to 6 rows of x times one panel's 16 channels, in 12 vector accumulators that
-// stay in registers over all of K; each k loads the panel's 16 weights once (two vectors) and
-// broadcasts each row's x[m, k]: 12 fused multiply-adds for 8 loads, so the tile runs at the
-// multiply-add units' rate. Threads split the panels; a thread runs every row tile over a panel
+// The tile (AVX2): up to 6 rows of x times one panel's 16 channels, in 12 vector accumulators
+// that stay in registers over all of K; each k loads the panel's 16 weights once (two vectors)
+// and broadcasts each row's x[m, k]: 12 fused multiply-adds for 8 loads, so the tile runs at
+// the multiply-add units' rate. AVX-512: up to 12 rows times two panels, 24 accumulators, each
+// row's x[m, k] broadcast once for both: on a Zen 5 EPYC (two 512-bit multiply-adds a cycle)
+// one panel's 12 sums left the units idle (SmolLM2's layers from cache, bench/linear_kinds.py:
+// 1 row 3.44 ms -> 2.62, 16 rows 9.23 -> 7.92, 64 rows 31.66 -> 27.2 against oneDNN's 29.8,
+// 256 rows 139.2 -> 107.7 against 109.6). Threads split the panels; a thread runs every row tile over a panel
 // while it sits in its L2. From kBlockFrom rows a thread takes the rows in blocks that fit its
 // L2 beside a panel, each block over all its panels: at 1,800 rows (a whole-prompt prefill) x
 // no longer streams from L3 once a panel (4 MB, 192 times for gate_up), 177 -> 185 GFLOP/s
@@ -52,33 +56,41 @@ namespace shoal_panels {
 constexpr int64_t kWidth = 16;  // output channels a panel
 constexpr int64_t kGatedWidth = kWidth / 2;  // gated panels: 8 gate channels, then their 8 ups
 #ifdef SHOAL_PANELS_AVX512
-constexpr int64_t kMaxRows = 12;  // a zmm accumulator a row, the panel's 16 weights in one
+constexpr int64_t kMaxRows = 12;  // a zmm accumulator a row and panel, a panel's 16 weights in one
+constexpr int64_t kPanelsATile = 2;  // 24 accumulators
 #else
 constexpr int64_t kMaxRows = 6;  // two ymm accumulators a row
+constexpr int64_t kPanelsATile = 1;
 #endif
+constexpr int kPanelsAvx512 = 2;  // the sums' room, every build
 constexpr int64_t kBlockFrom = 384;        // rows from which a thread takes them in blocks
 constexpr int64_t kBlockBytes = 128 << 10;  // of x, a block (L2 is 512 KiB a core here)
 
-// Lines of a panel to ask for from memory while a tile multiplies: `count` of them (one k,
+// Lines of panels to ask for from memory while a tile multiplies: `count` of them (one k,
 // 16 floats, 64 bytes, each) from `line`.
 struct Ahead {
   const float* line;
   int64_t count;
 };
 
-// Spreads an Ahead's lines over a tile's k loop: one asked for every k_len / count k, at
-// tick(), which the loop calls once a k.
+// Spreads an Ahead's lines over a tile's k loop, at tick(), which the loop calls once a k:
+// `per` lines every `every` k (more lines than k, as a tile of two panels asks for the next
+// two: two a k).
 struct AheadPace {
   Ahead ahead;
-  int64_t every, countdown;
+  int64_t per, every, countdown;
   AheadPace(Ahead a, int64_t k_len)
-      : ahead(a), every(a.count > 0 ? std::max<int64_t>(1, k_len / a.count) : 0),
+      : ahead(a),
+        per(std::max<int64_t>(1, (a.count + k_len - 1) / k_len)),
+        every(a.count > 0 ? std::max<int64_t>(1, k_len * per / a.count) : 0),
         countdown(every) {}
   void tick() {
     if (--countdown == 0 && ahead.count > 0) {
-      __builtin_prefetch(ahead.line, 0, 3);
-      ahead.line += kWidth;
-      --ahead.count;
+      for (int64_t i = 0; i < per && ahead.count > 0; ++i) {
+        __builtin_prefetch(ahead.line, 0, 3);
+        ahead.line += kWidth;
+        --ahead.count;
+      }
       countdown = every;
     }
   }
@@ -96,24 +108,32 @@ struct Product {
   int64_t out_stride;
   bool gated = false;  // panels of 8 gate and 8 up channels; out = silu(gate) * up, n of them
 
-  // out[m0 .. m0 + MR, the channels of panel p]; meanwhile `ahead.count` lines from
-  // `ahead.line` are asked for, one every k_len / count k.
-  template <int MR>
+  // out[m0 .. m0 + MR, the channels of panels p .. p + NP - 1]; meanwhile `ahead.count` lines
+  // from `ahead.line` are asked for, one every k_len / count k.
+  template <int MR, int NP>
   void tile(int64_t m0, int64_t p, Ahead ahead) const {
     const float* xs = x + m0 * x_stride;
     const float* w = panels + p * k_len * kWidth;
-    float sums[kMaxRows][kWidth];
+    float sums[kPanelsAvx512][kMaxRows][kWidth];
 #if defined(SHOAL_PANELS_AVX512)
+    // panel p's sums a0 .., panel p + 1's b0 .. (named: see the top)
+    const float* w_next = w + k_len * kWidth;
     const __m512 z = _mm512_setzero_ps();
     __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z;
     __m512 a6 = z, a7 = z, a8 = z, a9 = z, a10 = z, a11 = z;
+    __m512 b0 = z, b1 = z, b2 = z, b3 = z, b4 = z, b5 = z;
+    __m512 b6 = z, b7 = z, b8 = z, b9 = z, b10 = z, b11 = z;
     AheadPace pace(ahead, k_len);
     for (int64_t k = 0; k < k_len; ++k) {
       pace.tick();
       const __m512 w0 = _mm512_loadu_ps(w + k * kWidth);
-#define SHOAL_PANEL_ROW(r)                                          \
-  if constexpr (MR > r) {                                           \
-    a##r = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * x_stride + k]), w0, a##r); \
+      __m512 w1 = z;
+      if constexpr (NP > 1) w1 = _mm512_loadu_ps(w_next + k * kWidth);
+#define SHOAL_PANEL_ROW(r)                                                  \
+  if constexpr (MR > r) {                                                   \
+    const __m512 xr = _mm512_set1_ps(xs[r * x_stride + k]);                 \
+    a##r = _mm512_fmadd_ps(xr, w0, a##r);                                   \
+    if constexpr (NP > 1) b##r = _mm512_fmadd_ps(xr, w1, b##r);             \
   }
       SHOAL_PANEL_ROW(0)
       SHOAL_PANEL_ROW(1)
@@ -129,9 +149,13 @@ struct Product {
       SHOAL_PANEL_ROW(11)
 #undef SHOAL_PANEL_ROW
     }
-    const __m512 acc[kMaxRows] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
-    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(sums[r], acc[r]);
+    const __m512 acc[kPanelsAvx512][kMaxRows] = {
+        {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11},
+        {b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11}};
+    for (int q = 0; q < NP; ++q)
+      for (int r = 0; r < MR; ++r) _mm512_storeu_ps(sums[q][r], acc[q][r]);
 #elif defined(SHOAL_PANELS_AVX2)
+    static_assert(NP == 1, "AVX2 tiles are one panel");
     const __m256 z = _mm256_setzero_ps();
     __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z;
     __m256 a30 = z, a31 = z, a40 = z, a41 = z, a50 = z, a51 = z;
@@ -157,25 +181,31 @@ struct Product {
     const __m256 acc[kMaxRows][2] = {{a00, a01}, {a10, a11}, {a20, a21},
                                      {a30, a31}, {a40, a41}, {a50, a51}};
     for (int r = 0; r < MR; ++r) {
-      _mm256_storeu_ps(sums[r], acc[r][0]);
-      _mm256_storeu_ps(sums[r] + 8, acc[r][1]);
+      _mm256_storeu_ps(sums[0][r], acc[r][0]);
+      _mm256_storeu_ps(sums[0][r] + 8, acc[r][1]);
     }
 #else
+    static_assert(NP == 1, "scalar tiles are one panel");
     for (int r = 0; r < MR; ++r) {
-      for (int64_t c = 0; c < kWidth; ++c) sums[r][c] = 0.f;
+      for (int64_t c = 0; c < kWidth; ++c) sums[0][r][c] = 0.f;
       for (int64_t k = 0; k < k_len; ++k) {
         for (int64_t c = 0; c < kWidth; ++c) {
-          sums[r][c] = std::fma(xs[r * x_stride + k], w[k * kWidth + c], sums[r][c]);
+          sums[0][r][c] = std::fma(xs[r * x_stride + k], w[k * kWidth + c], sums[0][r][c]);
         }
       }
     }
 #endif
+    for (int q = 0; q < NP; ++q) store(sums[q], MR, m0, p + q);
+  }
+
+  // A tile's sums of panel p (MR rows) into out: as they are, plus the bias, or gated.
+  void store(const float (*sums)[kWidth], int mr, int64_t m0, int64_t p) const {
     if (gated) {
-      for (int r = 0; r < MR; ++r) silu_mul(sums[r], out + (m0 + r) * out_stride, p);
+      for (int r = 0; r < mr; ++r) silu_mul(sums[r], out + (m0 + r) * out_stride, p);
       return;
     }
     const int64_t c0 = p * kWidth, cols = std::min(kWidth, n - c0);
-    for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < mr; ++r) {
       float* dst = out + (m0 + r) * out_stride + c0;
       for (int64_t c = 0; c < cols; ++c) {
         dst[c] = bias != nullptr ? sums[r][c] + bias[c0 + c] : sums[r][c];
@@ -201,35 +231,38 @@ struct Product {
     }
   }
 
-  // The row tiles of rows [m_begin, m_end) over panel p. `next` (or nullptr): the panel that
-  // follows, whose lines (one a k) are asked for from memory over the tiles after the first;
-  // the first waits on this panel's own lines.
-  void panel_rows(int64_t m_begin, int64_t m_end, int64_t p, const float* next) const {
+  // The row tiles of rows [m_begin, m_end) over panels p .. p + NP - 1. `next` (or nullptr):
+  // the panels that follow (`next_lines` lines of them, one a k), asked for from memory over
+  // the tiles after the first; the first waits on these panels' own lines.
+  template <int NP>
+  void panel_rows(int64_t m_begin, int64_t m_end, int64_t p, const float* next,
+                  int64_t next_lines) const {
     const int64_t tiles = (m_end - m_begin + kMaxRows - 1) / kMaxRows;
     const int64_t size = (m_end - m_begin + tiles - 1) / tiles;  // even tiles: 16 rows, 8 + 8
-    const int64_t per_tile = next != nullptr && tiles > 1 ? (k_len + tiles - 2) / (tiles - 1) : 0;
+    const int64_t per_tile =
+        next != nullptr && tiles > 1 ? (next_lines + tiles - 2) / (tiles - 1) : 0;
     int64_t m0 = m_begin;
     for (int64_t t = 0; m0 < m_end; ++t, m0 += size) {
       Ahead ahead{nullptr, 0};
-      if (per_tile > 0 && t > 0 && (t - 1) * per_tile < k_len) {
+      if (per_tile > 0 && t > 0 && (t - 1) * per_tile < next_lines) {
         const int64_t first = (t - 1) * per_tile;
-        ahead = Ahead{next + first * kWidth, std::min(per_tile, k_len - first)};
+        ahead = Ahead{next + first * kWidth, std::min(per_tile, next_lines - first)};
       }
       switch (std::min(size, m_end - m0)) {
 #ifdef SHOAL_PANELS_AVX512
-        case 12: tile<12>(m0, p, ahead); break;
-        case 11: tile<11>(m0, p, ahead); break;
-        case 10: tile<10>(m0, p, ahead); break;
-        case 9: tile<9>(m0, p, ahead); break;
-        case 8: tile<8>(m0, p, ahead); break;
-        case 7: tile<7>(m0, p, ahead); break;
+        case 12: tile<12, NP>(m0, p, ahead); break;
+        case 11: tile<11, NP>(m0, p, ahead); break;
+        case 10: tile<10, NP>(m0, p, ahead); break;
+        case 9: tile<9, NP>(m0, p, ahead); break;
+        case 8: tile<8, NP>(m0, p, ahead); break;
+        case 7: tile<7, NP>(m0, p, ahead); break;
 #endif
-        case 6: tile<6>(m0, p, ahead); break;
-        case 5: tile<5>(m0, p, ahead); break;
-        case 4: tile<4>(m0, p, ahead); break;
-        case 3: tile<3>(m0, p, ahead); break;
-        case 2: tile<2>(m0, p, ahead); break;
-        default: tile<1>(m0, p, ahead); break;
+        case 6: tile<6, NP>(m0, p, ahead); break;
+        case 5: tile<5, NP>(m0, p, ahead); break;
+        case 4: tile<4, NP>(m0, p, ahead); break;
+        case 3: tile<3, NP>(m0, p, ahead); break;
+        case 2: tile<2, NP>(m0, p, ahead); break;
+        default: tile<1, NP>(m0, p, ahead); break;
       }
     }
   }
@@ -238,12 +271,19 @@ struct Product {
     const int64_t width = gated ? kGatedWidth : kWidth;
     const int64_t num_panels = (n + width - 1) / width;
     const int64_t block = row_block();
+    const int64_t panel_size = k_len * kWidth;
     at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t m_begin = 0; m_begin < rows; m_begin += block) {
         const int64_t m_end = std::min(rows, m_begin + block);
-        for (int64_t p = begin; p < end; ++p) {
-          const float* next = p + 1 < end ? panels + (p + 1) * k_len * kWidth : nullptr;
-          panel_rows(m_begin, m_end, p, next);
+        for (int64_t p = begin; p < end; p += kPanelsATile) {
+          const int64_t count = std::min(kPanelsATile, end - p);
+          const int64_t after = std::min(kPanelsATile, end - p - count);  // panels next
+          const float* next = after > 0 ? panels + (p + count) * panel_size : nullptr;
+          if (count > 1) {
+            panel_rows<kPanelsATile>(m_begin, m_end, p, next, after * k_len);
+          } else {
+            panel_rows<1>(m_begin, m_end, p, next, after * k_len);
+          }
         }
       }
     });
