@@ -19,12 +19,14 @@ WARM_UP_PROMPT = list(range(100, 116))
 
 
 def machine() -> str:
-    """The CPU's model and features (kernels/cpu_features.py), cores, torch, threads; the GPU
-    first where there is one: Intel(R)_Xeon(R)_Processor-avx2+avx512f+...-x86_64-2cpu-..."""
+    """The CPU's model (its family and model numbers where known) and features
+    (kernels/cpu_features.py), cores, torch, threads; the GPU first where there is one:
+    AMD_EPYC_family_26_model_2-avx2+avx512f+...-x86_64-2cpu-..."""
     threads = torch.get_num_threads()
     cpu = read_cpu_features()
+    name = cpu.name().replace(" (", "_").replace(", ", "_").replace(")", "")
     desc = (
-        f"{cpu.model.replace(' ', '_')}-{cpu.isa()}-{platform.machine()}-{os.cpu_count()}cpu"
+        f"{name.replace(' ', '_')}-{cpu.isa()}-{platform.machine()}-{os.cpu_count()}cpu"
         f"-torch{torch.__version__}-threads{threads}"
     )
     if torch.cuda.is_available():

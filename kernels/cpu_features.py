@@ -31,6 +31,14 @@ FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"
 class CpuFeatures:
     model: str  # as lscpu names it: "Intel(R) Xeon(R) Processor", "AMD EPYC 7B13"
     flags: frozenset[str]  # those of FLAGS the CPU reports and torch confirms
+    # cpuid's family and model numbers ("" where unknown): a VM's model name may be only
+    # "AMD EPYC", on a Zen 4 (family 25) or a Zen 5 (26), whose kernels' speeds differ
+    generation: str = ""
+
+    def name(self) -> str:
+        """The model and, where known, its family and model numbers: "AMD EPYC (family 26,
+        model 2)"."""
+        return f"{self.model} ({self.generation})" if self.generation else self.model
 
     @property
     def vnni(self) -> bool:
@@ -52,22 +60,29 @@ class CpuFeatures:
 def read_cpu_features(cpuinfo: Path = CPUINFO) -> CpuFeatures:
     """The CPU's model and features (none where /proc/cpuinfo cannot be read)."""
     model, words = "unknown", set[str]()
+    numbers: dict[str, str] = {}  # "cpu family", "model": the first processor's
     try:
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
+            key = key.strip()
+            if key == "model name" and model == "unknown":
                 model = value.strip()
-            elif key.strip() == "flags" and not words:
+            elif key == "flags" and not words:
                 words = set(value.split())
+            elif key in ("cpu family", "model") and key not in numbers:
+                numbers[key] = value.strip()
     except OSError:
         pass
+    generation = ""
+    if "cpu family" in numbers and "model" in numbers:
+        generation = f"family {numbers['cpu family']}, model {numbers['model']}"
     confirmed = {flag for flag in FLAGS if flag in words}
     # torch's checks include the OS's consent (AMX tiles need the kernel's permission)
     if not torch.cpu._is_amx_tile_supported():
         confirmed -= {"amx_tile", "amx_bf16", "amx_int8"}
     if not torch.cpu._is_avx512_bf16_supported():
         confirmed.discard("avx512_bf16")
-    return CpuFeatures(model, frozenset(confirmed))
+    return CpuFeatures(model, frozenset(confirmed), generation)
 
 
 def bf16_by_default(features: CpuFeatures) -> bool:
@@ -97,7 +112,7 @@ def kernel_report(
         picked += f" kv={str(kv_dtype).removeprefix('torch.')}" + (":amx-tiles" if tiles else "")
     if device.type != "cpu":
         return picked
-    return f'cpu="{cpu.model}" isa={cpu.isa()} {picked}'
+    return f'cpu="{cpu.name()}" isa={cpu.isa()} {picked}'
 
 
 def kernel_choice(

@@ -189,6 +189,18 @@ def test_features_are_read_from_cpuinfo(tmp_path: Path, monkeypatch: pytest.Monk
     )
     read = cpu_features.read_cpu_features(info)
     assert read == CpuFeatures("AMD EPYC 7B13", frozenset({"avx2"}))
+    assert read.name() == "AMD EPYC 7B13"
+    # a VM's bare model name: the family and model numbers tell a Zen 4 from a Zen 5
+    info.write_text(
+        "processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+        "flags\t\t: avx2 avx512f\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n"
+    )
+    zen5 = cpu_features.read_cpu_features(info)
+    assert zen5.generation == "family 26, model 2"
+    assert zen5.name() == "AMD EPYC (family 26, model 2)"
+    assert kernel_report(torch.device("cpu"), "packed", "cpu", zen5).startswith(
+        'cpu="AMD EPYC (family 26, model 2)" isa=avx2+avx512f '
+    )
     assert cpu_features.read_cpu_features(tmp_path / "absent").isa() == "none"
     # features the OS has not enabled (torch's checks) are not reported
     info.write_text("model name\t: Xeon\nflags\t\t: avx2 avx512f amx_tile amx_bf16 amx_int8\n")
