@@ -120,6 +120,7 @@ void rows_at(int64_t rows, const uint32_t* x, int64_t pairs, const uint16_t* pan
   panel_rows<MR, NP>(x, pairs, panel, stride, bias, out, out_stride, n0, n);
 }
 
+// rows_at over the `panels` (<= NP) panels left of a group: a tile of that many
 template <int NP>
 void panels_at(int64_t panels, int64_t rows, const uint32_t* x, int64_t pairs,
                const uint16_t* panel, int64_t stride, const float* bias, float* out,

@@ -11,8 +11,9 @@
 // row's x[m, k] broadcast once for both: on a Zen 5 EPYC (two 512-bit multiply-adds a cycle)
 // one panel's 12 sums left the units idle (SmolLM2's layers from cache, bench/linear_kinds.py:
 // 1 row 3.44 ms -> 2.62, 16 rows 9.23 -> 7.92, 64 rows 31.66 -> 27.2 against oneDNN's 29.8,
-// 256 rows 139.2 -> 107.7 against 109.6). Threads split the panels; a thread runs every row tile over a panel
-// while it sits in its L2. From kBlockFrom rows a thread takes the rows in blocks that fit its
+// 256 rows 139.2 -> 107.7 against 109.6; three panels of 8 rows were slower: 256 rows 133.8).
+// Threads split the panels; a thread runs every row tile over its panels while they sit in its
+// L2. From kBlockFrom rows a thread takes the rows in blocks that fit its
 // L2 beside a panel, each block over all its panels: at 1,800 rows (a whole-prompt prefill) x
 // no longer streams from L3 once a panel (4 MB, 192 times for gate_up), 177 -> 185 GFLOP/s
 // over SmolLM2's layers. Each output is one chain of multiply-adds in k order, added to the
@@ -56,7 +57,7 @@ namespace shoal_panels {
 constexpr int64_t kWidth = 16;  // output channels a panel
 constexpr int64_t kGatedWidth = kWidth / 2;  // gated panels: 8 gate channels, then their 8 ups
 #ifdef SHOAL_PANELS_AVX512
-constexpr int64_t kMaxRows = 12;  // a zmm accumulator a row and panel, a panel's 16 weights in one
+constexpr int64_t kMaxRows = 12;     // a zmm accumulator a row and panel
 constexpr int64_t kPanelsATile = 2;  // 24 accumulators
 #else
 constexpr int64_t kMaxRows = 6;  // two ymm accumulators a row
@@ -109,7 +110,7 @@ struct Product {
   bool gated = false;  // panels of 8 gate and 8 up channels; out = silu(gate) * up, n of them
 
   // out[m0 .. m0 + MR, the channels of panels p .. p + NP - 1]; meanwhile `ahead.count` lines
-  // from `ahead.line` are asked for, one every k_len / count k.
+  // from `ahead.line` are asked for, spread over the k loop (AheadPace).
   template <int MR, int NP>
   void tile(int64_t m0, int64_t p, Ahead ahead) const {
     const float* xs = x + m0 * x_stride;
