@@ -7,9 +7,10 @@ names it.
 
     feature        used by
     avx2           the compiled kernels' AVX2 build (csrc, kernel_build.py)
-    avx512         their AVX-512 build: float32 panels of 12 rows a tile (csrc/panels.h)
+    avx512         their AVX-512 build: float32 tiles of two panels and 12 rows (csrc/panels.h)
     avx512_vnni    int8 blocks' dot products in one instruction (vpdpwssd, csrc/block_linear.cpp)
-    avx512_bf16    bfloat16 matmuls through oneDNN (bf16_linear.py): the default dtype on the CPU
+    avx512_bf16    bfloat16 matmuls in compiled panels (csrc/bf16_panels.cpp; oneDNN's without
+                   the kernels, bf16_linear.py): the default dtype on the CPU
     amx_bf16       the same on the matrix tiles
 """
 
