@@ -24,9 +24,9 @@ def machine() -> str:
     AMD_EPYC_family_26_model_2-avx2+avx512f+...-x86_64-2cpu-..."""
     threads = torch.get_num_threads()
     cpu = read_cpu_features()
-    name = cpu.name().replace(" (", "_").replace(", ", "_").replace(")", "")
+    name = " ".join(filter(None, (cpu.model, cpu.generation.replace(",", "")))).replace(" ", "_")
     desc = (
-        f"{name.replace(' ', '_')}-{cpu.isa()}-{platform.machine()}-{os.cpu_count()}cpu"
+        f"{name}-{cpu.isa()}-{platform.machine()}-{os.cpu_count()}cpu"
         f"-torch{torch.__version__}-threads{threads}"
     )
     if torch.cuda.is_available():

@@ -63,7 +63,6 @@ constexpr int64_t kPanelsATile = 2;  // 24 accumulators
 constexpr int64_t kMaxRows = 6;  // two ymm accumulators a row
 constexpr int64_t kPanelsATile = 1;
 #endif
-constexpr int kPanelsAvx512 = 2;  // the sums' room, every build
 constexpr int64_t kBlockFrom = 384;        // rows from which a thread takes them in blocks
 constexpr int64_t kBlockBytes = 128 << 10;  // of x, a block (L2 is 512 KiB a core here)
 
@@ -115,7 +114,7 @@ struct Product {
   void tile(int64_t m0, int64_t p, Ahead ahead) const {
     const float* xs = x + m0 * x_stride;
     const float* w = panels + p * k_len * kWidth;
-    float sums[kPanelsAvx512][kMaxRows][kWidth];
+    float sums[kPanelsATile][kMaxRows][kWidth];
 #if defined(SHOAL_PANELS_AVX512)
     // panel p's sums a0 .., panel p + 1's b0 .. (named: see the top)
     const float* w_next = w + k_len * kWidth;
@@ -150,7 +149,7 @@ struct Product {
       SHOAL_PANEL_ROW(11)
 #undef SHOAL_PANEL_ROW
     }
-    const __m512 acc[kPanelsAvx512][kMaxRows] = {
+    const __m512 acc[kPanelsATile][kMaxRows] = {
         {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11},
         {b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11}};
     for (int q = 0; q < NP; ++q)
