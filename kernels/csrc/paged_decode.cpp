@@ -40,6 +40,8 @@
 #include <torch/library.h>
 
 #include "attention_args.h"
+#include "decode_math.h"
+#include "decode_runs.h"
 #include "ops.h"
 #include "tile_attention.h"
 
@@ -52,156 +54,15 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-using at::BFloat16;
+using namespace shoal_decode;
 
-// Vec::size() cache values as float32: float32 as they are, bfloat16 widened (exact).
-inline Vec load_floats(const float* p) { return Vec::loadu(p); }
-inline Vec load_floats(const BFloat16* p) {
-  Vec out;
-  at::vec::load_to_float(p, out);
-  return out;
-}
-
-// a . b over `dim` values: whole vectors in lanes, the rest (a head_dim that is not a multiple
-// of the vector width) one by one.
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t dim) {
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= dim; i += Vec::size()) {
-    acc = at::vec::fmadd(Vec::loadu(a + i), load_floats(b + i), acc);
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-  for (; i < dim; ++i) sum += a[i] * static_cast<float>(b[i]);
-  return sum;
-}
-
-// acc += weight * x over `dim` values.
-template <typename T>
-inline void add_scaled(float weight, const T* x, float* acc, int64_t dim) {
-  const Vec w(weight);
-  int64_t i = 0;
-  for (; i + Vec::size() <= dim; i += Vec::size()) {
-    at::vec::fmadd(w, load_floats(x + i), Vec::loadu(acc + i)).store(acc + i);
-  }
-  for (; i < dim; ++i) acc[i] += weight * static_cast<float>(x[i]);
-}
-
-// row <- exp(row - max(row)); returns 1 / sum(row). The exp is ATen's exp_u20, as torch's own
-// CPU flash attention uses.
-inline float softmax_unnormalized(float* row, int64_t len) {
-  Vec vmax(-std::numeric_limits<float>::infinity());  // the peak, a vector at a time
-  int64_t m = 0;
-  for (; m + Vec::size() <= len; m += Vec::size()) {
-    vmax = at::vec::maximum(vmax, Vec::loadu(row + m));
-  }
-  float peak = at::vec::vec_reduce_all<float>(
-      [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
-  for (; m < len; ++m) peak = std::max(peak, row[m]);
-  const Vec vpeak(peak);
-  Vec vtotal(0.f);
-  int64_t t = 0;
-  for (; t + Vec::size() <= len; t += Vec::size()) {
-    const Vec e = (Vec::loadu(row + t) - vpeak).exp_u20();
-    e.store(row + t);
-    vtotal = vtotal + e;
-  }
-  float total = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vtotal);
-  if (t < len) {
-    const int64_t rest = len - t;
-    const Vec e = (Vec::loadu(row + t, rest) - vpeak).exp_u20();
-    e.store(row + t, rest);
-    float tail[Vec::size()];
-    e.store(tail, rest);
-    for (int64_t i = 0; i < rest; ++i) total += tail[i];
-  }
-  return 1.f / total;
-}
-
-#if defined(CPU_CAPABILITY_AVX512)
-// Four keys' dot products with one query (dim a whole number of 16s), each the bits of dot():
-// the same fused multiply-adds, then the sum of the 16 lanes in vec_reduce_all's order (lanes
-// i and i + 8, then i and i ^ 4, i ^ 2, i ^ 1), four keys' sums sharing each instruction.
-template <typename T>
-inline void dot4(const float* q, const T* const* keys, int64_t dim, float* out) {
-  Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
-  for (int64_t i = 0; i < dim; i += Vec::size()) {
-    const Vec qi = Vec::loadu(q + i);
-    for (int k = 0; k < 4; ++k) acc[k] = at::vec::fmadd(qi, load_floats(keys[k] + i), acc[k]);
-  }
-  const __m512 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
-  // [a 0-7 | b 0-7] + [a 8-15 | b 8-15]
-  const __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-  const __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-  // [a 0-3 | b 0-3 | c 0-3 | d 0-3] + their 4-7
-  __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, 0x88), _mm512_shuffle_f32x4(p01, p23, 0xDD));
-  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
-  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  for (int k = 0; k < 4; ++k) out[k] = lanes[4 * k];
-}
-
-// acc_h += scores[h * stride + t] * row(t) for H heads of one KV head over every key t, the
-// heads' DV x 16 accumulators in registers (add_scaled's fused multiply-adds in the same order,
-// so the same bits), then out_h = acc_h * inv_sum[h].
-template <typename T, int DV, int H, typename Row>
-void values_in_registers(const float* scores, int64_t stride, int64_t len, const Row& row,
-                         const float* inv_sum, float* const* out) {
-  Vec acc[H][DV];
-  for (int h = 0; h < H; ++h)
-    for (int d = 0; d < DV; ++d) acc[h][d] = Vec(0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + 8 < len) {
-      for (int d = 0; d < DV; ++d) __builtin_prefetch(row(t + 8) + d * Vec::size(), 0, 3);
-    }
-    const T* values = row(t);
-    Vec v[DV];
-    for (int d = 0; d < DV; ++d) v[d] = load_floats(values + d * Vec::size());
-    for (int h = 0; h < H; ++h) {
-      const Vec w(scores[h * stride + t]);
-      for (int d = 0; d < DV; ++d) acc[h][d] = at::vec::fmadd(w, v[d], acc[h][d]);
-    }
-  }
-  for (int h = 0; h < H; ++h)
-    for (int d = 0; d < DV; ++d) (acc[h][d] * Vec(inv_sum[h])).store(out[h] + d * Vec::size());
-}
-
-// values_in_registers for h <= H heads (DV x (H + 1) of the 32 registers: H 6 at DV 4, 2 at 8)
-template <typename T, int DV, int H, typename Row>
-void values_for_heads(int h, const float* scores, int64_t stride, int64_t len, const Row& row,
-                      const float* inv_sum, float* const* out) {
-  if constexpr (H > 1) {
-    if (h < H) return values_for_heads<T, DV, H - 1>(h, scores, stride, len, row, inv_sum, out);
-  }
-  values_in_registers<T, DV, H>(scores, stride, len, row, inv_sum, out);
-}
-#endif
-
-// Rows are scattered over pages, so the hardware prefetcher cannot see the next one coming:
-// each loop asks for the row this many keys ahead (cold pages measured 2x slower without it).
-constexpr int64_t kPrefetchAhead = 8;
-constexpr int64_t kLineBytes = 64;
 // From this many sequences a thread on, a work item is a whole sequence (paged_decode).
 constexpr int64_t kSequencesPerThread = 2;
-
-template <typename T>
-inline void prefetch_row(const T* row, int64_t dim) {
-  constexpr int64_t per_line = kLineBytes / static_cast<int64_t>(sizeof(T));
-  for (int64_t i = 0; i < dim; i += per_line) __builtin_prefetch(row + i, 0, 3);
-}
-
-// The same into L2 only: in AVX-512 builds' four-key loop, the V rows, asked for while the
-// scores are computed from the K rows, so that a thread waits on one stream of memory, not on
-// two (SmolLM2's heads, 64 sequences of 256 tokens, 30 layers' caches, 2 threads, on the EPYC:
-// 1.09-1.58 ms a layer before, 0.99-1.18 after in bfloat16; float32 2.38-3.05, 1.93-2.06). The
-// AVX2 build's one-key loop keeps without: there it made bfloat16 slower (1.51-1.64 ms, 1.79-1.84).
-template <typename T>
-inline void prefetch_row_l2(const T* row, int64_t dim) {
-  constexpr int64_t per_line = kLineBytes / static_cast<int64_t>(sizeof(T));
-  for (int64_t i = 0; i < dim; i += per_line) __builtin_prefetch(row + i, 0, 2);
-}
+// A thread's keys of its item before are taken to be in its cache still (their prefetches
+// skipped) when their K and V were at most this many bytes: three quarters of a Zen 4 or 5
+// core's L2 (a row of 400 keys of SmolLM2's, 614 KB, is: 13 positions of it 2.17 ms over 30
+// layers against 2.57 with every prefetch).
+constexpr int64_t kHotBytes = 768 * 1024;
 
 // Where sequence `len` starts attending: 0, or the first key of its window.
 inline int64_t first_key(int64_t len, int64_t window) {
@@ -273,12 +134,41 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   // rows are then read whole, [Hkv, D] contiguous, instead of one head's slice at a time.
   // With fewer, one KV head (span = 1), so that every thread gets work. The arithmetic of each
   // head is the same either way.
-  const int64_t span = batch >= kSequencesPerThread * at::get_num_threads() ? kv_heads : 1;
-  const int64_t items_per_seq = kv_heads / span, width = span * group;
   constexpr bool bf16 = std::is_same_v<T, BFloat16>;
   const bool on_tiles =
       bf16 && tiles && dim % 32 == 0 && group <= 16 && shoal_tiles::tiles_ready();
-  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  // The sequences the items below take: all, but a speculating row's positions where
+  // decode_runs.h takes them (the same bits).
+  std::vector<int64_t> seqs;
+#if defined(CPU_CAPABILITY_AVX512)
+  // float32 caches only: a bfloat16 one's rows, widened at every read, ran no faster in runs
+  // (13 positions of 400 keys, SmolLM2's heads, 30 layers: 2.54-2.60 ms, 2.52-2.60 as items)
+  if (!bf16 && (dim == 64 || dim == 128) && window <= 0 && fsoftcap == 0.f) {
+    const DecodeArgs<T> args{q_data, q_stride, k_data, v_data, slot_stride, out_data, out_stride,
+                             pages, max_pages, page_size, lens, tokens, group, fscale};
+    const std::vector<Run> runs = find_runs(args, batch);
+    if (!runs.empty()) {
+      decode_runs(args, runs, kv_heads, dim);
+      for (int64_t b = 0, r = 0; b < batch; ++b) {
+        if (r < static_cast<int64_t>(runs.size()) && b >= runs[r].first) {
+          b = runs[r].first + runs[r].count - 1;
+          ++r;
+          continue;
+        }
+        seqs.push_back(b);
+      }
+      if (seqs.empty()) return;
+    }
+  }
+#endif
+  if (seqs.empty()) {
+    seqs.resize(batch);
+    for (int64_t b = 0; b < batch; ++b) seqs[b] = b;
+  }
+  const int64_t count = static_cast<int64_t>(seqs.size());
+  const int64_t span = count >= kSequencesPerThread * at::get_num_threads() ? kv_heads : 1;
+  const int64_t items_per_seq = kv_heads / span, width = span * group;
+  at::parallel_for(0, count * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [width, len]: logits, then unnormalized probabilities
     std::vector<float> acc(width * dim);
     std::vector<float> inv_sum(width);
@@ -287,11 +177,24 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     shoal_tiles::Scratch scratch;
     if (on_tiles) shoal_tiles::configure(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / items_per_seq, kv0 = (item % items_per_seq) * span;
+      const int64_t b = seqs[item / items_per_seq], kv0 = (item % items_per_seq) * span;
       // Keys first .. lens[b] - 1, the t-th of them at position first + t.
       const int64_t first = first_key(lens[b], window), len = lens[b] - first;
       const int64_t* row_pages = pages + b * max_pages;
       const float* q_heads = q_data + tokens[b] * q_stride + kv0 * group * dim;
+      // Keys 0 .. hot - 1 are in this core's cache: its item before attended to them for the
+      // same KV heads (a speculating row's positions are sequences of the same pages, each a
+      // key longer), so they are not asked for again (a prefetch costs an instruction a line).
+      int64_t hot = 0;
+      if (const int64_t before = item - items_per_seq; before >= begin && window <= 0) {
+        const int64_t seen = lens[seqs[before / items_per_seq]];
+        const int64_t* seen_pages = pages + seqs[before / items_per_seq] * max_pages;
+        const int64_t used = (seen + page_size - 1) / page_size;
+        const bool small = seen * span * dim * static_cast<int64_t>(sizeof(T)) * 2 <= kHotBytes;
+        if (seen <= lens[b] && small && std::equal(seen_pages, seen_pages + used, row_pages)) {
+          hot = seen;
+        }
+      }
       // The slot of each key, a page's run at a time (one division a page, not two a key).
       slots.resize(len);
       for (int64_t t = 0, pos = first; t < len;) {
@@ -319,9 +222,27 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       }
       int64_t t = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-      // four keys at a time where the head is whole vectors (the same bits as one at a time)
+      // sixteen keys, then four, at a time where the head is whole vectors (the same bits as
+      // one at a time)
+      for (; !on_tiles && dim % Vec::size() == 0 && t + 16 <= len; t += 16) {
+        for (int64_t i = std::max<int64_t>(0, hot - t - kPrefetchAhead16);
+             i < 16 && t + i + kPrefetchAhead16 < len; ++i) {
+          prefetch_row(row_of(k_data, t + i + kPrefetchAhead16), span * dim);
+          prefetch_row_l2(row_of(v_data, t + i + kPrefetchAhead16), span * dim);
+        }
+        const T* keys[16];
+        for (int i = 0; i < 16; ++i) keys[i] = row_of(k_data, t + i);
+        for (int64_t kv = 0, j = 0; kv < span; ++kv) {
+          const T* heads_keys[16];
+          for (int i = 0; i < 16; ++i) heads_keys[i] = keys[i] + kv * dim;
+          for (int64_t end_j = j + group; j < end_j; ++j) {
+            dot16(q_heads + j * dim, heads_keys, dim, fscale, scores.data() + j * len + t);
+          }
+        }
+      }
       for (; !on_tiles && dim % Vec::size() == 0 && t + 4 <= len; t += 4) {
-        for (int64_t i = 0; i < 4 && t + i + kPrefetchAhead < len; ++i) {
+        for (int64_t i = std::max<int64_t>(0, hot - t - kPrefetchAhead);
+             i < 4 && t + i + kPrefetchAhead < len; ++i) {
           prefetch_row(row_of(k_data, t + i + kPrefetchAhead), span * dim);
           prefetch_row_l2(row_of(v_data, t + i + kPrefetchAhead), span * dim);
         }
@@ -339,7 +260,9 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       }
 #endif
       for (; !on_tiles && t < len; ++t) {
-        if (t + kPrefetchAhead < len) prefetch_row(row_of(k_data, t + kPrefetchAhead), span * dim);
+        if (t + kPrefetchAhead < len && t + kPrefetchAhead >= hot) {
+          prefetch_row(row_of(k_data, t + kPrefetchAhead), span * dim);
+        }
         const T* keys = row_of(k_data, t);
         for (int64_t kv = 0, j = 0; kv < span; ++kv) {
           for (int64_t end_j = j + group; j < end_j; ++j) {
@@ -373,7 +296,7 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       // A head of 64 or 128: a few heads of one KV head at a time with their sums in registers
       if (dim == 4 * Vec::size() || dim == 8 * Vec::size()) {
         for (int64_t kv = 0; kv < span; ++kv) {
-          auto row = [&](int64_t key) { return row_of(v_data, key) + kv * dim; };
+          const ValueRows<T> row{v_data + (kv0 + kv) * dim, slots.data(), slot_stride};
           const int64_t most = dim == 4 * Vec::size() ? 6 : 2;
           for (int64_t j = kv * group; j < (kv + 1) * group; j += most) {
             const int h = static_cast<int>(std::min(most, (kv + 1) * group - j));
@@ -383,9 +306,9 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             }
             const float* first = scores.data() + j * len;
             if (dim == 4 * Vec::size()) {
-              values_for_heads<T, 4, 6>(h, first, len, len, row, inv_sum.data() + j, heads_out);
+              values_for_heads<T, 4, 6>(h, first, len, len, row, hot, inv_sum.data() + j, heads_out);
             } else {
-              values_for_heads<T, 8, 2>(h, first, len, len, row, inv_sum.data() + j, heads_out);
+              values_for_heads<T, 8, 2>(h, first, len, len, row, hot, inv_sum.data() + j, heads_out);
             }
           }
         }
@@ -394,7 +317,9 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 #endif
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetchAhead < len) prefetch_row(row_of(v_data, t + kPrefetchAhead), span * dim);
+        if (t + kPrefetchAhead < len && t + kPrefetchAhead >= hot) {
+          prefetch_row(row_of(v_data, t + kPrefetchAhead), span * dim);
+        }
         const T* values = row_of(v_data, t);
         for (int64_t kv = 0, j = 0; kv < span; ++kv) {
           for (int64_t end_j = j + group; j < end_j; ++j) {
