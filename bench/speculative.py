@@ -115,6 +115,8 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
     spec: dict[str, Any] = {"speculative_algorithm": "ngram"}
     if args.num_draft_tokens is not None:
         spec["speculative_num_draft_tokens"] = args.num_draft_tokens
+    if args.max_running is not None:
+        spec["speculative_max_running"] = args.max_running
     # One engine at a time, started for its turn: two engines' launch threads in one process
     # are two OpenMP teams, and then every barrier of the CPU forward sleeps
     # (api/fresh_thread.py), which a server of one engine never meets.
@@ -213,6 +215,12 @@ def parse() -> argparse.Namespace:
         type=int,
         default=None,
         help="speculative_num_draft_tokens of the engine with speculation (default: its own)",
+    )
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="speculative_max_running of the engine with speculation (default: its own)",
     )
     parser.add_argument(
         "--llamacpp-python",

@@ -60,8 +60,9 @@ using namespace shoal_decode;
 constexpr int64_t kSequencesPerThread = 2;
 // A thread's keys of its item before are taken to be in its cache still (their prefetches
 // skipped) when their K and V were at most this many bytes: three quarters of a Zen 4 or 5
-// core's L2 (a row of 400 keys of SmolLM2's, 614 KB, is: 13 positions of it 2.17 ms over 30
-// layers against 2.57 with every prefetch).
+// core's L2 (a row of 400 keys of SmolLM2's, 614 KB, is: 13 positions of it as these items,
+// 2.17 ms over 30 layers against 2.57 with every prefetch; a float32 cache's runs are
+// decode_runs.h's in AVX-512 builds, so this serves bfloat16 caches and AVX2 builds).
 constexpr int64_t kHotBytes = 768 * 1024;
 
 // Where sequence `len` starts attending: 0, or the first key of its window.
