@@ -158,23 +158,27 @@ struct ValueRows {
 template <typename T, int DV, int H>
 void values_in_registers(const float* scores, int64_t stride, int64_t len, const ValueRows<T>& row,
                          int64_t hot, const float* inv_sum, float* const* out) {
-  Vec acc[H][DV];
+  // Raw vectors: an array of Vec GCC kept on the stack for bfloat16 rows, a load and a store
+  // a multiply-add (64 sequences of 200 keys, SmolLM2's heads, 30 layers: 17.7 ms, 15.9 now).
+  __m512 acc[H][DV];
   for (int h = 0; h < H; ++h)
-    for (int d = 0; d < DV; ++d) acc[h][d] = Vec(0.f);
+    for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
     if (t + 8 < len && t + 8 >= hot) {
       for (int d = 0; d < DV; ++d) __builtin_prefetch(row(t + 8) + d * Vec::size(), 0, 3);
     }
     const T* values = row(t);
-    Vec v[DV];
+    __m512 v[DV];
     for (int d = 0; d < DV; ++d) v[d] = load_floats(values + d * Vec::size());
     for (int h = 0; h < H; ++h) {
-      const Vec w(scores[h * stride + t]);
-      for (int d = 0; d < DV; ++d) acc[h][d] = at::vec::fmadd(w, v[d], acc[h][d]);
+      const __m512 w = _mm512_set1_ps(scores[h * stride + t]);
+      for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_fmadd_ps(w, v[d], acc[h][d]);
     }
   }
-  for (int h = 0; h < H; ++h)
-    for (int d = 0; d < DV; ++d) (acc[h][d] * Vec(inv_sum[h])).store(out[h] + d * Vec::size());
+  for (int h = 0; h < H; ++h) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out[h] + d * Vec::size(), _mm512_mul_ps(acc[h][d], inv));
+  }
 }
 
 // values_in_registers for h <= H heads (DV x (H + 1) of the 32 registers: H 6 at DV 4, 2 at 8)

@@ -11,8 +11,8 @@
 // On SmolLM2's heads (9 query heads, 3 KV heads of 64), a row of 400 keys and 12 drafts, 30
 // layers' float32 caches, 2 threads of a Zen 5 EPYC: 13 positions 3.26-3.52 ms as one-sequence
 // items with dot4, 2.17 with dot16 and the hot keys' prefetches skipped (paged_decode.cpp),
-// 1.76-1.89 in runs; 5 positions 1.63-1.77, 0.87-0.94 in runs. A bfloat16 cache keeps the
-// one-sequence items (paged_decode.cpp says why).
+// 1.76-1.89 in runs; 5 positions 1.63-1.77, 0.87-0.94 in runs; a bfloat16 cache's 13 positions
+// 2.92-2.99, 1.91-1.97 as items after this change, 1.75-1.82 in runs. Not on the AMX tiles.
 
 #pragma once
 
@@ -113,20 +113,20 @@ template <typename T, int DV, int H>
 void values_block(const float* scores, int64_t stride, int64_t t0, int64_t end,
                   const ValueRows<T>& row, float* acc) {
   constexpr int64_t dim = DV * Vec::size();
-  Vec sums[H][DV];
+  __m512 sums[H][DV];  // raw vectors, as values_in_registers' (decode_math.h says why)
   for (int h = 0; h < H; ++h)
-    for (int d = 0; d < DV; ++d) sums[h][d] = Vec::loadu(acc + h * dim + d * Vec::size());
+    for (int d = 0; d < DV; ++d) sums[h][d] = _mm512_loadu_ps(acc + h * dim + d * Vec::size());
   for (int64_t t = t0; t < end; ++t) {
     const T* values = row(t);
-    Vec v[DV];
+    __m512 v[DV];
     for (int d = 0; d < DV; ++d) v[d] = load_floats(values + d * Vec::size());
     for (int h = 0; h < H; ++h) {
-      const Vec w(scores[h * stride + t]);
-      for (int d = 0; d < DV; ++d) sums[h][d] = at::vec::fmadd(w, v[d], sums[h][d]);
+      const __m512 w = _mm512_set1_ps(scores[h * stride + t]);
+      for (int d = 0; d < DV; ++d) sums[h][d] = _mm512_fmadd_ps(w, v[d], sums[h][d]);
     }
   }
   for (int h = 0; h < H; ++h)
-    for (int d = 0; d < DV; ++d) sums[h][d].store(acc + h * dim + d * Vec::size());
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc + h * dim + d * Vec::size(), sums[h][d]);
 }
 
 // values_block for h <= H heads

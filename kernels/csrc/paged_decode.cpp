@@ -61,8 +61,8 @@ constexpr int64_t kSequencesPerThread = 2;
 // A thread's keys of its item before are taken to be in its cache still (their prefetches
 // skipped) when their K and V were at most this many bytes: three quarters of a Zen 4 or 5
 // core's L2 (a row of 400 keys of SmolLM2's, 614 KB, is: 13 positions of it as these items,
-// 2.17 ms over 30 layers against 2.57 with every prefetch; a float32 cache's runs are
-// decode_runs.h's in AVX-512 builds, so this serves bfloat16 caches and AVX2 builds).
+// 2.17 ms over 30 layers against 2.57 with every prefetch; in AVX-512 builds such positions are
+// decode_runs.h's, so this serves AVX2 builds and the AMX tiles).
 constexpr int64_t kHotBytes = 768 * 1024;
 
 // Where sequence `len` starts attending: 0, or the first key of its window.
@@ -142,9 +142,9 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   // decode_runs.h takes them (the same bits).
   std::vector<int64_t> seqs;
 #if defined(CPU_CAPABILITY_AVX512)
-  // float32 caches only: a bfloat16 one's rows, widened at every read, ran no faster in runs
-  // (13 positions of 400 keys, SmolLM2's heads, 30 layers: 2.54-2.60 ms, 2.52-2.60 as items)
-  if (!bf16 && (dim == 64 || dim == 128) && window <= 0 && fsoftcap == 0.f) {
+  // Not on the AMX tiles: a bfloat16 cache's products there are tile_attention.cpp's, for one
+  // sequence's KV head at a time.
+  if (!on_tiles && (dim == 64 || dim == 128) && window <= 0 && fsoftcap == 0.f) {
     const DecodeArgs<T> args{q_data, q_stride, k_data, v_data, slot_stride, out_data, out_stride,
                              pages, max_pages, page_size, lens, tokens, group, fscale};
     const std::vector<Run> runs = find_runs(args, batch);
