@@ -152,19 +152,21 @@ struct ValueRows {
   const T* operator()(int64_t t) const { return base + slots[t] * stride; }
 };
 
-// acc_h += scores[h * stride + t] * row(t) for H heads of one KV head over every key t, the
-// heads' DV x 16 accumulators in registers (add_scaled's fused multiply-adds in the same order,
-// so the same bits), then out_h = acc_h * inv_sum[h].
-template <typename T, int DV, int H>
-void values_in_registers(const float* scores, int64_t stride, int64_t len, const ValueRows<T>& row,
-                         int64_t hot, const float* inv_sum, float* const* out) {
+// acc_h += scores[h * stride + t] * row(t) for H heads of one KV head and keys t0 .. end - 1,
+// the heads' DV x 16 sums held in registers between a load from and a store back to acc[h]
+// (add_scaled's fused multiply-adds in the same order, so the same bits however the keys are
+// split). Prefetch: ask for the row 8 keys ahead (decode_runs.h asks for its blocks itself).
+template <typename T, int DV, int H, bool Prefetch>
+void value_sums(const float* scores, int64_t stride, int64_t t0, int64_t end,
+                const ValueRows<T>& row, float* acc) {
+  constexpr int64_t dim = DV * Vec::size();
   // Raw vectors: an array of Vec GCC kept on the stack for bfloat16 rows, a load and a store
   // a multiply-add (64 sequences of 200 keys, SmolLM2's heads, 30 layers: 17.7 ms, 15.9 now).
-  __m512 acc[H][DV];
+  __m512 sums[H][DV];
   for (int h = 0; h < H; ++h)
-    for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + 8 < len && t + 8 >= hot) {
+    for (int d = 0; d < DV; ++d) sums[h][d] = _mm512_loadu_ps(acc + h * dim + d * Vec::size());
+  for (int64_t t = t0; t < end; ++t) {
+    if (Prefetch && t + 8 < end) {
       for (int d = 0; d < DV; ++d) __builtin_prefetch(row(t + 8) + d * Vec::size(), 0, 3);
     }
     const T* values = row(t);
@@ -172,25 +174,25 @@ void values_in_registers(const float* scores, int64_t stride, int64_t len, const
     for (int d = 0; d < DV; ++d) v[d] = load_floats(values + d * Vec::size());
     for (int h = 0; h < H; ++h) {
       const __m512 w = _mm512_set1_ps(scores[h * stride + t]);
-      for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_fmadd_ps(w, v[d], acc[h][d]);
+      for (int d = 0; d < DV; ++d) sums[h][d] = _mm512_fmadd_ps(w, v[d], sums[h][d]);
     }
   }
-  for (int h = 0; h < H; ++h) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[h]);
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out[h] + d * Vec::size(), _mm512_mul_ps(acc[h][d], inv));
-  }
+  for (int h = 0; h < H; ++h)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc + h * dim + d * Vec::size(), sums[h][d]);
 }
 
-// values_in_registers for h <= H heads (DV x (H + 1) of the 32 registers: H 6 at DV 4, 2 at 8)
-template <typename T, int DV, int H>
-void values_for_heads(int h, const float* scores, int64_t stride, int64_t len,
-                      const ValueRows<T>& row, int64_t hot, const float* inv_sum,
-                      float* const* out) {
+// value_sums for h <= H heads (DV x (H + 1) of the 32 registers: H 6 at DV 4, 2 at 8)
+template <typename T, int DV, int H, bool Prefetch>
+void value_sums_for(int h, const float* scores, int64_t stride, int64_t t0, int64_t end,
+                    const ValueRows<T>& row, float* acc) {
   if constexpr (H > 1) {
-    if (h < H) return values_for_heads<T, DV, H - 1>(h, scores, stride, len, row, hot, inv_sum, out);
+    if (h < H) return value_sums_for<T, DV, H - 1, Prefetch>(h, scores, stride, t0, end, row, acc);
   }
-  values_in_registers<T, DV, H>(scores, stride, len, row, hot, inv_sum, out);
+  value_sums<T, DV, H, Prefetch>(scores, stride, t0, end, row, acc);
 }
+
+// The most heads value_sums keeps in registers at once, for a head of 16 DV.
+constexpr int kValueHeads4 = 6, kValueHeads8 = 2;
 #endif
 
 // Rows are scattered over pages, so the hardware prefetcher cannot see the next one coming:

@@ -10,9 +10,10 @@
 //
 // On SmolLM2's heads (9 query heads, 3 KV heads of 64), a row of 400 keys and 12 drafts, 30
 // layers' float32 caches, 2 threads of a Zen 5 EPYC: 13 positions 3.26-3.52 ms as one-sequence
-// items with dot4, 2.17 with dot16 and the hot keys' prefetches skipped (paged_decode.cpp),
-// 1.76-1.89 in runs; 5 positions 1.63-1.77, 0.87-0.94 in runs; a bfloat16 cache's 13 positions
-// 2.92-2.99, 1.91-1.97 as items after this change, 1.75-1.82 in runs. Not on the AMX tiles.
+// items with dot4, 2.17 with dot16 and a thread's keys just read not asked for again (since
+// dropped: runs read them once), 1.76-1.89 in runs; 5 positions 1.63-1.77, 0.87-0.94 in runs;
+// a bfloat16 cache's 13 positions 2.92-2.99, 1.91-1.97 as items after the values' fix
+// (decode_math.h), 1.75-1.82 in runs. Not on the AMX tiles.
 
 #pragma once
 
@@ -107,43 +108,11 @@ struct RunScratch {
   std::vector<float> inv_sum;  // [positions, group]
 };
 
-// acc_h += scores[h * stride + t] * row(t) for H heads and keys t0 .. end - 1, the sums
-// loaded from and stored back to acc (values_in_registers' multiply-adds, a block at a time).
-template <typename T, int DV, int H>
-void values_block(const float* scores, int64_t stride, int64_t t0, int64_t end,
-                  const ValueRows<T>& row, float* acc) {
-  constexpr int64_t dim = DV * Vec::size();
-  __m512 sums[H][DV];  // raw vectors, as values_in_registers' (decode_math.h says why)
-  for (int h = 0; h < H; ++h)
-    for (int d = 0; d < DV; ++d) sums[h][d] = _mm512_loadu_ps(acc + h * dim + d * Vec::size());
-  for (int64_t t = t0; t < end; ++t) {
-    const T* values = row(t);
-    __m512 v[DV];
-    for (int d = 0; d < DV; ++d) v[d] = load_floats(values + d * Vec::size());
-    for (int h = 0; h < H; ++h) {
-      const __m512 w = _mm512_set1_ps(scores[h * stride + t]);
-      for (int d = 0; d < DV; ++d) sums[h][d] = _mm512_fmadd_ps(w, v[d], sums[h][d]);
-    }
-  }
-  for (int h = 0; h < H; ++h)
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc + h * dim + d * Vec::size(), sums[h][d]);
-}
-
-// values_block for h <= H heads
-template <typename T, int DV, int H>
-void values_block_for(int h, const float* scores, int64_t stride, int64_t t0, int64_t end,
-                      const ValueRows<T>& row, float* acc) {
-  if constexpr (H > 1) {
-    if (h < H) return values_block_for<T, DV, H - 1>(h, scores, stride, t0, end, row, acc);
-  }
-  values_block<T, DV, H>(scores, stride, t0, end, row, acc);
-}
-
 // KV head `kv` of positions first .. first + n - 1 (lengths increasing by one), D = 16 DV.
 template <typename T, int DV>
 void run_heads(const DecodeArgs<T>& a, const RunItem& item, RunScratch& s) {
   constexpr int64_t dim = DV * Vec::size();
-  constexpr int most = DV == 4 ? 6 : 2;  // heads whose sums fit the registers (values_for_heads)
+  constexpr int most = DV == 4 ? kValueHeads4 : kValueHeads8;
   const int64_t n = item.count, group = a.group, kv = item.kv;
   const int64_t* lens = a.lens + item.first;
   const int64_t longest = lens[n - 1], width = n * group;
@@ -205,8 +174,9 @@ void run_heads(const DecodeArgs<T>& a, const RunItem& item, RunScratch& s) {
       if (end <= t0) continue;
       for (int64_t j = 0; j < group; j += most) {
         const int h = static_cast<int>(std::min<int64_t>(most, group - j));
-        values_block_for<T, DV, most>(h, s.scores.data() + (p * group + j) * longest, longest,
-                                      t0, end, v_rows, s.acc.data() + (p * group + j) * dim);
+        value_sums_for<T, DV, most, false>(h, s.scores.data() + (p * group + j) * longest,
+                                           longest, t0, end, v_rows,
+                                           s.acc.data() + (p * group + j) * dim);
       }
     }
   }

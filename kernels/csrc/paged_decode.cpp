@@ -3,9 +3,10 @@
 // copy). The query heads that share a KV head are done together, so each K and V row is read
 // once per step and layer; with two or more sequences a thread, all of a sequence's heads are,
 // so each token's [Hkv, D] rows are read whole. In AVX-512 builds a head of whole vectors is
-// scored four keys at a time (dot4: the four horizontal sums share their instructions), and a
-// head of 64 or 128 sums the values with a few query heads' sums held in registers over all
-// keys (values_in_registers); both give the bits of the one-key loops.
+// scored sixteen, then four, keys at a time (dot16, dot4: the horizontal sums share their
+// instructions), and a head of 64 or 128 sums the values with a few query heads' sums held in
+// registers over all keys (value_sums); all give the bits of the one-key loops. A speculating
+// row's positions go to decode_runs.h (decode_math.h has the arithmetic both share).
 //
 //   q, out        [T, H, D]          float32; row i of a sequence is token_index[i]
 //   k/v_cache     [slots, Hkv, D]    float32 or bfloat16 (both the same); slot = page *
@@ -58,12 +59,6 @@ using namespace shoal_decode;
 
 // From this many sequences a thread on, a work item is a whole sequence (paged_decode).
 constexpr int64_t kSequencesPerThread = 2;
-// A thread's keys of its item before are taken to be in its cache still (their prefetches
-// skipped) when their K and V were at most this many bytes: three quarters of a Zen 4 or 5
-// core's L2 (a row of 400 keys of SmolLM2's, 614 KB, is: 13 positions of it as these items,
-// 2.17 ms over 30 layers against 2.57 with every prefetch; in AVX-512 builds such positions are
-// decode_runs.h's, so this serves AVX2 builds and the AMX tiles).
-constexpr int64_t kHotBytes = 768 * 1024;
 
 // Where sequence `len` starts attending: 0, or the first key of its window.
 inline int64_t first_key(int64_t len, int64_t window) {
@@ -183,19 +178,6 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       const int64_t first = first_key(lens[b], window), len = lens[b] - first;
       const int64_t* row_pages = pages + b * max_pages;
       const float* q_heads = q_data + tokens[b] * q_stride + kv0 * group * dim;
-      // Keys 0 .. hot - 1 are in this core's cache: its item before attended to them for the
-      // same KV heads (a speculating row's positions are sequences of the same pages, each a
-      // key longer), so they are not asked for again (a prefetch costs an instruction a line).
-      int64_t hot = 0;
-      if (const int64_t before = item - items_per_seq; before >= begin && window <= 0) {
-        const int64_t seen = lens[seqs[before / items_per_seq]];
-        const int64_t* seen_pages = pages + seqs[before / items_per_seq] * max_pages;
-        const int64_t used = (seen + page_size - 1) / page_size;
-        const bool small = seen * span * dim * static_cast<int64_t>(sizeof(T)) * 2 <= kHotBytes;
-        if (seen <= lens[b] && small && std::equal(seen_pages, seen_pages + used, row_pages)) {
-          hot = seen;
-        }
-      }
       // The slot of each key, a page's run at a time (one division a page, not two a key).
       slots.resize(len);
       for (int64_t t = 0, pos = first; t < len;) {
@@ -226,8 +208,7 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       // sixteen keys, then four, at a time where the head is whole vectors (the same bits as
       // one at a time)
       for (; !on_tiles && dim % Vec::size() == 0 && t + 16 <= len; t += 16) {
-        for (int64_t i = std::max<int64_t>(0, hot - t - kPrefetchAhead16);
-             i < 16 && t + i + kPrefetchAhead16 < len; ++i) {
+        for (int64_t i = 0; i < 16 && t + i + kPrefetchAhead16 < len; ++i) {
           prefetch_row(row_of(k_data, t + i + kPrefetchAhead16), span * dim);
           prefetch_row_l2(row_of(v_data, t + i + kPrefetchAhead16), span * dim);
         }
@@ -242,8 +223,7 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
       }
       for (; !on_tiles && dim % Vec::size() == 0 && t + 4 <= len; t += 4) {
-        for (int64_t i = std::max<int64_t>(0, hot - t - kPrefetchAhead);
-             i < 4 && t + i + kPrefetchAhead < len; ++i) {
+        for (int64_t i = 0; i < 4 && t + i + kPrefetchAhead < len; ++i) {
           prefetch_row(row_of(k_data, t + i + kPrefetchAhead), span * dim);
           prefetch_row_l2(row_of(v_data, t + i + kPrefetchAhead), span * dim);
         }
@@ -261,9 +241,7 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       }
 #endif
       for (; !on_tiles && t < len; ++t) {
-        if (t + kPrefetchAhead < len && t + kPrefetchAhead >= hot) {
-          prefetch_row(row_of(k_data, t + kPrefetchAhead), span * dim);
-        }
+        if (t + kPrefetchAhead < len) prefetch_row(row_of(k_data, t + kPrefetchAhead), span * dim);
         const T* keys = row_of(k_data, t);
         for (int64_t kv = 0, j = 0; kv < span; ++kv) {
           for (int64_t end_j = j + group; j < end_j; ++j) {
@@ -293,34 +271,29 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           continue;
         }
       }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      bool summed = false;
 #if defined(CPU_CAPABILITY_AVX512)
       // A head of 64 or 128: a few heads of one KV head at a time with their sums in registers
       if (dim == 4 * Vec::size() || dim == 8 * Vec::size()) {
         for (int64_t kv = 0; kv < span; ++kv) {
           const ValueRows<T> row{v_data + (kv0 + kv) * dim, slots.data(), slot_stride};
-          const int64_t most = dim == 4 * Vec::size() ? 6 : 2;
+          const int64_t most = dim == 4 * Vec::size() ? kValueHeads4 : kValueHeads8;
           for (int64_t j = kv * group; j < (kv + 1) * group; j += most) {
             const int h = static_cast<int>(std::min(most, (kv + 1) * group - j));
-            float* heads_out[6];
-            for (int i = 0; i < h; ++i) {
-              heads_out[i] = out_data + tokens[b] * out_stride + (kv0 * group + j + i) * dim;
-            }
             const float* first = scores.data() + j * len;
             if (dim == 4 * Vec::size()) {
-              values_for_heads<T, 4, 6>(h, first, len, len, row, hot, inv_sum.data() + j, heads_out);
+              value_sums_for<T, 4, kValueHeads4, true>(h, first, len, 0, len, row, acc.data() + j * dim);
             } else {
-              values_for_heads<T, 8, 2>(h, first, len, len, row, hot, inv_sum.data() + j, heads_out);
+              value_sums_for<T, 8, kValueHeads8, true>(h, first, len, 0, len, row, acc.data() + j * dim);
             }
           }
         }
-        continue;
+        summed = true;
       }
 #endif
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        if (t + kPrefetchAhead < len && t + kPrefetchAhead >= hot) {
-          prefetch_row(row_of(v_data, t + kPrefetchAhead), span * dim);
-        }
+      for (int64_t t = 0; t < len && !summed; ++t) {
+        if (t + kPrefetchAhead < len) prefetch_row(row_of(v_data, t + kPrefetchAhead), span * dim);
         const T* values = row_of(v_data, t);
         for (int64_t kv = 0, j = 0; kv < span; ++kv) {
           for (int64_t end_j = j + group; j < end_j; ++j) {
