@@ -3,15 +3,18 @@ on a copy-heavy workload (give a code block back with one name changed) and one 
 to copy (a new story), at 1 and 16 streams, beside llama.cpp with and without its prompt-lookup
 decoding on the same GGUF and prompts (one stream: llama-cpp-python serves one at a time).
 
-Each round runs speculation off, then on (one engine at a time, started for its turn), then
-the peer, so that a noisy machine's drift falls on each alike. Greedy, the model's chat
-template; a rate is output tokens over wall time, prompt included, for every system alike:
-one stream runs the workload's first `--prompts` prompts (3: all of copy's code blocks) one
-after another, the round's rate their tokens over their summed times, each prompt's own rate
-printed too (`per_prompt`); N streams: N requests at once, all their tokens over the round's
-wall time. shoal's decode rate leaves the prompt out: the tokens after each request's first
-over the time after the requests' median first token (one stream: what its reader sees once
-the answer starts).
+Each round runs speculation off and on, the two taking turns going first (one engine at a
+time, started for its turn), then the peer, so that a noisy machine's drift falls on each
+alike. Greedy, the model's chat template; a rate is output tokens over wall time, prompt
+included, for every system alike: one stream runs the workload's first `--prompts` prompts (3:
+all of copy's code blocks) one after another, the round's rate their tokens over their summed
+times, each prompt's own rate printed too (`per_prompt`); N streams: N requests at once, all
+their tokens over the round's wall time. shoal's decode rate leaves the prompt out: the tokens
+after each request's first over the time after the requests' median first token (one stream:
+what its reader sees once the answer starts). N streams, more than `speculative_max_running`
+(M, 8 by default): a round is also timed in two parts (bench/speculative_rounds.py), the head
+while more than M requests run (the same code on and off: its ratio is the machine's noise)
+and the tail once at most M do (where speculation may run).
 
     python bench/speculative.py                      # bundled SmolLM2 in float32 and int8
     python bench/speculative.py --modes float32 --streams 1 --rounds 3
@@ -22,8 +25,10 @@ Prints per mode, workload and stream count the median of the rounds:
     speculative system=<shoal|llamacpp> mode=<float32|int8|Q4_1> workload=<copy|prose>
                 streams=<n> spec=<off|on> output_tok_s=<x> rounds=<..> decode_tok_s=<x>
                 tokens=<n> machine=<desc> [per_prompt=<x,..>: one stream]
+                [head_tok_s=<x> tail_tok_s=<x>: N > M streams]
     speculative ratio mode=<m> workload=<w> streams=<n> on_over_off=<x>
-                decode_on_over_off=<x> on_over_llamacpp_lookup=<x> acceptance=<x>
+                decode_on_over_off=<x> [head_on_over_off=<x> tail_on_over_off=<x>]
+                [on_over_llamacpp_lookup=<x>] verifications=<n> acceptance=<x>
                 accepted_per_step=<x>
 """
 
@@ -35,55 +40,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 from bench_format import emit, machine
 from speculative_prompts import WORKLOADS
+from speculative_rounds import Round, one_round
 
 HERE = Path(__file__).parent
-
-
-async def timed(run: Any) -> tuple[float, int]:
-    """A request read to its end: when its first token came, and its tokens."""
-    first, tokens = 0.0, 0
-    async for delta in run:
-        if not tokens and delta.token_ids:
-            first = time.perf_counter()
-        tokens += len(delta.token_ids)
-    return first, tokens
-
-
-async def one_round(
-    engine: Any, workload: str, streams: int, prompts: int, max_tokens: int
-) -> tuple[float, float, int, list[float]]:
-    """The round's rate (all tokens over its wall time), its decode rate (the tokens after each
-    request's first over the time after the requests' median first token), its tokens, and
-    each request's own rate. One stream: the workload's first `prompts` prompts one after
-    another, their times summed; N streams: N requests at once, prompt i % (its prompts)."""
-    waves = [[i] for i in range(prompts)] if streams == 1 else [list(range(streams))]
-    messages = WORKLOADS[workload]
-    wall = after_first = 0.0
-    tokens = later = 0
-    each: list[float] = []  # one stream: each request's rate
-    for wave in waves:
-        started = time.perf_counter()
-        runs = [
-            engine.generate(messages=messages(i), max_new_tokens=max_tokens, temperature=0.0)
-            for i in wave
-        ]
-        done = await asyncio.gather(*(timed(r) for r in runs))
-        ended = time.perf_counter()
-        wave_tokens = sum(n for _, n in done)
-        wall += ended - started
-        after_first += ended - median(first for first, _ in done)
-        tokens += wave_tokens
-        later += wave_tokens - len(wave)
-        if streams == 1:
-            each.append(wave_tokens / (ended - started))
-    return tokens / wall, later / max(after_first, 1e-9), tokens, each
 
 
 def peer_round(
@@ -106,6 +71,7 @@ def peer_round(
 
 async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[float]]) -> None:
     from shoal import Engine
+    from shoal.config import EngineOptions
 
     options: dict[str, Any] = {"seed": 0}
     if mode == "int8":
@@ -115,31 +81,30 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
     spec: dict[str, Any] = {"speculative_algorithm": "ngram"}
     if args.num_draft_tokens is not None:
         spec["speculative_num_draft_tokens"] = args.num_draft_tokens
+    max_running = EngineOptions.speculative_max_running
     if args.max_running is not None:
-        spec["speculative_max_running"] = args.max_running
-    # One engine at a time, started for its turn: two engines' launch threads in one process
-    # are two OpenMP teams, and then every barrier of the CPU forward sleeps
-    # (api/fresh_thread.py), which a server of one engine never meets.
+        spec["speculative_max_running"] = max_running = args.max_running
     for streams in args.streams:
-        rates: dict[tuple[str, str], list[float]] = {}
-        decodes: dict[tuple[str, str], list[float]] = {}  # after the first tokens
-        tokens: dict[tuple[str, str], int] = {}
-        each: dict[tuple[str, str], list[list[float]]] = {}  # one stream: each prompt's rates
+        rounds: dict[tuple[str, str], list[Round]] = {}
         # speculation's verifications, drafted and kept tokens, per workload
         counted: dict[str, list[int]] = {w: [0, 0, 0] for w in WORKLOADS}
-        for _ in range(args.rounds):
-            for name, extra in (("off", {}), ("on", spec)):
+        for turn in range(args.rounds):
+            # Off and on take turns going first, so that the machine's drift falls on each
+            # alike. One engine at a time, started for its turn: two engines' launch threads
+            # in one process are two OpenMP teams, and then every barrier of the CPU forward
+            # sleeps (api/fresh_thread.py), which a server of one engine never meets.
+            order = (("off", {}), ("on", spec))
+            for name, extra in order if turn % 2 == 0 else order[::-1]:
                 async with Engine(args.model, **options, **extra) as engine:
                     await engine.generate(prompt="warm up", max_new_tokens=8).result()
                     for workload in WORKLOADS:
                         before = await engine.snapshot()
-                        rate, decode, count, own = await one_round(
-                            engine, workload, streams, args.prompts, args.max_tokens
-                        )
-                        rates.setdefault((workload, name), []).append(rate)
-                        each.setdefault((workload, name), []).append(own)
-                        decodes.setdefault((workload, name), []).append(decode)
-                        tokens[(workload, name)] = count
+                        rounds.setdefault((workload, name), []).append(
+                            await one_round(
+                                engine, workload, streams, args.prompts, args.max_tokens,
+                                max_running,
+                            )
+                        )  # fmt: skip
                         after = await engine.snapshot()
                         moved = (
                             after.spec_steps - before.spec_steps,
@@ -153,35 +118,64 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
                     args.llamacpp_python, args.gguf, args.max_tokens, args.prompts
                 ).items():
                     peer.setdefault(f"{workload} {lookup}", []).append(rate)
-        for workload, name in ((w, n) for w in WORKLOADS for n in ("off", "on")):
-            values = rates[(workload, name)]
-            line = {
-                "system": "shoal", "mode": mode, "workload": workload, "streams": streams,
-                "spec": name, "output_tok_s": round(median(values), 2),
-                "rounds": " ".join(f"{v:.1f}" for v in values),
-                "decode_tok_s": round(median(decodes[(workload, name)]), 2),
-                "tokens": tokens[(workload, name)], "machine": machine(),
-            }  # fmt: skip
-            if streams == 1:  # each prompt's median rate over the rounds
-                per_prompt = zip(*each[(workload, name)], strict=True)
-                line["per_prompt"] = ",".join(f"{median(r):.1f}" for r in per_prompt)
-            emit("speculative", line, args.out)
-        for workload in WORKLOADS:
-            on_rate = median(rates[(workload, "on")])
-            ratio: dict[str, Any] = {
-                "mode": mode, "workload": workload, "streams": streams,
-                "on_over_off": round(on_rate / median(rates[(workload, "off")]), 3),
-                "decode_on_over_off": round(
-                    median(decodes[(workload, "on")]) / median(decodes[(workload, "off")]), 3
-                ),
-            }  # fmt: skip
-            lookup = peer.get(f"{workload} True")
-            if streams == 1 and lookup:
-                ratio["on_over_llamacpp_lookup"] = round(on_rate / median(lookup), 3)
-            steps, drafted, accepted = counted[workload]
-            ratio["acceptance"] = round(accepted / drafted, 3) if drafted else 0
-            ratio["accepted_per_step"] = round((accepted + steps) / steps, 2) if steps else 0
-            emit("speculative ratio", ratio, args.out)
+        report(args, mode, streams, rounds, counted, peer)
+
+
+def middle(values: list[float | None]) -> float | None:
+    """The median of the rounds that have the figure (None: none has it)."""
+    known = [v for v in values if v is not None]
+    return median(known) if known else None
+
+
+def report(
+    args: argparse.Namespace,
+    mode: str,
+    streams: int,
+    rounds: dict[tuple[str, str], list[Round]],
+    counted: dict[str, list[int]],
+    peer: dict[str, list[float]],
+) -> None:
+    """A line per workload and setting (the median of its rounds), and the ratios."""
+    for workload, name in ((w, n) for w in WORKLOADS for n in ("off", "on")):
+        runs = rounds[(workload, name)]
+        line: dict[str, Any] = {
+            "system": "shoal", "mode": mode, "workload": workload, "streams": streams,
+            "spec": name, "output_tok_s": round(median(r.rate for r in runs), 2),
+            "rounds": " ".join(f"{r.rate:.1f}" for r in runs),
+            "decode_tok_s": round(median(r.decode_rate for r in runs), 2),
+            "tokens": runs[-1].tokens, "machine": machine(),
+        }  # fmt: skip
+        if streams == 1:  # each prompt's median rate over the rounds
+            per_prompt = zip(*(r.each for r in runs), strict=True)
+            line["per_prompt"] = ",".join(f"{median(r):.1f}" for r in per_prompt)
+        for part in ("head", "tail"):
+            rate = middle([getattr(r, f"{part}_rate") for r in runs])
+            if rate is not None:
+                line[f"{part}_tok_s"] = round(rate, 2)
+        emit("speculative", line, args.out)
+    for workload in WORKLOADS:
+        on, off = rounds[(workload, "on")], rounds[(workload, "off")]
+        on_rate = median(r.rate for r in on)
+        ratio: dict[str, Any] = {
+            "mode": mode, "workload": workload, "streams": streams,
+            "on_over_off": round(on_rate / median(r.rate for r in off), 3),
+            "decode_on_over_off": round(
+                median(r.decode_rate for r in on) / median(r.decode_rate for r in off), 3
+            ),
+        }  # fmt: skip
+        for part in ("head", "tail"):
+            on_part = middle([getattr(r, f"{part}_rate") for r in on])
+            off_part = middle([getattr(r, f"{part}_rate") for r in off])
+            if on_part is not None and off_part is not None:
+                ratio[f"{part}_on_over_off"] = round(on_part / off_part, 3)
+        lookup = peer.get(f"{workload} True")
+        if streams == 1 and lookup:
+            ratio["on_over_llamacpp_lookup"] = round(on_rate / median(lookup), 3)
+        steps, drafted, accepted = counted[workload]
+        ratio["verifications"] = steps
+        ratio["acceptance"] = round(accepted / drafted, 3) if drafted else 0
+        ratio["accepted_per_step"] = round((accepted + steps) / steps, 2) if steps else 0
+        emit("speculative ratio", ratio, args.out)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -229,11 +223,16 @@ def parse() -> argparse.Namespace:
         "unset: no peer)",
     )
     parser.add_argument("--out", type=Path, default=None, help="append the lines as JSON")
-    parser.add_argument("--smoke", action="store_true", help="1 and 2 streams, 1 round, 8 tokens")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="1 and 2 streams, 1 round, 8 tokens, speculating while 1 request runs (2 streams: "
+        "a head and a tail)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.streams, args.rounds, args.max_tokens, args.modes = [1, 2], 1, 8, ["float32"]
-        args.prompts = 2
+        args.prompts, args.max_running = 2, 1
     args.gguf = None
     if args.llamacpp_python:
         from shoal.loading.loader import bundled_model_path

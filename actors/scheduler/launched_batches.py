@@ -84,10 +84,11 @@ class LaunchedBatches:
     pending_writes: list[RowWriteMsg] = field(default_factory=list)  # for the next launch
     prompt_progress: bool = False  # a result computed prompt positions (take_prompt_progress)
 
-    def form(self, holding: list[Req], proposed: list[Req]) -> Launch | None:
+    def form(self, holding: list[Req], proposed: list[Req], held: int = 0) -> Launch | None:
         """The batch a plan allows: decodes of the `proposed` requests that still want one
         and whose row covers it (the plan extended it, or it had room), then prompt chunks
-        (None if empty). `holding` is in arrival order (`Req.order`: the request table's
+        (None if empty), capped as beside a decode while `held` running rows wait on
+        speculation. `holding` is in arrival order (`Req.order`: the request table's
         insertion order)."""
         config = self.config
         seqs: list[SeqChunk] = []
@@ -128,7 +129,7 @@ class LaunchedBatches:
             req.num_launched = start + 1
             req.pending += 1
             req.inflight += 1
-        budget = config.prefill_budget(len(decode_rows) + len(members)) - num_drafted
+        budget = config.prefill_budget(len(decode_rows) + len(members) + held) - num_drafted
         for req in holding:
             if req.phase is not Phase.PREFILL or budget <= 0:
                 continue

@@ -76,6 +76,7 @@ class Planner:
         self.paused = False  # schedule nothing new; only releases go on
         self.trimmed_to: dict[str, int] = {}  # trims asked, per holding rid
         self.proposed_decodes: list[Req] = []  # the outstanding plan's decodes, in order
+        self.proposed_held = 0  # .. and the running rows speculation kept from it
         self.steady = SteadySteps()  # while only decoding goes on (steady_steps.py)
         # A request's computed prompt may have grown (a result, an admission, a transfer)
         # since publishes_due last ran (prefix_sharing.py).
@@ -217,13 +218,20 @@ class Planner:
         # for part of the rows; at its result every row goes in one launch (speculation.py)
         hold = spec is not None and any(req.verifying for req in holding)
         decoding = len(self.requests.reqs)
+        # Running rows that speculation keeps from this step (their drafts in flight, held,
+        # or waiting for their last token to draft): streams still, so a prompt chunk beside
+        # them is capped as beside a decode (`prefill_budget`), lest it stall them for long
+        held = 0
         for req in holding:
             phase = req.phase
             if phase is Phase.RUNNING:
-                if wants_decode(req, config) and not req.verifying and not hold:
-                    draft = () if spec is None else spec.draft(req, decoding)
-                    if draft is None:
-                        continue  # it drafts once its tokens on their way are back
+                if req.verifying:
+                    held += 1
+                elif wants_decode(req, config):
+                    draft = () if spec is None else None if hold else spec.draft(req, decoding)
+                    if draft is None:  # held, or it drafts once its tokens on their way are back
+                        held += 1
+                        continue
                     req.draft = draft
                     decodes.append(req)
             elif phase is Phase.PREFILL:
@@ -253,7 +261,7 @@ class Planner:
             self.publishes_may_be_due = False
             publishes = publishes_due(holding, config)
         trims = self._trims()
-        budget = config.prefill_budget(len(decodes))
+        budget = config.prefill_budget(len(decodes) + held)
         admits: list[AdmitReq] = []
         if not self.pressure:  # prefix sharing's bookkeeping runs only when something waits
             busy = has_prefill or bool(decodes)
@@ -262,6 +270,7 @@ class Planner:
             return None  # nothing launches: the trims are asked for again next time
         self.plan_pending = True
         self.proposed_decodes = decodes
+        self.proposed_held = held
         self.requests.admitting = {a.rid for a in admits}
         for trim in trims:
             self.trimmed_to[trim.rid] = trim.keep_from_token
@@ -306,7 +315,7 @@ class Planner:
         elif decode_set is not None and slots is not None:
             launch = self.launched.form_steady(decode_set, slots)
         else:
-            launch = self.launched.form(self.requests.holding(), decodes)
+            launch = self.launched.form(self.requests.holding(), decodes, self.proposed_held)
         changed = plan.released or plan.admitted or self.outbox.errors
         self.stalled = (
             launch is None
@@ -331,8 +340,14 @@ class Planner:
     # ---- a steady step (steady_steps.py) --------------------------------------------------
 
     def _speculates(self) -> bool:
-        """Whether this step's decodes may carry drafts (speculation.py: few rows run)."""
-        return self.spec is not None and self.spec.active(len(self.requests.reqs))
+        """Whether this step's decodes may carry drafts (speculation.py): few requests live,
+        and no prompt waiting or being prefilled. A step with a prompt chunk computes, so a
+        draft beside it costs its whole share; and a burst's first requests would otherwise
+        draft (and wait for their tokens to) before the rest of the burst has come."""
+        spec, requests = self.spec, self.requests
+        if spec is None or not spec.active(len(requests.reqs)) or requests.waiting:
+            return False
+        return not any(req.phase is Phase.PREFILL for req in requests.holding())
 
     def _steady_set(self) -> DecodeSet | None:
         busy = self.paused or self.config.disjoint or self.publishes_may_be_due

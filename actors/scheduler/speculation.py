@@ -10,8 +10,9 @@ token (actors/executor/draft_asks.py), so a step emits 1 .. k + 1 tokens for the
     spec.verified(req, k, accepted)  # its result: the row's estimates, the counters
 
 Switched by load: a step speculates only while at most `max_batch` requests run (a bigger
-batch already reads each weight once for many rows); a row speculates only when its sampling
-edits nothing a draft would need per position (`drafts_allowed`). Per row, what its drafts
+batch already reads each weight once for many rows) and no prompt waits or is prefilled (the
+planner's `_speculates`); a row speculates only when its sampling edits nothing a draft would
+need per position (`drafts_allowed`). Per row, what its drafts
 paid decides, apart for each length of the n-gram match they come from (`MATCH_BOUNDS`: 1, 2,
 3, 4-7, 8+ tokens agreeing, `NgramDrafts.match`), since the match's length foretells
 acceptance: it sends as many drafts as each has a chance above a draft's cost of being kept
@@ -24,7 +25,10 @@ whose prior is below the cost never drafts), so a row that copies again is caugh
 need the row's last token: a row with tokens on their way waits for them (no overlap: `draft`
 answers None) when the match they can make is worth drafts, one token longer than its known
 tokens' at most (a longer n-gram ending in the new token needs the shorter before it); any
-other decodes overlapped as usual.
+other decodes overlapped as usual, and so does a row's first decode, its prompt's token on its
+way: a burst's first request would otherwise stall the launches while the rest of the burst
+comes in (at 16 streams the burst's first tokens came ~25 ms later). At one stream that costs
+a copying request 0-0.45 of its 39-58 steps (bench/spec_replay.py on the bench's answers).
 """
 
 from __future__ import annotations
@@ -166,6 +170,8 @@ class Speculation:
         masked = req.num_outputs < sampling.min_new_tokens
         if room < 1 or masked or req.role == "send" or not drafts_allowed(sampling):
             return ()
+        if not req.num_outputs and req.pending:
+            return ()  # its prompt's token on its way: decode overlapped (the docstring above)
         rows = req.draft_state
         if rows is None:
             config = self.config

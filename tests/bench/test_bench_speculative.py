@@ -1,7 +1,8 @@
 """bench/speculative.py runs (`--smoke` on the tiny model: 1 and 2 streams, one round, no
-peer, one stream running two prompts in turn) and prints its fixed format: a line per
-workload, stream count and setting with a positive rate (one stream: each prompt's too), and a
-ratio per workload and stream count."""
+peer, one stream running two prompts in turn, speculating while one request runs) and prints
+its fixed format: a line per workload, stream count and setting with a positive rate (one
+stream: each prompt's too; two: the head's and the tail's, two requests and one running), and
+a ratio per workload and stream count."""
 
 from __future__ import annotations
 
@@ -33,8 +34,18 @@ def test_speculative_smoke(tiny_folder: Path, prebuilt_cpu_kernels: Path) -> Non
         each = run["per_prompt"].split(",") if run["streams"] == "1" else []
         assert len(each) == (2 if run["streams"] == "1" else 0) and all(float(x) > 0 for x in each)
         assert run["streams"] == "1" or "per_prompt" not in run
+        parts = [float(run[f"{part}_tok_s"]) for part in ("head", "tail") if f"{part}_tok_s" in run]
+        assert len(parts) == (0 if run["streams"] == "1" else 2) and all(x > 0 for x in parts)
     ratios = [fields(line) for line in lines if line.startswith("speculative ratio ")]
     assert [(r["workload"], r["streams"]) for r in ratios] == [
         (workload, streams) for streams in ("1", "2") for workload in ("copy", "prose")
     ]
     assert all(float(r["on_over_off"]) > 0 and float(r["decode_on_over_off"]) > 0 for r in ratios)
+    for ratio in ratios:
+        split = [
+            float(ratio[f"{p}_on_over_off"])
+            for p in ("head", "tail")
+            if f"{p}_on_over_off" in ratio
+        ]
+        assert len(split) == (0 if ratio["streams"] == "1" else 2) and all(x > 0 for x in split)
+        assert int(ratio["verifications"]) >= 0

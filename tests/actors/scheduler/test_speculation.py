@@ -68,10 +68,11 @@ def test_copying_request_keeps_every_draft_and_matches_one_at_a_time() -> None:
     assert spec is not None
     counters = spec.counters
     assert counters.accepted == counters.drafted > 0
-    # 30 tokens: the first from the prompt, then 5 a step (4 kept drafts and one more: the
-    # suffix matches 5 tokens at once, a class whose prior is worth 8 drafts, 4 at most here)
+    # 30 tokens: the first from the prompt, the second decoded as without drafts (the first
+    # on its way), then 5 a step (4 kept drafts and one more: the suffix matches 5 tokens at
+    # once, a class whose prior is worth 8 drafts, 4 at most here)
     assert counters.steps == 6 and sim.finish("a") == "length"
-    start = len(CYCLE) + 5
+    start = len(CYCLE) + 6
     assert drafted_seqs(sim.all_launches)[:3] == [(start, 4), (start + 5, 4), (start + 10, 4)]
 
 
@@ -105,8 +106,9 @@ def test_drafts_never_pass_max_new_tokens() -> None:
     sim.add("a", prompt, max_new_tokens=4)
     sim.run()
     assert sim.tokens("a") == CYCLE[5:9]
-    # after the first token 3 are left: 2 drafts and the token after them (4 were worth it)
-    assert [k for _, k in drafted_seqs(sim.all_launches)] == [2]
+    # after the first two tokens (the prompt's, then a plain decode) 2 are left: 1 draft and
+    # the token after it (4 were worth it)
+    assert [k for _, k in drafted_seqs(sim.all_launches)] == [1]
 
 
 def test_more_running_than_max_batch_speculates_nothing() -> None:
@@ -137,6 +139,47 @@ def test_rows_that_arrived_apart_draft_in_one_launch() -> None:
     assert not any(decodes(launch) and beside for launch, beside in launched)
     together = [len(drafted_seqs([launch])) for launch in sim.all_launches]
     assert together.count(4) >= 6, together
+
+
+def prompt_chunks(launch: Launch | None) -> list[int]:
+    """The prompt chunks' lengths of a launch (a speculating decode is not one)."""
+    assert launch is not None
+    return [s.num_tokens for s in launch.seqs if s.input_ids is not None and not s.num_drafts]
+
+
+def test_no_drafts_while_a_prompt_waits_or_prefills() -> None:
+    """A step with a prompt chunk computes, so a draft beside it costs its whole share; and a
+    burst's first request would draft, and wait for its token to, before the rest came (found
+    at 16 streams: it lost its overlap and the burst's first tokens came later)."""
+    sim = Recording(speculative=SPEC, counting=True, max_mixed_prefill_tokens=8, num_pages=256)
+    sim.add("a", CYCLE + CYCLE[:5], max_new_tokens=40, ignore_eos=True)
+    assert sim.plan_and_launch()  # a's prompt; its first token on its way
+    sim.add("b", CYCLE[7:47], max_new_tokens=20, ignore_eos=True)
+    assert sim.plan_and_launch()
+    assert decodes(sim.all_launches[-1]) == 1  # a decodes, overlapped, as without drafts ...
+    assert prompt_chunks(sim.last_launch) == [8]  # ... beside b's first 8 prompt tokens
+    sim.run()
+    assert not any(drafted_seqs([launch]) and prompt_chunks(launch) for launch in sim.all_launches)
+    assert drafted_seqs(sim.all_launches)  # once b's prompt is in, both draft
+    for rid, prompt, most in (("a", CYCLE + CYCLE[:5], 40), ("b", CYCLE[7:47], 20)):
+        assert sim.tokens(rid) == solo(prompt, counting=True, max_new_tokens=most, ignore_eos=True)
+
+
+def test_a_prompt_beside_drafts_in_flight_is_capped_as_beside_decodes() -> None:
+    """The mixed-prefill cap keeps a newcomer's prompt from stalling the running streams: a
+    row whose drafts are in flight is one of them though it launches nothing this step."""
+    sim = Recording(speculative=SPEC, counting=True, max_mixed_prefill_tokens=8, num_pages=256)
+    sim.add("a", CYCLE + CYCLE[:5], max_new_tokens=40, ignore_eos=True)
+    while not drafted_seqs(list(sim.launched)):  # a's drafts in flight
+        if len(sim.launched) < sim.max_inflight and sim.plan_and_launch():
+            continue
+        sim.complete_one()
+    sim.add("c", CYCLE[11:41], max_new_tokens=4, ignore_eos=True)
+    assert sim.plan_and_launch()
+    assert decodes(sim.all_launches[-1]) == 0 and prompt_chunks(sim.last_launch) == [8]
+    sim.run()
+    for rid, prompt, most in (("a", CYCLE + CYCLE[:5], 40), ("c", CYCLE[11:41], 4)):
+        assert sim.tokens(rid) == solo(prompt, counting=True, max_new_tokens=most, ignore_eos=True)
 
 
 def copying_row(spec: Speculation, prompt: list[int]) -> Req:
@@ -203,7 +246,8 @@ def test_a_row_not_worth_one_draft_waits_then_sends_one() -> None:
 
 def test_a_row_with_a_token_on_its_way_waits_only_for_a_match_worth_drafts() -> None:
     """Its token on its way makes the known match one token longer at most: a row waits for
-    it (None, no overlap) when that match is worth drafts, else decodes overlapped."""
+    it (None, no overlap) when that match is worth drafts, else decodes overlapped; but never
+    for its first token, its prompt's (see `Speculation.draft`)."""
     spec = Speculation(SPEC)
     for prompt, waits, then in (
         (CYCLE + CYCLE[:5], True, 4),  # 5 tokens agree, 6 with the next: worth 4 (at most)
@@ -212,6 +256,8 @@ def test_a_row_with_a_token_on_its_way_waits_only_for_a_match_worth_drafts() -> 
     ):
         req = copying_row(spec, prompt)
         req.pending = 1
+        assert spec.draft(req, 1) == (), prompt  # its first token on its way
+        req.num_prompt -= 1  # its last token its first output, its second on its way
         assert (spec.draft(req, 1) is None) == waits, prompt
         req.pending = 0  # (its token in: the same tokens here)
         drafts = spec.draft(req, 1)
