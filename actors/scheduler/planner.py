@@ -309,13 +309,14 @@ class Planner:
             self.publishes_may_be_due = True
         self.steady.extended(plan.extended, self.requests.reqs, self.config.page_size)
         decodes, self.proposed_decodes = self.proposed_decodes, []
+        held, self.proposed_held = self.proposed_held, 0
         slots, self.steady.proposed = self.steady.proposed, None
         if self.paused:
             launch = None
         elif decode_set is not None and slots is not None:
             launch = self.launched.form_steady(decode_set, slots)
         else:
-            launch = self.launched.form(self.requests.holding(), decodes, self.proposed_held)
+            launch = self.launched.form(self.requests.holding(), decodes, held)
         changed = plan.released or plan.admitted or self.outbox.errors
         self.stalled = (
             launch is None
