@@ -19,6 +19,7 @@ and the tail once at most M do (where speculation may run).
     python bench/speculative.py                      # bundled SmolLM2 in float32 and int8
     python bench/speculative.py --modes float32 --streams 1 --rounds 3
     python bench/speculative.py --llamacpp-python /path/to/venv/bin/python   # the peer
+    python bench/speculative.py --modes int8 --streams 16 --rounds 10 --control   # A/A: the noise
     python bench/speculative.py --smoke
 
 Prints per mode, workload and stream count the median of the rounds:
@@ -30,6 +31,7 @@ Prints per mode, workload and stream count the median of the rounds:
                 decode_on_over_off=<x> [head_on_over_off=<x> tail_on_over_off=<x>]
                 [on_over_llamacpp_lookup=<x>] verifications=<n> acceptance=<x>
                 accepted_per_step=<x>
+(`--control`: every line also says control=1, and "on" ran without speculation.)
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
     max_running = EngineOptions.speculative_max_running
     if args.max_running is not None:
         spec["speculative_max_running"] = max_running = args.max_running
+    if args.control:  # an A/A run: the "on" turn's engine is the "off" one's
+        spec = {}
     for streams in args.streams:
         rounds: dict[tuple[str, str], list[Round]] = {}
         # speculation's verifications, drafted and kept tokens, per workload
@@ -145,6 +149,8 @@ def report(
             "decode_tok_s": round(median(r.decode_rate for r in runs), 2),
             "tokens": runs[-1].tokens, "machine": machine(),
         }  # fmt: skip
+        if args.control:
+            line["control"] = 1
         if streams == 1:  # each prompt's median rate over the rounds
             per_prompt = zip(*(r.each for r in runs), strict=True)
             line["per_prompt"] = ",".join(f"{median(r):.1f}" for r in per_prompt)
@@ -163,6 +169,8 @@ def report(
                 median(r.decode_rate for r in on) / median(r.decode_rate for r in off), 3
             ),
         }  # fmt: skip
+        if args.control:
+            ratio["control"] = 1
         for part in ("head", "tail"):
             on_part = middle([getattr(r, f"{part}_rate") for r in on])
             off_part = middle([getattr(r, f"{part}_rate") for r in off])
@@ -221,6 +229,12 @@ def parse() -> argparse.Namespace:
         default=os.environ.get("SHOAL_BENCH_LLAMACPP_PYTHON"),
         help="the Python of llama.cpp's environment (default: $SHOAL_BENCH_LLAMACPP_PYTHON; "
         "unset: no peer)",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="an A/A run: the 'on' turn's engine without speculation too, so that its ratios "
+        "are the machine's noise alone (lines say control=1)",
     )
     parser.add_argument("--out", type=Path, default=None, help="append the lines as JSON")
     parser.add_argument(

@@ -49,3 +49,15 @@ def test_speculative_smoke(tiny_folder: Path, prebuilt_cpu_kernels: Path) -> Non
         ]
         assert len(split) == (0 if ratio["streams"] == "1" else 2) and all(x > 0 for x in split)
         assert int(ratio["verifications"]) >= 0
+
+
+def test_speculative_control_says_so(tiny_folder: Path, prebuilt_cpu_kernels: Path) -> None:
+    """`--control` (an A/A run: both turns without speculation) says so on every line."""
+    argv = [sys.executable, str(BENCH / "speculative.py"), "--smoke", "--control"]
+    argv += ["--model", str(tiny_folder)]
+    env = os.environ | {"SHOAL_CACHE_DIR": str(prebuilt_cpu_kernels)}
+    env.pop("SHOAL_BENCH_LLAMACPP_PYTHON", None)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [fields(line) for line in done.stdout.splitlines() if line.startswith("speculative ")]
+    assert len(lines) == 12 and all(line.get("control") == "1" for line in lines)
