@@ -84,13 +84,14 @@ class LaunchedBatches:
     pending_writes: list[RowWriteMsg] = field(default_factory=list)  # for the next launch
     prompt_progress: bool = False  # a result computed prompt positions (take_prompt_progress)
 
-    def form(self, holding: list[Req], proposed: list[Req], held: int = 0) -> Launch | None:
+    def form(self, holding: list[Req], proposed: list[Req]) -> Launch | None:
         """The batch a plan allows: decodes of the `proposed` requests that still want one
         and whose row covers it (the plan extended it, or it had room), then prompt chunks
-        (None if empty), capped as beside a decode while `held` running rows wait on
-        speculation. `holding` is in arrival order (`Req.order`: the request table's
+        (None if empty), capped as beside a decode while a row's drafts are in flight.
+        `holding` is in arrival order (`Req.order`: the request table's
         insertion order)."""
         config = self.config
+        verifying = sum(1 for r in holding if r.verifying)  # drafts launched before this one
         seqs: list[SeqChunk] = []
         members: list[Member] = []
         # Proposed, they wanted a decode; since then results only moved tokens from pending
@@ -129,7 +130,7 @@ class LaunchedBatches:
             req.num_launched = start + 1
             req.pending += 1
             req.inflight += 1
-        budget = config.prefill_budget(len(decode_rows) + len(members) + held) - num_drafted
+        budget = config.prefill_budget(len(decode_rows) + len(members) + verifying) - num_drafted
         for req in holding:
             if req.phase is not Phase.PREFILL or budget <= 0:
                 continue

@@ -76,7 +76,6 @@ class Planner:
         self.paused = False  # schedule nothing new; only releases go on
         self.trimmed_to: dict[str, int] = {}  # trims asked, per holding rid
         self.proposed_decodes: list[Req] = []  # the outstanding plan's decodes, in order
-        self.proposed_held = 0  # .. and the running rows speculation kept from it
         self.steady = SteadySteps()  # while only decoding goes on (steady_steps.py)
         # A request's computed prompt may have grown (a result, an admission, a transfer)
         # since publishes_due last ran (prefix_sharing.py).
@@ -216,22 +215,18 @@ class Planner:
         # While a row's drafts are in flight no other row decodes: a decode launched beside
         # them would split the rows into groups that take turns, each paying a whole step
         # for part of the rows; at its result every row goes in one launch (speculation.py)
-        hold = spec is not None and any(req.verifying for req in holding)
+        # A row whose drafts are in flight is a stream still, though it launches nothing now:
+        # a prompt chunk beside it is capped as beside a decode (`prefill_budget`)
+        verifying = sum(1 for req in holding if req.verifying)
+        hold = spec is not None and verifying > 0
         decoding = len(self.requests.reqs)
-        # Running rows that speculation keeps from this step (their drafts in flight, held,
-        # or waiting for their last token to draft): streams still, so a prompt chunk beside
-        # them is capped as beside a decode (`prefill_budget`), lest it stall them for long
-        held = 0
         for req in holding:
             phase = req.phase
             if phase is Phase.RUNNING:
-                if req.verifying:
-                    held += 1
-                elif wants_decode(req, config):
-                    draft = () if spec is None else None if hold else spec.draft(req, decoding)
-                    if draft is None:  # held, or it drafts once its tokens on their way are back
-                        held += 1
-                        continue
+                if wants_decode(req, config) and not req.verifying and not hold:
+                    draft = () if spec is None else spec.draft(req, decoding)
+                    if draft is None:
+                        continue  # it drafts once its tokens on their way are back
                     req.draft = draft
                     decodes.append(req)
             elif phase is Phase.PREFILL:
@@ -261,7 +256,7 @@ class Planner:
             self.publishes_may_be_due = False
             publishes = publishes_due(holding, config)
         trims = self._trims()
-        budget = config.prefill_budget(len(decodes) + held)
+        budget = config.prefill_budget(len(decodes) + verifying)
         admits: list[AdmitReq] = []
         if not self.pressure:  # prefix sharing's bookkeeping runs only when something waits
             busy = has_prefill or bool(decodes)
@@ -270,7 +265,6 @@ class Planner:
             return None  # nothing launches: the trims are asked for again next time
         self.plan_pending = True
         self.proposed_decodes = decodes
-        self.proposed_held = held
         self.requests.admitting = {a.rid for a in admits}
         for trim in trims:
             self.trimmed_to[trim.rid] = trim.keep_from_token
@@ -309,14 +303,13 @@ class Planner:
             self.publishes_may_be_due = True
         self.steady.extended(plan.extended, self.requests.reqs, self.config.page_size)
         decodes, self.proposed_decodes = self.proposed_decodes, []
-        held, self.proposed_held = self.proposed_held, 0
         slots, self.steady.proposed = self.steady.proposed, None
         if self.paused:
             launch = None
         elif decode_set is not None and slots is not None:
             launch = self.launched.form_steady(decode_set, slots)
         else:
-            launch = self.launched.form(self.requests.holding(), decodes, held)
+            launch = self.launched.form(self.requests.holding(), decodes)
         changed = plan.released or plan.admitted or self.outbox.errors
         self.stalled = (
             launch is None
