@@ -42,8 +42,9 @@ class EngineOptions:
     max_batch_tokens: int = option(2048, "tokens one step may run, prompts and decodes together")
     max_mixed_prefill_tokens: int | None = option(
         None,
-        "prompt tokens a step that also decodes may take (unset: 64 on the CPU, no cap on a "
-        "GPU; 0: up to max_batch_tokens); lower: steadier inter-token latency under load",
+        "prompt tokens a step that also decodes may take (unset: on the CPU as many as the "
+        "model's matmuls compute in ~40 ms, measured at start, 64-256; no cap on a GPU; 0: up "
+        "to max_batch_tokens); lower: steadier inter-token latency under load",
     )
     max_inflight: int = option(2, "batches launched ahead of their results (1: no overlap)")
     pipeline_stages: int = option(

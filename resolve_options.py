@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from shoal.config import DTYPES, EngineOptions
-from shoal.kernels.cpu_features import bf16_by_default, read_cpu_features
+from shoal.kernels.cpu_features import bf16_by_default, kernel_report, read_cpu_features
 from shoal.kernels.linear import LinearKind, packing_available
 from shoal.memory import DeviceMemory, kv_cache_tokens
 
@@ -20,6 +20,15 @@ from shoal.memory import DeviceMemory, kv_cache_tokens
 # 16 streams for the same throughput (docs/cpu-step.md, "Scheduling for latency"). A GPU step
 # barely notices a chunk, and no cap is what SGLang and vLLM do there.
 CPU_MIXED_PREFILL_TOKENS = 64
+# Unset on the CPU, the cap is measured at start instead (api/startup.py): as many prompt tokens
+# as the model's matmuls compute in CPU_CHUNK_MS (models/prompt_cost.py), in steps of 32, from
+# 64 (32 cost 5% of the throughput and doubled the median inter-token gap on the AVX2 EPYC, at
+# ~1 ms a token) to 256. On the Zen 5 EPYC SmolLM2's matmuls take 0.30 ms a token in bfloat16:
+# 128, which met vLLM's median TTFT at 16 streams where 64 did not (bench/README.md); 0.53 in
+# float32: 64.
+CPU_CHUNK_MS = 40.0
+CPU_CAP_STEP = 32
+CPU_CAP_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,29 @@ class Resolved:
     linear_kind: LinearKind  # how the forward multiplies by weights (kernels/linear.py)
     mixed_prefill_tokens: int  # prompt tokens a step that also decodes may take; 0: no cap
     kv_dtype: torch.dtype  # the KV cache's elements
+    # a prompt token's matmuls as the start measured them, where it picked the cap (None: not)
+    prompt_token_ms: float | None = None
+
+    def with_measured_cap(self, prompt_token_ms: float) -> Resolved:
+        """The CPU's mixed-prefill cap for a prompt token that costs this (api/startup.py)."""
+        cap = measured_mixed_prefill(prompt_token_ms)
+        return replace(self, mixed_prefill_tokens=cap, prompt_token_ms=prompt_token_ms)
+
+    def start_report(self, attention: str) -> str:
+        """What the start picked, as serve logs it, a line each: `shoal kernels: ...`
+        (kernels/cpu_features.py: kernel_report; `attention`: the backend in use) and
+        `shoal scheduling: ...`."""
+        kernels = kernel_report(self.device, self.linear_kind, attention, kv_dtype=self.kv_dtype)
+        return f"shoal kernels: {kernels}\nshoal scheduling: {self.scheduling_report()}"
+
+    def scheduling_report(self) -> str:
+        """The cap as the serve log gives it: `mixed_prefill_cap=128 (a prompt token's matmuls
+        measured at 0.30 ms)` where the start picked it, else `mixed_prefill_cap=64` or
+        `mixed_prefill_cap=none`."""
+        said = f"mixed_prefill_cap={self.mixed_prefill_tokens or 'none'}"
+        if self.prompt_token_ms is None:
+            return said
+        return f"{said} (a prompt token's matmuls measured at {self.prompt_token_ms:.2f} ms)"
 
 
 def resolve(
@@ -157,3 +189,9 @@ def resolve_attention(options: EngineOptions, device: torch.device, dtype: torch
                 "attention triton on CPU runs only under the interpreter: set TRITON_INTERPRET=1"
             )
     return choice
+
+
+def measured_mixed_prefill(prompt_token_ms: float) -> int:
+    """The CPU's mixed-prefill cap for a model whose prompt token's matmuls take this long."""
+    fits = int(CPU_CHUNK_MS / max(prompt_token_ms, 1e-6)) // CPU_CAP_STEP * CPU_CAP_STEP
+    return min(max(fits, CPU_MIXED_PREFILL_TOKENS), CPU_CAP_MAX)

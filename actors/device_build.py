@@ -21,6 +21,7 @@ from shoal.loading.identity import weights_digest
 from shoal.models.kv_pool import KVPool
 from shoal.models.layout import Part
 from shoal.models.load import LoadedModel
+from shoal.models.prompt_cost import prompt_token_ms
 from shoal.models.registry import family_of
 from shoal.resolve_options import Resolved
 
@@ -28,11 +29,14 @@ from shoal.resolve_options import Resolved
 @dataclass(frozen=True)
 class Built:
     """What the start builds off the event loop, in a thread of its own (api/fresh_thread.py):
-    the models on their devices with their KV pools, and the executor's device state."""
+    the models on their devices with their KV pools, and the executor's device state;
+    `prompt_token_ms`: a prompt token's matmuls, measured where the CPU's mixed-prefill cap is
+    the engine's to pick (models/prompt_cost.py; None: not measured)."""
 
     stages: list[Stage]
     grammars: Grammars
     device_state: DeviceState
+    prompt_token_ms: float | None = None
 
 
 def build_device(
@@ -64,7 +68,9 @@ def build_device(
         folder=loaded.path,
         grammars=grammars,
     )
-    return Built(stages, grammars, device_state)
+    measure = options.max_mixed_prefill_tokens is None and resolved.device.type == "cpu"
+    cost = prompt_token_ms([stage.model for stage in stages]) if measure else None
+    return Built(stages, grammars, device_state, cost)
 
 
 def attention_backend(

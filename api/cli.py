@@ -24,7 +24,6 @@ from shoal.api.http.tool_parsers import PARSERS as TOOL_PARSERS
 from shoal.api.port_check import check_can_listen
 from shoal.api.sampling_wire import add_sampling_flags, sampling_from_args
 from shoal.kernels.cache_files import StartCancelled
-from shoal.kernels.cpu_features import kernel_report
 
 HTTP_LIMITS = HttpLimits.__struct_fields__  # --max-json-depth ... on serve
 # What stops `serve`, during the start-up (cancelled) and after (open streams ended cleanly).
@@ -238,10 +237,7 @@ async def serve(args: argparse.Namespace) -> int:
             )
             resolved = engine.resolved
             assert resolved is not None  # started
-            report = kernel_report(
-                resolved.device, resolved.linear_kind, engine.attention, kv_dtype=resolved.kv_dtype
-            )
-            print(f"shoal kernels: {report}", flush=True)
+            print(resolved.start_report(engine.attention), flush=True)  # kernels, scheduling
             await stop.wait()
             print("shoal: shutting down", file=sys.stderr, flush=True)
     except StartCancelled:

@@ -4,7 +4,9 @@
     resolved  = resolve(options, ...)    the context, the KV pool's size (memory.py on CUDA)
     kernels   = cpu_kernels(...)         off the loop: they may compile
     built     = build_device(...)        the models on their devices, their KV pools, the
-                                         executor's device state (actors/device_build.py)
+                                         executor's device state (actors/device_build.py);
+                                         on the CPU a prompt token's cost, measured, which
+                                         sets the mixed-prefill cap when it is unset
     actors    = start_actors(...)        the four (five) actors' tasks (actors/wiring.py)
     bootstrap = BootstrapServer(...)     a prefill server's endpoint (disaggregation)
     loaded.weights.clear(); trim_host_heap()   the read copies are the model's now
@@ -93,6 +95,8 @@ async def start_engine(
     raise_if_cancelled(hooks.cancel)  # nothing is running yet: nothing to stop
     fell_back = resolved.attention == "cpu" and kernels is None
     built = await in_fresh_thread(build_device, loaded, options, resolved, kernels)
+    if built.prompt_token_ms is not None:  # the CPU's cap, unset: from the measured cost
+        resolved = resolved.with_measured_cap(built.prompt_token_ms)
     actors = start_actors(
         loaded,
         options,

@@ -76,8 +76,8 @@ def parse_args(argv: list[str] | None, description: str | None) -> argparse.Name
         type=int,
         default=0,
         help="prompt tokens a step that also decodes may take (default 0: no cap beside "
-        "--max-batch-tokens; the engine's default on the CPU, 64, steadies streamed tokens, "
-        "which an offline run has none of; as vLLM's LLM class takes a larger token budget "
+        "--max-batch-tokens; the engine's default on the CPU, measured at start, steadies streamed "
+        "tokens, which an offline run has none of; as vLLM's LLM class takes a larger token budget "
         "than its server)",
     )
     parser.add_argument(

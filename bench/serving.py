@@ -138,8 +138,8 @@ async def amain(argv: list[str] | None = None) -> int:
             continue
         async with launch(system, config) as server:
             print(f"# {system} ready at {server.base_url} in {server.startup_s:.1f}s", flush=True)
-            for said in server.log:  # the kernels shoal picked for this CPU (its serve log)
-                if said.startswith("shoal kernels:"):
+            for said in server.log:  # the kernels and the cap shoal picked (its serve log)
+                if said.startswith(("shoal kernels:", "shoal scheduling:")):
                     print(f"# {said}", flush=True)
             await runs(system, config.label(system), server.base_url)
     return 0

@@ -38,9 +38,16 @@ class Engines:
     """The session engine and the two stateless ones, started on one loaded model."""
 
     def __init__(self, loaded: Any, page_size: int, kv_cache_tokens: int) -> None:
+        import torch
+
         from shoal import Engine
 
-        options = {"page_size": page_size, "kv_cache_tokens": kv_cache_tokens}
+        # one mixed-prefill cap for the three (unset, each start would measure its own)
+        options = {
+            "page_size": page_size,
+            "kv_cache_tokens": kv_cache_tokens,
+            "max_mixed_prefill_tokens": None if torch.cuda.is_available() else 64,
+        }
         self.session = Engine(loaded, **options)
         self.cached = Engine(loaded, **options)
         self.uncached = Engine(loaded, prefix_cache=False, **options)

@@ -75,7 +75,8 @@ async def run_mode(args: argparse.Namespace, mode: str, peer: dict[str, list[flo
     from shoal import Engine
     from shoal.config import EngineOptions
 
-    options: dict[str, Any] = {"seed": 0}
+    # one cap for both engines (unset, each start would measure its own: resolve_options.py)
+    options: dict[str, Any] = {"seed": 0, "max_mixed_prefill_tokens": args.max_mixed_prefill}
     if mode == "int8":
         options["quantization"] = "int8"
     else:
@@ -223,6 +224,13 @@ def parse() -> argparse.Namespace:
         type=int,
         default=None,
         help="speculative_max_running of the engine with speculation (default: its own)",
+    )
+    parser.add_argument(
+        "--max-mixed-prefill",
+        type=int,
+        default=64,
+        help="both engines' max_mixed_prefill_tokens (default 64, the CPU's before it was "
+        "measured at start: the figures before stay comparable)",
     )
     parser.add_argument(
         "--llamacpp-python",

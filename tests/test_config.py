@@ -7,7 +7,7 @@ import torch
 
 from shoal.config import CHOICES, EngineOptions
 from shoal.kernels.cpu_features import CpuFeatures
-from shoal.resolve_options import CPU_MIXED_PREFILL_TOKENS, resolve
+from shoal.resolve_options import CPU_MIXED_PREFILL_TOKENS, measured_mixed_prefill, resolve
 
 
 @pytest.mark.parametrize(
@@ -71,8 +71,9 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) ->
 def test_the_mixed_prefill_cap_is_64_on_the_cpu_and_none_on_a_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Unset: a CPU step carries at most 64 prompt tokens beside decodes, a GPU step any
-    number (0); a value given is taken as it is, on either."""
+    """Unset: a CPU step carries at most 64 prompt tokens beside decodes until the start
+    measures the model (test_the_start_measures_the_cap_when_unset), a GPU step any number
+    (0); a value given is taken as it is, on either."""
     cpu = EngineOptions(device="cpu")
     assert resolve(cpu, model_context=8192).mixed_prefill_tokens == CPU_MIXED_PREFILL_TOKENS == 64
     for given in (0, 200):
@@ -88,3 +89,27 @@ def test_the_mixed_prefill_cap_is_64_on_the_cpu_and_none_on_a_gpu(
     assert resolve(options, model_context=8192).mixed_prefill_tokens == 128
     with pytest.raises(ValueError, match="max_mixed_prefill_tokens must be >= 0"):
         EngineOptions(max_mixed_prefill_tokens=-1).validate()
+
+
+@pytest.mark.parametrize(
+    ("ms", "cap"),
+    [
+        (1.1, 64),  # the AVX2 EPYC in float32: never below 64
+        (0.47, 64),  # the Zen 5 in float32: 85 tokens fit in 40 ms
+        (0.30, 128),  # the Zen 5 in bfloat16: 133
+        (0.25, 160),  # 160 exactly
+        (0.2, 192),
+        (0.1, 256),  # never above 256
+        (0.0, 256),
+    ],
+)
+def test_the_measured_cap_is_the_tokens_that_fit_in_40_ms_in_steps_of_32(
+    ms: float, cap: int
+) -> None:
+    assert measured_mixed_prefill(ms) == cap
+
+
+def test_the_measured_cap_never_grows_with_the_cost() -> None:
+    caps = [measured_mixed_prefill(ms / 100) for ms in range(1, 200)]
+    assert caps == sorted(caps, reverse=True)
+    assert {cap % 32 for cap in caps} == {0}
