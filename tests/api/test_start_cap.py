@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import EngineFactory
+from engines import EngineFactory
 
 from shoal.api import startup
 from shoal.resolve_options import Resolved, measured_mixed_prefill
