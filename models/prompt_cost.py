@@ -1,13 +1,13 @@
 """What one prompt token costs this model on this machine: the milliseconds of its matmuls, as
 a chunk of `rows` tokens computes them, measured once at start where the CPU's mixed-prefill
-cap is left to the engine (resolve_options.py: mixed_prefill_cap; api/startup.py).
+cap is left to the engine (resolve_options.py: measured_mixed_prefill; api/startup.py).
 
 A prompt chunk beside running decodes lengthens their step by about its matmuls' time: the
 projections and MLP of every layer (its attention over a short context and its element-wise
 ops are a small part on the CPU). One layer of each stage is timed on random rows, the best of
 a few runs (a shared machine's noise only ever adds), and scaled by the stage's layers:
 
-    ms = prompt_token_ms([stage.model for stage in stages])   # 0.30 for SmolLM2 in bfloat16
+    ms = prompt_token_ms([stage.model for stage in stages])   # SmolLM2, bfloat16, Zen 5: ~0.27
 """
 
 from __future__ import annotations
