@@ -23,7 +23,7 @@ CPU_MIXED_PREFILL_TOKENS = 64
 # Unset on the CPU, the cap is measured at start instead (api/startup.py): as many prompt tokens
 # as the model's matmuls compute in CPU_CHUNK_MS (models/prompt_cost.py), in steps of 32, from
 # 64 (32 cost 5% of the throughput and doubled the median inter-token gap on the AVX2 EPYC, at
-# ~1 ms a token) to 256. On the Zen 5 EPYC SmolLM2's matmuls measured 0.25-0.31 ms a token in
+# ~1 ms a token) to 256. On the Zen 5 EPYC SmolLM2's matmuls measured 0.25-0.30 ms a token in
 # bfloat16: 128 (once 160), which kept the median TTFT at 16 streams below vLLM's where 64 did
 # not (bench/README.md); 0.45-0.49 in float32: 64.
 CPU_CHUNK_MS = 40.0
