@@ -211,6 +211,9 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         for (int64_t i = 0; i < 16 && t + i + kPrefetchAhead16 < len; ++i) {
           prefetch_row(row_of(k_data, t + i + kPrefetchAhead16), span * dim);
           prefetch_row_l2(row_of(v_data, t + i + kPrefetchAhead16), span * dim);
+          if (t + i + kPrefetchL2Ahead16 < len) {
+            prefetch_row_l2(row_of(k_data, t + i + kPrefetchL2Ahead16), span * dim);
+          }
         }
         const T* keys[16];
         for (int i = 0; i < 16; ++i) keys[i] = row_of(k_data, t + i);
