@@ -34,6 +34,13 @@ def machine() -> str:
     return desc
 
 
+def fixed_mixed_prefill() -> int | None:
+    """One mixed-prefill cap for every engine a bench compares in one process: the CPU's 64 of
+    before the start measured it (unset, each start measures its own, resolve_options.py, and
+    two could differ); a GPU's own (none)."""
+    return None if torch.cuda.is_available() else 64
+
+
 def workload(
     n: int, vocab: int, seed: int, prompt: tuple[int, int], output: tuple[int, int]
 ) -> list[tuple[list[int], int]]:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_format import machine
+from bench_format import fixed_mixed_prefill, machine
 
 
 def workload(
@@ -43,14 +43,6 @@ def workload(
     return prompts, prefixes
 
 
-def fixed_cap() -> int | None:
-    """The CPU's mixed-prefill cap before the start measured it, the same for both engines
-    (unset, each start measures its own); a GPU's own (none)."""
-    import torch
-
-    return None if torch.cuda.is_available() else 64
-
-
 async def run(
     loaded: Any, prompts: list[list[int]], warm: list[list[int]], output_len: int, cache: bool
 ) -> dict[str, Any]:
@@ -58,7 +50,9 @@ async def run(
     first, as a long-lived system prompt would have been by a server already serving it."""
     from shoal import Engine
 
-    async with Engine(loaded, prefix_cache=cache, max_mixed_prefill_tokens=fixed_cap()) as engine:
+    async with Engine(
+        loaded, prefix_cache=cache, max_mixed_prefill_tokens=fixed_mixed_prefill()
+    ) as engine:
         await engine.generate(input_ids=[100, 101, 102], max_new_tokens=2).result()  # warm up
         for p in warm:
             await engine.generate(input_ids=p, max_new_tokens=1).result()

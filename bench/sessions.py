@@ -31,22 +31,19 @@ import time
 from statistics import mean
 from typing import Any
 
-from bench_format import machine
+from bench_format import fixed_mixed_prefill, machine
 
 
 class Engines:
     """The session engine and the two stateless ones, started on one loaded model."""
 
     def __init__(self, loaded: Any, page_size: int, kv_cache_tokens: int) -> None:
-        import torch
-
         from shoal import Engine
 
-        # one mixed-prefill cap for the three (unset, each start would measure its own)
         options = {
             "page_size": page_size,
             "kv_cache_tokens": kv_cache_tokens,
-            "max_mixed_prefill_tokens": None if torch.cuda.is_available() else 64,
+            "max_mixed_prefill_tokens": fixed_mixed_prefill(),
         }
         self.session = Engine(loaded, **options)
         self.cached = Engine(loaded, **options)
