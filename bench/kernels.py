@@ -6,13 +6,17 @@ compiled kernels (`cpu`: csrc/paged_decode.cpp, csrc/paged_extend.cpp) against i
     python bench/kernels.py --device cuda --batch 1 64 256 --extend-batch 1 8 --context 1024 4096
     python bench/kernels.py --device cpu --dtype float32 --batch 1 16 --extend-batch 1 \
         --context 189 512 1024                               # the KV's dtype; q is float32
+    python bench/kernels.py --device cpu --impls cpu --batch 16 64 --context 120 250 \
+        --layers 30                          # a step's 30 layers' caches: read from memory
     TRITON_INTERPRET=1 python bench/kernels.py --smoke       # tiny shapes on CPU: runs, no figures
 
 Prints one line per kernel, implementation and shape:
     kernel op=<decode|extend> impl=<triton|torch> batch=<B> context=<L> ms=<x> gbps=<y>
-           tflops=<z> dtype=<d> machine=<desc>
+           tflops=<z> dtype=<d> layers=<n> machine=<desc>
 decode: one new token per sequence over a context of L; gbps counts the K and V bytes it must
 read (B x L x 2 x Hkv x D x dtype bytes), the figure to hold against the HBM bandwidth.
+--layers N: N caches on the same pages, attended in turn, and the time is a layer's (one
+layer's cache may fit in the CPU's last-level cache where a model's layers do not).
 extend: a prefill of L new tokens per sequence, no cached prefix; tflops counts the causal
 attention's multiply-adds (2 x 2 x B x H x D x L^2 / 2). Pages are shuffled over the pool.
 Times: the median of --iters runs after a warm-up, CUDA events on a GPU.
@@ -38,22 +42,29 @@ from shoal.kernels.batch import Attention, AttentionBackend, BatchShape
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
+Caches = list[tuple[torch.Tensor, torch.Tensor]]  # each layer's K and V
+
+
 def make_batch(
-    batch: int, context: int, decode: bool, page_size: int, dtype: torch.dtype, device: str
-) -> tuple[BatchShape, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The shape, page table, K/V caches and queries of one step; pages shuffled."""
+    batch: int, context: int, decode: bool, page_size: int, dtype: torch.dtype, device: str,
+    layers: int = 1,
+) -> tuple[BatchShape, torch.Tensor, Caches, torch.Tensor]:  # fmt: skip
+    """The shape, page table, each layer's K/V caches and the queries of one step; pages
+    shuffled."""
     pages_per_seq = -(-context // page_size)
     num_pages = batch * pages_per_seq + 1
     order = torch.randperm(num_pages)[: batch * pages_per_seq].view(batch, pages_per_seq)
     table = order.to(device=device, dtype=torch.int64)
     slots = num_pages * page_size
-    k_cache = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    v_cache = torch.randn_like(k_cache)
+    caches = []
+    for _ in range(layers):
+        k_cache = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        caches.append((k_cache, torch.randn_like(k_cache)))
     new = 1 if decode else context
     shape = BatchShape(tuple(range(batch)), (context - new,) * batch, (new,) * batch)
     q_dtype = dtype if device == "cuda" else torch.float32  # the CPU's q: float32
     q = torch.randn(batch * new, NUM_HEADS, HEAD_DIM, dtype=q_dtype, device=device)
-    return shape, table, k_cache, v_cache, q
+    return shape, table, caches, q
 
 
 def timed(fn: Callable[[], Any], iters: int, device: str) -> float:
@@ -94,6 +105,11 @@ def backends(impls: list[str], page_size: int) -> dict[str, AttentionBackend]:
     return out
 
 
+def run_all(steps: list[Callable[[], Any]]) -> None:
+    for step in steps:
+        step()
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     dtype = getattr(torch, args.dtype)
     scale = HEAD_DIM**-0.5
@@ -102,15 +118,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for op, batches in (("decode", args.batch), ("extend", args.extend_batch)):
         for batch in batches:
             for context in args.context:
-                shape, table, k_cache, v_cache, q = make_batch(
-                    batch, context, op == "decode", args.page_size, dtype, args.device
+                decode = op == "decode"
+                shape, table, caches, q = make_batch(
+                    batch, context, decode, args.page_size, dtype, args.device, args.layers
                 )
                 impls: dict[str, Attention] = {
                     name: backend.prepare(table, shape) for name, backend in chosen.items()
                 }
                 for impl, attention in impls.items():
-                    step = partial(attention.attend, q, k_cache, v_cache, scale)
-                    ms = timed(step, args.iters, args.device)
+                    steps = [partial(attention.attend, q, k, v, scale) for k, v in caches]
+                    ms = timed(partial(run_all, steps), args.iters, args.device) / len(steps)
                     kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
                     flops = 2 * batch * NUM_HEADS * HEAD_DIM * context * context
                     line = {
@@ -122,6 +139,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "gbps": round(kv_bytes / ms / 1e6, 1) if op == "decode" else "-",
                         "tflops": round(flops / ms / 1e9, 2) if op == "extend" else "-",
                         "dtype": args.dtype,
+                        "layers": args.layers,
                         "machine": machine(),
                     }
                     print("kernel " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
@@ -140,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=1, help="caches attended in turn")
     parser.add_argument(
         "--impls", nargs="+", default=None, choices=["triton", "torch", "cpu"],
         help="default: triton torch on cuda (and --smoke), torch cpu on the CPU",

@@ -5,8 +5,9 @@
 // so each token's [Hkv, D] rows are read whole. In AVX-512 builds a head of whole vectors is
 // scored sixteen, then four, keys at a time (dot16, dot4: the horizontal sums share their
 // instructions), and a head of 64 or 128 sums the values with a few query heads' sums held in
-// registers over all keys (value_sums); all give the bits of the one-key loops. A speculating
-// row's positions go to decode_runs.h (decode_math.h has the arithmetic both share).
+// registers over all keys (value_sums); all give the bits of the one-key loops. Whole sequences
+// there ask for their K and V rows as one stream a fixed distance ahead (row_stream.h). A
+// speculating row's positions go to decode_runs.h (decode_math.h has the arithmetic both share).
 //
 //   q, out        [T, H, D]          float32; row i of a sequence is token_index[i]
 //   k/v_cache     [slots, Hkv, D]    float32 or bfloat16 (both the same); slot = page *
@@ -44,12 +45,14 @@
 #include "decode_math.h"
 #include "decode_runs.h"
 #include "ops.h"
+#include "row_stream.h"
 #include "tile_attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -164,7 +167,18 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t count = static_cast<int64_t>(seqs.size());
   const int64_t span = count >= kSequencesPerThread * at::get_num_threads() ? kv_heads : 1;
   const int64_t items_per_seq = kv_heads / span, width = span * group;
+#if defined(CPU_CAPABILITY_AVX512)
+  // Whole sequences in whole vectors: their rows asked for as one stream (row_stream.h)
+  const bool streamed = span == kv_heads && !on_tiles && (dim == 64 || dim == 128);
+#else
+  const bool streamed = false;
+#endif
   at::parallel_for(0, count * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::optional<RowStream<T>> stream;
+    if (streamed) {
+      stream.emplace(k_data, v_data, slot_stride, pages, max_pages, page_size, lens, window,
+                     seqs.data(), begin, end);
+    }
     std::vector<float> scores;  // [width, len]: logits, then unnormalized probabilities
     std::vector<float> acc(width * dim);
     std::vector<float> inv_sum(width);
@@ -208,7 +222,7 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       // sixteen keys, then four, at a time where the head is whole vectors (the same bits as
       // one at a time)
       for (; !on_tiles && dim % Vec::size() == 0 && t + 16 <= len; t += 16) {
-        for (int64_t i = 0; i < 16 && t + i + kPrefetchAhead16 < len; ++i) {
+        for (int64_t i = 0; !streamed && i < 16 && t + i + kPrefetchAhead16 < len; ++i) {
           prefetch_row(row_of(k_data, t + i + kPrefetchAhead16), span * dim);
           prefetch_row_l2(row_of(v_data, t + i + kPrefetchAhead16), span * dim);
           if (t + i + kPrefetchL2Ahead16 < len) {
@@ -221,12 +235,14 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           const T* heads_keys[16];
           for (int i = 0; i < 16; ++i) heads_keys[i] = keys[i] + kv * dim;
           for (int64_t end_j = j + group; j < end_j; ++j) {
+            if (streamed) stream->ask((j + 1) * 16 / width - j * 16 / width);  // 16 a block
             dot16(q_heads + j * dim, heads_keys, dim, fscale, scores.data() + j * len + t);
           }
         }
       }
       for (; !on_tiles && dim % Vec::size() == 0 && t + 4 <= len; t += 4) {
-        for (int64_t i = 0; i < 4 && t + i + kPrefetchAhead < len; ++i) {
+        if (streamed) stream->ask(4);
+        for (int64_t i = 0; !streamed && i < 4 && t + i + kPrefetchAhead < len; ++i) {
           prefetch_row(row_of(k_data, t + i + kPrefetchAhead), span * dim);
           prefetch_row_l2(row_of(v_data, t + i + kPrefetchAhead), span * dim);
         }
@@ -244,7 +260,10 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       }
 #endif
       for (; !on_tiles && t < len; ++t) {
-        if (t + kPrefetchAhead < len) prefetch_row(row_of(k_data, t + kPrefetchAhead), span * dim);
+        if (streamed) stream->ask(1);
+        if (!streamed && t + kPrefetchAhead < len) {
+          prefetch_row(row_of(k_data, t + kPrefetchAhead), span * dim);
+        }
         const T* keys = row_of(k_data, t);
         for (int64_t kv = 0, j = 0; kv < span; ++kv) {
           for (int64_t end_j = j + group; j < end_j; ++j) {
@@ -277,18 +296,30 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       std::fill(acc.begin(), acc.end(), 0.f);
       bool summed = false;
 #if defined(CPU_CAPABILITY_AVX512)
-      // A head of 64 or 128: a few heads of one KV head at a time with their sums in registers
+      // A head of 64 or 128: a few heads of one KV head at a time with their sums in registers,
+      // over all keys, or streamed over blocks of 16 keys (each head's multiply-adds still in
+      // key order: the same bits), the stream asked for a KV head's share of a block at a time
       if (dim == 4 * Vec::size() || dim == 8 * Vec::size()) {
-        for (int64_t kv = 0; kv < span; ++kv) {
-          const ValueRows<T> row{v_data + (kv0 + kv) * dim, slots.data(), slot_stride};
-          const int64_t most = dim == 4 * Vec::size() ? kValueHeads4 : kValueHeads8;
-          for (int64_t j = kv * group; j < (kv + 1) * group; j += most) {
-            const int h = static_cast<int>(std::min(most, (kv + 1) * group - j));
-            const float* first = scores.data() + j * len;
-            if (dim == 4 * Vec::size()) {
-              value_sums_for<T, 4, kValueHeads4, true>(h, first, len, 0, len, row, acc.data() + j * dim);
-            } else {
-              value_sums_for<T, 8, kValueHeads8, true>(h, first, len, 0, len, row, acc.data() + j * dim);
+        const int64_t block = streamed ? 16 : len;
+        for (int64_t t0 = 0; t0 < len; t0 += block) {
+          const int64_t t1 = std::min(len, t0 + block), n = t1 - t0;
+          for (int64_t kv = 0; kv < span; ++kv) {
+            if (streamed) stream->ask((kv + 1) * n / span - kv * n / span);
+            const ValueRows<T> row{v_data + (kv0 + kv) * dim, slots.data(), slot_stride};
+            const int64_t most = dim == 4 * Vec::size() ? kValueHeads4 : kValueHeads8;
+            for (int64_t j = kv * group; j < (kv + 1) * group; j += most) {
+              const int h = static_cast<int>(std::min(most, (kv + 1) * group - j));
+              const float* first = scores.data() + j * len;
+              float* sums = acc.data() + j * dim;
+              if (dim == 4 * Vec::size() && streamed) {
+                value_sums_for<T, 4, kValueHeads4, false>(h, first, len, t0, t1, row, sums);
+              } else if (dim == 4 * Vec::size()) {
+                value_sums_for<T, 4, kValueHeads4, true>(h, first, len, t0, t1, row, sums);
+              } else if (streamed) {
+                value_sums_for<T, 8, kValueHeads8, false>(h, first, len, t0, t1, row, sums);
+              } else {
+                value_sums_for<T, 8, kValueHeads8, true>(h, first, len, t0, t1, row, sums);
+              }
             }
           }
         }

@@ -23,7 +23,7 @@ def test_kernels_benchmark_smoke(
     assert [(x["op"], x["impl"]) for x in lines] == [
         ("decode", "triton"), ("decode", "torch"), ("extend", "triton"), ("extend", "torch")
     ]  # fmt: skip
-    keys = ["op", "impl", "batch", "context", "ms", "gbps", "tflops", "dtype", "machine"]
+    keys = ["op", "impl", "batch", "context", "ms", "gbps", "tflops", "dtype", "layers", "machine"]
     assert all(list(x) == keys for x in lines)
     assert all(float(x["ms"]) > 0 for x in lines)
     assert [x["gbps"] != "-" for x in lines] == [True, True, False, False]
@@ -34,12 +34,15 @@ def test_kernels_benchmark_smoke(
 def test_kernels_benchmark_cpu_kernels(
     kernels: CpuKernels, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The compiled kernels beside the reference, a bfloat16 KV: decode and extend lines."""
+    """The compiled kernels beside the reference, a bfloat16 KV, two layers' caches: decode and
+    extend lines."""
     bench = load_bench("kernels", monkeypatch)
     argv = ["--device", "cpu", "--dtype", "bfloat16", "--batch", "2", "--extend-batch", "1"]
+    argv += ["--layers", "2"]
     assert bench.main([*argv, "--context", "40", "--iters", "1", "--page-size", "4"]) == 0
     lines = [fields(x) for x in capsys.readouterr().out.splitlines() if x.startswith("kernel ")]
     assert [(x["op"], x["impl"]) for x in lines] == [
         ("decode", "torch"), ("decode", "cpu"), ("extend", "torch"), ("extend", "cpu")
     ]  # fmt: skip
     assert all(float(x["ms"]) > 0 and x["dtype"] == "bfloat16" for x in lines)
+    assert all(x["layers"] == "2" for x in lines)
