@@ -71,7 +71,8 @@ class EngineOptions:
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
-        "the KV cache's elements (auto: the weights' dtype, float32 with int8); on the CPU "
+        "the KV cache's elements (auto: the weights' dtype; with int8 bfloat16 where the CPU "
+        "takes bfloat16 weights by default, else float32); on the CPU "
         "bfloat16 halves what attention reads, float32 keeps float32's exact tokens; on CUDA "
         "only the weights' dtype",
     )

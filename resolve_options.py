@@ -120,9 +120,13 @@ def resolve(
 def resolve_kv_dtype(
     options: EngineOptions, device: torch.device, weights_dtype: torch.dtype
 ) -> torch.dtype:
-    """auto: the weights' dtype (int8's: float32). The CPU's kernels read either float32 or
-    bfloat16 (widened as they read); CUDA's Triton kernels and graphs keep the model's."""
+    """auto: the weights' dtype; int8's: bfloat16 where the CPU takes bfloat16 weights by
+    default (AMX or AVX512-BF16: half what decode attention reads, the same quality bounds
+    held, bench/README.md), else float32. The CPU's kernels read either float32 or bfloat16
+    (widened as they read); CUDA's Triton kernels and graphs keep the model's."""
     if options.kv_cache_dtype == "auto":
+        if options.quantization == "int8" and bf16_by_default(read_cpu_features()):
+            return torch.bfloat16
         return weights_dtype
     asked = DTYPES[options.kv_cache_dtype]
     if device.type == "cuda" and asked != weights_dtype:

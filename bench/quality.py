@@ -2,6 +2,7 @@
 fixed English text (bench/quality_text.txt, 2,714 tokens), bundled SmolLM2, CPU.
 
     python bench/quality.py                       # int8 against packed float32, the whole text
+    python bench/quality.py --kv-dtype float32    # int8's weights with a float32 KV
     python bench/quality.py --linear packed       # packed against dense float32 (~1 expected)
     python bench/quality.py --linear bf16         # bfloat16 weights and KV against float32
     python bench/quality.py --linear bf16 --kv-dtype float32   # bfloat16 weights alone
@@ -16,8 +17,9 @@ predicts the next token. Both models see exactly the same tokens. The default ch
 under int8's `MANY_ROWS_*` (kernels/int8_rows.py), so int8 runs its block kernels with int16
 activations, as a decode of a few sequences does; from those rows on it multiplies the same
 weights in bfloat16 or float32, as the CPU has it (a chunk of 512 measures that path).
-The tested model's KV cache holds --kv-dtype (auto: bfloat16 for bf16, as the engine's
-`kv_cache_dtype` auto, else float32); the baseline's is float32. Attention is the torch
+The tested model's KV cache holds --kv-dtype (auto: as the engine's `kv_cache_dtype` auto,
+bfloat16 for bf16, and for int8 where the CPU takes bfloat16 by default, else float32); the
+baseline's is float32. Attention is the torch
 reference, or with --attention cpu the engine's compiled kernels: the decode kernel for chunks
 of one token (with a bfloat16 KV on an AMX CPU, its tiles: csrc/tile_attention.cpp), the
 extend kernel for longer ones (csrc/paged_extend.cpp), both models alike.
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.config import EngineOptions
 from shoal.kernels.attention import TorchAttention
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import load_cpu_kernels
@@ -52,6 +55,7 @@ from shoal.models.decoder import DecoderModel
 from shoal.models.kv_pool import KVPool
 from shoal.models.load import LoadedModel, load_model
 from shoal.models.registry import family_of
+from shoal.resolve_options import resolve_kv_dtype
 
 TEXT = Path(__file__).resolve().parent / "quality_text.txt"
 PAGE_SIZE = 16
@@ -132,10 +136,13 @@ def build(loaded: LoadedModel, kind: LinearKind) -> DecoderModel:
 
 
 def kv_dtype_for(kind: LinearKind, asked: str = "auto") -> torch.dtype:
-    """The tested model's KV: as asked, or as the engine's kv_cache_dtype auto picks it."""
-    if asked == "auto":
-        return torch.bfloat16 if kind == "bf16" else torch.float32
-    return KV_DTYPES[asked]
+    """The tested model's KV: as asked, or as the engine's kv_cache_dtype auto picks it
+    (resolve_options.resolve_kv_dtype)."""
+    if asked != "auto":
+        return KV_DTYPES[asked]
+    options = EngineOptions(device="cpu", quantization="int8" if kind == "int8" else None)
+    weights = torch.bfloat16 if kind == "bf16" else torch.float32
+    return resolve_kv_dtype(options, torch.device("cpu"), weights)
 
 
 def compare(

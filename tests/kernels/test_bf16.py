@@ -127,9 +127,14 @@ def test_auto_takes_bf16_weights_on_a_cpu_with_amx(monkeypatch: pytest.MonkeyPat
     assert resolved.kv_dtype == torch.bfloat16  # the KV as the weights (kv_cache_dtype auto)
     float32 = resolve(EngineOptions(device="cpu", dtype="float32"), 2048)
     assert (float32.linear_kind, float32.kv_dtype) == ("packed", torch.float32)
-    # int8 asked for: its own weights, float32 around them
+    # int8 asked for: its own weights, float32 around them, the KV in bfloat16 as here by
+    # default (bench/quality.py: 99.89% top-1 agreement with float32), float32 when asked
     int8 = resolve(EngineOptions(device="cpu", quantization="int8"), 2048)
-    assert (int8.linear_kind, int8.kv_dtype) == ("int8", torch.float32)
+    assert (int8.linear_kind, int8.dtype, int8.kv_dtype) == ("int8", torch.float32, torch.bfloat16)
+    exact = resolve(
+        EngineOptions(device="cpu", quantization="int8", kv_cache_dtype="float32"), 2048
+    )
+    assert exact.kv_dtype == torch.float32
 
 
 @needs_onednn_bf16
@@ -139,12 +144,16 @@ def test_auto_takes_bf16_weights_on_avx512_bf16_alone(monkeypatch: pytest.Monkey
     fake_cpu(monkeypatch, EPYC_BF16)
     resolved = resolve(EngineOptions(device="cpu"), model_context=2048)
     assert (resolved.linear_kind, resolved.kv_dtype) == ("bf16", torch.bfloat16)
+    int8 = resolve(EngineOptions(device="cpu", quantization="int8"), 2048)
+    assert (int8.linear_kind, int8.kv_dtype) == ("int8", torch.bfloat16)
 
 
 def test_auto_stays_float32_without_bf16_dot_products(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_cpu(monkeypatch, EPYC)
     resolved = resolve(EngineOptions(device="cpu"), model_context=2048)
     assert (resolved.linear_kind, resolved.dtype) == ("packed", torch.float32)
+    int8 = resolve(EngineOptions(device="cpu", quantization="int8"), 2048)  # nor int8's KV
+    assert (int8.linear_kind, int8.kv_dtype) == ("int8", torch.float32)
     no_amx = CpuFeatures("Intel(R) Xeon(R) Gold 6248", frozenset({"avx2", "avx512f"}))
     fake_cpu(monkeypatch, no_amx)
     assert resolve(EngineOptions(device="cpu"), model_context=2048).linear_kind == "packed"

@@ -333,10 +333,11 @@ def test_smollm2_int8_quality_on_the_tiles(
 @pytest.mark.slow
 def test_smollm2_int8_quality(monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
     """bench/quality.py on the text's first 1,536 tokens (1,534 predictions; ~25-35 s): top-1
-    agreement with float32 >= 97% and perplexity within 3%. The weights are float32's own
-    (above), only the activations are rounded to 15 bits: fed fewer than 10 tokens a
-    forward, so the block kernels run, as in a decode. The whole text measured 99.96% and
-    +0.00% (bench/README.md)."""
+        agreement with float32 >= 97% and perplexity within 3%, the KV as the engine's auto picks it
+    (below). The weights are float32's own
+        (above), only the activations are rounded to 15 bits: fed fewer than 10 tokens a
+        forward, so the block kernels run, as in a decode. The whole text measured 99.96% and
+        +0.00% (bench/README.md)."""
     quality = load_bench("quality", monkeypatch)
     loaded = load_model(None, progress=False)
     ids = quality.text_ids(loaded, 1536)
@@ -346,3 +347,21 @@ def test_smollm2_int8_quality(monkeypatch: pytest.MonkeyPatch, one_thread: None)
     assert line["top1_agreement"] >= quality.MIN_AGREEMENT, line
     assert abs(line["ppl_ratio"] - 1) <= quality.PPL_TOLERANCE, line
     assert line["verdict"] == "pass"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+def test_smollm2_int8_quality_with_either_kv(
+    monkeypatch: pytest.MonkeyPatch, one_thread: None, kv: torch.dtype
+) -> None:
+    """int8's KV is bfloat16 by default where the CPU takes bfloat16 weights by default
+    (resolve_options.resolve_kv_dtype), float32 elsewhere; either holds int8's bounds, on any
+    CPU, a token at a time through the compiled decode kernel as a decode step reads it (the
+    whole text with a bfloat16 KV: 99.89% top-1, perplexity -0.04%, bench/README.md)."""
+    quality = load_bench("quality", monkeypatch)
+    loaded = load_model(None, progress=False)
+    ids = quality.text_ids(loaded, 256)
+    line = quality.compare(loaded, "int8", "packed", ids, 256, 1, kv_dtype=kv, attention="cpu")
+    assert line["kv"] == str(kv).removeprefix("torch.")
+    assert line["top1_agreement"] >= quality.MIN_AGREEMENT, line
+    assert abs(line["ppl_ratio"] - 1) <= quality.PPL_TOLERANCE, line
