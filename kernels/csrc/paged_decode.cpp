@@ -5,8 +5,8 @@
 // so each token's [Hkv, D] rows are read whole. In AVX-512 builds a head of whole vectors is
 // scored sixteen, then four, keys at a time (dot16, dot4: the horizontal sums share their
 // instructions), and a head of 64 or 128 sums the values with a few query heads' sums held in
-// registers over all keys (value_sums); all give the bits of the one-key loops. Whole sequences
-// there ask for their K and V rows as one stream a fixed distance ahead (row_stream.h). A
+// registers over all keys (value_sums); all give the bits of the one-key loops. Those heads'
+// items ask for their K and V rows as one stream a fixed distance ahead (row_stream.h). A
 // speculating row's positions go to decode_runs.h (decode_math.h has the arithmetic both share).
 //
 //   q, out        [T, H, D]          float32; row i of a sequence is token_index[i]
@@ -168,16 +168,16 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t span = count >= kSequencesPerThread * at::get_num_threads() ? kv_heads : 1;
   const int64_t items_per_seq = kv_heads / span, width = span * group;
 #if defined(CPU_CAPABILITY_AVX512)
-  // Whole sequences in whole vectors: their rows asked for as one stream (row_stream.h)
-  const bool streamed = span == kv_heads && !on_tiles && (dim == 64 || dim == 128);
+  // Heads of 64 or 128: the items' rows asked for as one stream (row_stream.h)
+  const bool streamed = !on_tiles && (dim == 64 || dim == 128);
 #else
   const bool streamed = false;
 #endif
   at::parallel_for(0, count * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::optional<RowStream<T>> stream;
     if (streamed) {
-      stream.emplace(k_data, v_data, slot_stride, pages, max_pages, page_size, lens, window,
-                     seqs.data(), begin, end);
+      stream.emplace(k_data, v_data, slot_stride, items_per_seq, span * dim, pages, max_pages,
+                     page_size, lens, window, seqs.data(), begin, end);
     }
     std::vector<float> scores;  // [width, len]: logits, then unnormalized probabilities
     std::vector<float> acc(width * dim);

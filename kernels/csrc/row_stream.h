@@ -1,6 +1,7 @@
-// The K and V rows a thread's whole-sequence decode items read (paged_decode.cpp), as one
-// stream in the order they are read: an item's K rows (the scores' pass), then its V rows (the
-// values' pass), then the next item's. The stream is asked for a fixed number of rows ahead of
+// The K and V rows a thread's decode items read (paged_decode.cpp: a whole sequence's [Hkv, D]
+// rows, or one KV head's slice of them where there are few sequences), as one stream in the
+// order they are read: an item's K rows (the scores' pass), then its V rows (the values' pass),
+// then the next item's. The stream is asked for a fixed number of rows ahead of
 // where the arithmetic reads, across the two passes and across items, a few rows between each
 // head's products rather than a block's worth at once.
 //
@@ -16,7 +17,10 @@
 // bfloat16 keys, 8 layers: 2.68-2.69 against 2.81-2.84. The same rows asked for 16 at once at a
 // block's start measured no faster than the loops' prefetches (the spread is what counts); 16
 // or 48 rows ahead slower than 24 on SmolLM2's heads, 12 or 6 slower on Llama's (24 of its 2 KB
-// rows are L1's 48 KB). The bits are unchanged (prefetches, and the values' pass split into
+// rows are L1's 48 KB). Items of one KV head ask for as many bytes ahead (Hkv times the rows):
+// one sequence of 4000 bfloat16 keys on SmolLM2's heads 0.102-0.121 ms a layer against
+// 0.130-0.145, two 0.221-0.223 against 0.236 (24 of their slices ahead: slower than before).
+// The bits are unchanged (prefetches, and the values' pass split into
 // blocks of keys, each head's multiply-adds still in key order).
 
 #pragma once
@@ -27,21 +31,24 @@
 
 namespace shoal_decode {
 
-// Rows the stream runs ahead of the arithmetic.
+// Rows the stream runs ahead of the arithmetic: a sequence's [Hkv, D] rows, or as many bytes of
+// one KV head's slices.
 constexpr int64_t kStreamAhead = 24;
 
 template <typename T>
 class RowStream {
  public:
-  // Items first .. end - 1 of `seqs` (sequence indices into pages / lens); slot_stride the
-  // elements a slot's [Hkv, D] row holds; window as paged_decode's.
-  RowStream(const T* k, const T* v, int64_t slot_stride, const int64_t* pages, int64_t max_pages,
-            int64_t page_size, const int64_t* lens, int64_t window, const int64_t* seqs,
-            int64_t first, int64_t end)
-      : k_(k), v_(v), slot_stride_(slot_stride), pages_(pages), max_pages_(max_pages),
-        page_size_(page_size), lens_(lens), window_(window), seqs_(seqs), end_(end) {
+  // Items first .. end - 1, item i sequence seqs[i / per_seq] (an index into pages and lens)
+  // and its `width` elements of each row from ((i % per_seq) * width); slot_stride the elements
+  // a slot's [Hkv, D] row holds; window as paged_decode's.
+  RowStream(const T* k, const T* v, int64_t slot_stride, int64_t per_seq, int64_t width,
+            const int64_t* pages, int64_t max_pages, int64_t page_size, const int64_t* lens,
+            int64_t window, const int64_t* seqs, int64_t first, int64_t end)
+      : k_(k), v_(v), slot_stride_(slot_stride), per_seq_(per_seq), width_(width),
+        pages_(pages), max_pages_(max_pages), page_size_(page_size), lens_(lens),
+        window_(window), seqs_(seqs), end_(end) {
     load(first);
-    ask(kStreamAhead);
+    ask(kStreamAhead * slot_stride / width);
   }
 
   // The next `rows` rows of the stream into L1 (nothing past the thread's last item).
@@ -50,10 +57,10 @@ class RowStream {
     while (rows > 0 && item_ < end_) {
       const int64_t len = static_cast<int64_t>(slots_.size());
       const int64_t n = std::min(rows, len - t_);
-      const T* cache = values_ ? v_ : k_;
+      const T* cache = (values_ ? v_ : k_) + (item_ % per_seq_) * width_;
       for (int64_t i = 0; i < n; ++i) {
         const T* row = cache + slots_[t_ + i] * slot_stride_;
-        for (int64_t e = 0; e < slot_stride_; e += per_line) __builtin_prefetch(row + e, 0, 3);
+        for (int64_t e = 0; e < width_; e += per_line) __builtin_prefetch(row + e, 0, 3);
       }
       t_ += n;
       rows -= n;
@@ -74,7 +81,7 @@ class RowStream {
     values_ = false;
     t_ = 0;
     if (item_ >= end_) return;
-    const int64_t b = seqs_[item_];
+    const int64_t b = seqs_[item_ / per_seq_];
     const int64_t first = window_ > 0 ? std::max<int64_t>(0, lens_[b] - window_) : 0;
     const int64_t len = lens_[b] - first;
     const int64_t* row_pages = pages_ + b * max_pages_;
@@ -90,7 +97,7 @@ class RowStream {
 
   const T* k_;
   const T* v_;
-  int64_t slot_stride_;
+  int64_t slot_stride_, per_seq_, width_;
   const int64_t* pages_;
   int64_t max_pages_, page_size_;
   const int64_t* lens_;
