@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "decode_math.h"
+#include "key_slots.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
 
@@ -117,13 +118,7 @@ void run_heads(const DecodeArgs<T>& a, const RunItem& item, RunScratch& s) {
   const int64_t* lens = a.lens + item.first;
   const int64_t longest = lens[n - 1], width = n * group;
   const int64_t* row_pages = a.pages + (item.first + n - 1) * a.max_pages;
-  s.slots.resize(longest);
-  for (int64_t t = 0; t < longest;) {
-    const int64_t offset = t % a.page_size, base = row_pages[t / a.page_size] * a.page_size;
-    const int64_t run = std::min(a.page_size - offset, longest - t);
-    for (int64_t i = 0; i < run; ++i) s.slots[t + i] = base + offset + i;
-    t += run;
-  }
+  key_slots(row_pages, a.page_size, 0, longest, s.slots);
   auto k_row = [&](int64_t t) { return a.k + s.slots[t] * a.slot_stride + kv * dim; };
   const ValueRows<T> v_rows{a.v + kv * dim, s.slots.data(), a.slot_stride};
   auto query = [&](int64_t p, int64_t j) {

@@ -44,6 +44,7 @@
 #include "attention_args.h"
 #include "decode_math.h"
 #include "decode_runs.h"
+#include "key_slots.h"
 #include "ops.h"
 #include "row_stream.h"
 #include "tile_attention.h"
@@ -62,11 +63,6 @@ using namespace shoal_decode;
 
 // From this many sequences a thread on, a work item is a whole sequence (paged_decode).
 constexpr int64_t kSequencesPerThread = 2;
-
-// Where sequence `len` starts attending: 0, or the first key of its window.
-inline int64_t first_key(int64_t len, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
-}
 
 // logits <- softcap * tanh(logits / softcap), as Gemma 2's eager attention computes them.
 inline void soft_cap(float* row, int64_t len, float softcap) {
@@ -192,15 +188,7 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       const int64_t first = first_key(lens[b], window), len = lens[b] - first;
       const int64_t* row_pages = pages + b * max_pages;
       const float* q_heads = q_data + tokens[b] * q_stride + kv0 * group * dim;
-      // The slot of each key, a page's run at a time (one division a page, not two a key).
-      slots.resize(len);
-      for (int64_t t = 0, pos = first; t < len;) {
-        const int64_t offset = pos % page_size, base = row_pages[pos / page_size] * page_size;
-        const int64_t run = std::min(page_size - offset, len - t);
-        for (int64_t i = 0; i < run; ++i) slots[t + i] = base + offset + i;
-        t += run;
-        pos += run;
-      }
+      key_slots(row_pages, page_size, first, len, slots);
       auto row_of = [&](const T* cache, int64_t t) {
         return cache + slots[t] * slot_stride + kv0 * dim;
       };

@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "key_slots.h"
+
 namespace shoal_decode {
 
 // Rows the stream runs ahead of the arithmetic: a sequence's [Hkv, D] rows, or as many bytes of
@@ -75,24 +77,15 @@ class RowStream {
   }
 
  private:
-  // The cursor at item `item`'s first K row: its keys' slots, a page's run at a time.
+  // The cursor at item `item`'s first K row, and its keys' slots.
   void load(int64_t item) {
     item_ = item;
     values_ = false;
     t_ = 0;
     if (item_ >= end_) return;
     const int64_t b = seqs_[item_ / per_seq_];
-    const int64_t first = window_ > 0 ? std::max<int64_t>(0, lens_[b] - window_) : 0;
-    const int64_t len = lens_[b] - first;
-    const int64_t* row_pages = pages_ + b * max_pages_;
-    slots_.resize(len);
-    for (int64_t t = 0, pos = first; t < len;) {
-      const int64_t offset = pos % page_size_, base = row_pages[pos / page_size_] * page_size_;
-      const int64_t run = std::min(page_size_ - offset, len - t);
-      for (int64_t i = 0; i < run; ++i) slots_[t + i] = base + offset + i;
-      t += run;
-      pos += run;
-    }
+    const int64_t first = first_key(lens_[b], window_);
+    key_slots(pages_ + b * max_pages_, page_size_, first, lens_[b] - first, slots_);
   }
 
   const T* k_;
