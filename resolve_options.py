@@ -52,13 +52,18 @@ class Resolved:
     linear_kind: LinearKind  # how the forward multiplies by weights (kernels/linear.py)
     mixed_prefill_tokens: int  # prompt tokens a step that also decodes may take; 0: no cap
     kv_dtype: torch.dtype  # the KV cache's elements
+    # the cap is the CPU's, unset: the start measures a prompt token (actors/device_build.py)
+    # and replaces mixed_prefill_tokens, the fallback until then (with_measured_cap)
+    cap_to_measure: bool = False
     # a prompt token's matmuls as the start measured them, where it picked the cap (None: not)
     prompt_token_ms: float | None = None
 
     def with_measured_cap(self, prompt_token_ms: float) -> Resolved:
         """The CPU's mixed-prefill cap for a prompt token that costs this (api/startup.py)."""
         cap = measured_mixed_prefill(prompt_token_ms)
-        return replace(self, mixed_prefill_tokens=cap, prompt_token_ms=prompt_token_ms)
+        return replace(
+            self, mixed_prefill_tokens=cap, cap_to_measure=False, prompt_token_ms=prompt_token_ms
+        )
 
     def start_report(self, attention: str) -> str:
         """What the start picked, as serve logs it, a line each: `shoal kernels: ...`
@@ -112,9 +117,12 @@ def resolve(
     max_pages_per_row = -(-context // page_size) + 1
     layout = CacheLayout(page_size, num_pages, options.max_running_requests, max_pages_per_row)
     mixed = options.max_mixed_prefill_tokens
+    to_measure = mixed is None and device.type == "cpu"
     if mixed is None:
-        mixed = CPU_MIXED_PREFILL_TOKENS if device.type == "cpu" else 0
-    return Resolved(layout, context, dtype, device, attention, graphs, linear, mixed, kv_dtype)
+        mixed = CPU_MIXED_PREFILL_TOKENS if to_measure else 0
+    return Resolved(
+        layout, context, dtype, device, attention, graphs, linear, mixed, kv_dtype, to_measure
+    )
 
 
 def resolve_kv_dtype(

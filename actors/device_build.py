@@ -31,7 +31,8 @@ class Built:
     """What the start builds off the event loop, in a thread of its own (api/fresh_thread.py):
     the models on their devices with their KV pools, and the executor's device state;
     `prompt_token_ms`: a prompt token's matmuls, measured where the CPU's mixed-prefill cap is
-    the engine's to pick (models/prompt_cost.py; None: not measured)."""
+    the engine's to pick (`Resolved.cap_to_measure`; models/prompt_cost.py; None: not
+    measured)."""
 
     stages: list[Stage]
     grammars: Grammars
@@ -68,8 +69,7 @@ def build_device(
         folder=loaded.path,
         grammars=grammars,
     )
-    measure = options.max_mixed_prefill_tokens is None and resolved.device.type == "cpu"
-    cost = prompt_token_ms([stage.model for stage in stages]) if measure else None
+    cost = prompt_token_ms([stage.model for stage in stages]) if resolved.cap_to_measure else None
     return Built(stages, grammars, device_state, cost)
 
 

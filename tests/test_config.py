@@ -74,17 +74,20 @@ def test_the_mixed_prefill_cap_is_64_on_the_cpu_and_none_on_a_gpu(
     """Unset: a CPU step carries at most 64 prompt tokens beside decodes until the start
     measures the model (test_the_start_measures_the_cap_when_unset), a GPU step any number
     (0); a value given is taken as it is, on either."""
-    cpu = EngineOptions(device="cpu")
-    assert resolve(cpu, model_context=8192).mixed_prefill_tokens == CPU_MIXED_PREFILL_TOKENS == 64
+    cpu = resolve(EngineOptions(device="cpu"), model_context=8192)
+    assert cpu.mixed_prefill_tokens == CPU_MIXED_PREFILL_TOKENS == 64 and cpu.cap_to_measure
+    measured = cpu.with_measured_cap(0.3)  # the start's replacement: nothing left to measure
+    assert (measured.mixed_prefill_tokens, measured.cap_to_measure) == (128, False)
     for given in (0, 200):
         options = EngineOptions(device="cpu", max_mixed_prefill_tokens=given)
-        assert resolve(options, model_context=8192).mixed_prefill_tokens == given
+        kept = resolve(options, model_context=8192)
+        assert kept.mixed_prefill_tokens == given and not kept.cap_to_measure
     monkeypatch.setattr(
         "shoal.resolve_options.resolve_device", lambda _: (torch.device("cuda"), torch.bfloat16)
     )
     monkeypatch.setattr("shoal.resolve_options.resolve_attention", lambda *_: "torch")
-    gpu = EngineOptions(kv_cache_tokens=4096)
-    assert resolve(gpu, model_context=8192).mixed_prefill_tokens == 0
+    gpu = resolve(EngineOptions(kv_cache_tokens=4096), model_context=8192)
+    assert gpu.mixed_prefill_tokens == 0 and not gpu.cap_to_measure
     options = EngineOptions(kv_cache_tokens=4096, max_mixed_prefill_tokens=128)
     assert resolve(options, model_context=8192).mixed_prefill_tokens == 128
     with pytest.raises(ValueError, match="max_mixed_prefill_tokens must be >= 0"):
