@@ -19,10 +19,10 @@ activations, as a decode of a few sequences does; from those rows on it multipli
 weights in bfloat16 or float32, as the CPU has it (a chunk of 512 measures that path).
 The tested model's KV cache holds --kv-dtype (auto: as the engine's `kv_cache_dtype` auto,
 bfloat16 for bf16, and for int8 where the CPU takes bfloat16 by default, else float32); the
-baseline's is float32. Attention is the torch
-reference, or with --attention cpu the engine's compiled kernels: the decode kernel for chunks
-of one token (with a bfloat16 KV on an AMX CPU, its tiles: csrc/tile_attention.cpp), the
-extend kernel for longer ones (csrc/paged_extend.cpp), both models alike.
+baseline's is float32. Attention is the torch reference, or with --attention cpu the engine's
+compiled kernels: the decode kernel for chunks of one token (with a bfloat16 KV on an AMX CPU,
+its tiles: csrc/tile_attention.cpp), the extend kernel for longer ones (csrc/paged_extend.cpp),
+both models alike.
 
 Prints one line:
     quality linear=<kind> kv=<dtype> attention=<a> chunk=<n> baseline=<kind> tokens=<n>

@@ -155,8 +155,8 @@ struct ValueRows {
 // acc_h += scores[h * stride + t] * row(t) for H heads of one KV head and keys t0 .. end - 1,
 // the heads' DV x 16 sums held in registers between a load from and a store back to acc[h]
 // (add_scaled's fused multiply-adds in the same order, so the same bits however the keys are
-// split). Prefetch: ask for the row 8 keys ahead (decode_runs.h asks for its blocks itself).
-template <typename T, int DV, int H, bool Prefetch>
+// split). The rows are asked for by the callers (row_stream.h, decode_runs.h's blocks).
+template <typename T, int DV, int H>
 void value_sums(const float* scores, int64_t stride, int64_t t0, int64_t end,
                 const ValueRows<T>& row, float* acc) {
   constexpr int64_t dim = DV * Vec::size();
@@ -166,9 +166,6 @@ void value_sums(const float* scores, int64_t stride, int64_t t0, int64_t end,
   for (int h = 0; h < H; ++h)
     for (int d = 0; d < DV; ++d) sums[h][d] = _mm512_loadu_ps(acc + h * dim + d * Vec::size());
   for (int64_t t = t0; t < end; ++t) {
-    if (Prefetch && t + 8 < end) {
-      for (int d = 0; d < DV; ++d) __builtin_prefetch(row(t + 8) + d * Vec::size(), 0, 3);
-    }
     const T* values = row(t);
     __m512 v[DV];
     for (int d = 0; d < DV; ++d) v[d] = load_floats(values + d * Vec::size());
@@ -182,13 +179,13 @@ void value_sums(const float* scores, int64_t stride, int64_t t0, int64_t end,
 }
 
 // value_sums for h <= H heads (DV x (H + 1) of the 32 registers: H 6 at DV 4, 2 at 8)
-template <typename T, int DV, int H, bool Prefetch>
+template <typename T, int DV, int H>
 void value_sums_for(int h, const float* scores, int64_t stride, int64_t t0, int64_t end,
                     const ValueRows<T>& row, float* acc) {
   if constexpr (H > 1) {
-    if (h < H) return value_sums_for<T, DV, H - 1, Prefetch>(h, scores, stride, t0, end, row, acc);
+    if (h < H) return value_sums_for<T, DV, H - 1>(h, scores, stride, t0, end, row, acc);
   }
-  value_sums<T, DV, H, Prefetch>(scores, stride, t0, end, row, acc);
+  value_sums<T, DV, H>(scores, stride, t0, end, row, acc);
 }
 
 // The most heads value_sums keeps in registers at once, for a head of 16 DV.
@@ -203,7 +200,8 @@ constexpr int64_t kPrefetchAhead16 = 16;  // the sixteen-key loop's: one pass ah
 // memory than L1's misses can hold (SmolLM2's heads, 64 sequences of 250 bfloat16 keys on
 // shuffled pages, 2 threads, Zen 5 EPYC: 0.589-0.590 ms a layer against 0.657-0.659; of 120
 // keys 0.251-0.265 against 0.275-0.276; float32 0.892-0.894 against 0.933-0.956; four passes
-// ahead the same as three)
+// ahead the same as three; measured before row_stream.h took over heads of 64 and 128, so now
+// for the other heads only)
 constexpr int64_t kPrefetchL2Ahead16 = 48;
 constexpr int64_t kLineBytes = 64;
 

@@ -169,7 +169,7 @@ void run_heads(const DecodeArgs<T>& a, const RunItem& item, RunScratch& s) {
       if (end <= t0) continue;
       for (int64_t j = 0; j < group; j += most) {
         const int h = static_cast<int>(std::min<int64_t>(most, group - j));
-        value_sums_for<T, DV, most, false>(h, s.scores.data() + (p * group + j) * longest,
+        value_sums_for<T, DV, most>(h, s.scores.data() + (p * group + j) * longest,
                                            longest, t0, end, v_rows,
                                            s.acc.data() + (p * group + j) * dim);
       }

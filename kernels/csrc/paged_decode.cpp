@@ -284,29 +284,24 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       std::fill(acc.begin(), acc.end(), 0.f);
       bool summed = false;
 #if defined(CPU_CAPABILITY_AVX512)
-      // A head of 64 or 128: a few heads of one KV head at a time with their sums in registers,
-      // over all keys, or streamed over blocks of 16 keys (each head's multiply-adds still in
+      // A head of 64 or 128 (streamed: not on the tiles): a few heads of one KV head at a time
+      // with their sums in registers, over blocks of 16 keys (each head's multiply-adds still in
       // key order: the same bits), the stream asked for a KV head's share of a block at a time
       if (dim == 4 * Vec::size() || dim == 8 * Vec::size()) {
-        const int64_t block = streamed ? 16 : len;
-        for (int64_t t0 = 0; t0 < len; t0 += block) {
-          const int64_t t1 = std::min(len, t0 + block), n = t1 - t0;
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+          const int64_t t1 = std::min(len, t0 + 16), n = t1 - t0;
           for (int64_t kv = 0; kv < span; ++kv) {
-            if (streamed) stream->ask((kv + 1) * n / span - kv * n / span);
+            stream->ask((kv + 1) * n / span - kv * n / span);
             const ValueRows<T> row{v_data + (kv0 + kv) * dim, slots.data(), slot_stride};
             const int64_t most = dim == 4 * Vec::size() ? kValueHeads4 : kValueHeads8;
             for (int64_t j = kv * group; j < (kv + 1) * group; j += most) {
               const int h = static_cast<int>(std::min(most, (kv + 1) * group - j));
               const float* first = scores.data() + j * len;
               float* sums = acc.data() + j * dim;
-              if (dim == 4 * Vec::size() && streamed) {
-                value_sums_for<T, 4, kValueHeads4, false>(h, first, len, t0, t1, row, sums);
-              } else if (dim == 4 * Vec::size()) {
-                value_sums_for<T, 4, kValueHeads4, true>(h, first, len, t0, t1, row, sums);
-              } else if (streamed) {
-                value_sums_for<T, 8, kValueHeads8, false>(h, first, len, t0, t1, row, sums);
+              if (dim == 4 * Vec::size()) {
+                value_sums_for<T, 4, kValueHeads4>(h, first, len, t0, t1, row, sums);
               } else {
-                value_sums_for<T, 8, kValueHeads8, true>(h, first, len, t0, t1, row, sums);
+                value_sums_for<T, 8, kValueHeads8>(h, first, len, t0, t1, row, sums);
               }
             }
           }

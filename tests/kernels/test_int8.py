@@ -333,11 +333,10 @@ def test_smollm2_int8_quality_on_the_tiles(
 @pytest.mark.slow
 def test_smollm2_int8_quality(monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
     """bench/quality.py on the text's first 1,536 tokens (1,534 predictions; ~25-35 s): top-1
-        agreement with float32 >= 97% and perplexity within 3%, the KV as the engine's auto picks it
-    (below). The weights are float32's own
-        (above), only the activations are rounded to 15 bits: fed fewer than 10 tokens a
-        forward, so the block kernels run, as in a decode. The whole text measured 99.96% and
-        +0.00% (bench/README.md)."""
+    agreement with float32 >= 97% and perplexity within 3%, the KV as the engine's auto picks it
+    (below). The weights are float32's own (above), only the activations are rounded to 15
+    bits: fed fewer than 10 tokens a forward, so the block kernels run, as in a decode. The
+    whole text measured 99.96% and +0.00% (bench/README.md)."""
     quality = load_bench("quality", monkeypatch)
     loaded = load_model(None, progress=False)
     ids = quality.text_ids(loaded, 1536)
