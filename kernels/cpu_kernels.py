@@ -20,6 +20,9 @@
     bf16_panel_linear  csrc/bf16_panels.cpp  x w.T + b, bfloat16 weights packed in panels of
                                            16 channels, AVX512-BF16's dot products where the
                                            CPU has them and no AMX (`Bf16Linear`, bf16_linear.py)
+    bf16_silu_mul                          silu(gate) * up of a gated MLP's gate_up in one op,
+                                           over gated bfloat16 panels, the act in bfloat16
+                                           (`GatedBf16Linear`, bf16_gated.py)
     q8_linear      csrc/block_linear.cpp   x w.T + b with weights in int8 or 4-bit blocks of
     q4_linear                              32, x in int16 (`quantization="int8"`, quant.py)
     DecoderLayers  csrc/decoder_layers.cpp a class: the standard layers of a decode-only step,

@@ -8,8 +8,11 @@
              GatedPanels                          a SiLU-gated MLP's gate_up, with the kernels:
                                                   `silu_mul(x)` multiplies and activates at once
     bf16     Bf16Linear     CPU, bfloat16    weights in bfloat16, oneDNN's matmul on the matrix
-             (bf16_linear.py)                     units (AMX); x rounded to bfloat16, the product
-                                                  given back in float32
+             (bf16_linear.py)                     units (AMX), or compiled panels (AVX512-BF16);
+                                                  x rounded to bfloat16, the product given back
+                                                  in float32
+             GatedBf16Linear                      a SiLU-gated gate_up in the panels' form:
+             (bf16_gated.py)                      `silu_mul(x)` gives the down's bfloat16 input
     int8     Int8Linear     CPU, opt-in           weights in 4-bit or int8 blocks of 32 along K,
              (quant.py)                           activations rounded to int16, compiled kernels
                                                   (csrc/block_linear.cpp); from many rows on,
@@ -188,11 +191,15 @@ def make_linear(
             return GatedPanels(weight, bias)
         return PackedLinear(weight, bias)
     if kind == "bf16":
+        from shoal.kernels.bf16_gated import GatedBf16Linear, gated_bf16_available
         from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear
 
+        if gated and bias is None and gated_bf16_available(int(weight.shape[1])):
+            return GatedBf16Linear(weight, bias)
         return Bf16Head(weight, bias) if head else Bf16Linear(weight, bias)
     if kind == "int8":
-        from shoal.kernels.quant import GatedInt8Linear, Int8Linear
+        from shoal.kernels.int8_gated import GatedInt8Linear
+        from shoal.kernels.quant import Int8Linear
 
         if gated and bias is None:
             return GatedInt8Linear(weight, bias, many_rows)

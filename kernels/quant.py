@@ -28,11 +28,13 @@ offline 1.97x float32, 99.30% top-1 agreement), with AVX512-BF16 alone from 64 r
 layers (1.28x the blocks at 64 rows, 1.48x at 256 on the AMD EPYC; bench/README.md). Without
 them, through `f32_linear` in float32 panels as float32 weights do (an AVX2 build: from 24
 rows), and where the CPU has VNNI the blocks take every step: they beat the float32 panels at
-every size. A SiLU-gated MLP's gate_up keeps its panels gated (`GatedInt8Linear`), so that it
-multiplies and activates in one op, as float32's does. The panels cost the float32 model's
-memory again (0.54 GB for SmolLM2), the bfloat16 weights half that; none is kept where the
-blocks take every step. AMX's own int8 tiles would need 8-bit activations, which cost SmolLM2
-3% of its top-1 agreement.
+every size. A SiLU-gated MLP's gate_up keeps its panels gated (`GatedInt8Linear`,
+int8_gated.py), so that it multiplies and activates in one op, as float32's does. The panels
+cost the float32 model's memory again (0.54 GB for SmolLM2), the bfloat16 weights half that;
+none is kept where the blocks take every step. AMX's own int8 tiles would need 8-bit
+activations, which cost SmolLM2 3% of its top-1 agreement (and 8-bit activations in blocks of
+128 for VNNI's vpdpbusd, twice the bfloat16 dot products' rate on the Zen 5 EPYC, 95-96% at
+chunks of 512: below the bound; blocks of 32, 97.3%).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.kernels.bf16_gated import GatedBf16Linear
 from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear
 from shoal.kernels.int8_rows import NEVER, ManyRows, many_rows
-from shoal.kernels.linear import gated_product, pack_gated_panels, pack_panels
+from shoal.kernels.linear import pack_panels
 
 BLOCK = 32  # weights per scale, along K (the kernels' kBlock)
 PAIRS = BLOCK // 2  # pairs of K a block (kPairs)
@@ -161,10 +164,16 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """`rows`: how many rows the step stands for (kernels/batch.py: kernel_rows; None: x's),
-        which picks the blocks or the dequantized weights."""
+        which picks the blocks or the dequantized weights. x float32, or bfloat16 (a gated
+        gate_up's activation from its bfloat16 panels: the bfloat16 weights take it as it is),
+        gives float32."""
         shape = x.shape
-        flat = _float_rows(x, self.in_features)
-        many = self.takes_many(flat.shape[0] if rows is None else rows)
+        count = x.numel() // self.in_features if rows is None else rows
+        many = self.takes_many(count)
+        if many and self.tiles is not None and x.dtype == torch.bfloat16:
+            flat_bf16 = x.reshape(-1, self.in_features)
+            return self.tiles(flat_bf16).view(*shape[:-1], self.out_features)
+        flat = float_rows(x, self.in_features)
         if many and self.tiles is not None:
             out = self.tiles(flat)
         else:
@@ -174,7 +183,7 @@ class Int8Linear:
             else:
                 self.blocks.run(flat, self.bias, out)
         y = out.view(*shape[:-1], self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if x.dtype in (torch.float32, torch.bfloat16) else y.to(x.dtype)
 
     def takes_many(self, rows: int) -> bool:
         """Whether a step standing for `rows` rows multiplies by the dequantized weights."""
@@ -189,12 +198,11 @@ class Int8Linear:
         # The same weights for steps of many rows (many_rows()): in bfloat16 through oneDNN
         # where the CPU has its dot products, else in float32 panels, unless the blocks take
         # every step.
-        self.tiles: Bf16Linear | None = None
+        self.tiles: Bf16Linear | GatedBf16Linear | None = None
         self.panels: torch.Tensor | None = None
         if self.many_rows < NEVER:
             dequantized = self.blocks.dequantize()
-            tiles = Bf16Head if self.head else Bf16Linear
-            self.tiles = tiles(dequantized, self.bias) if self.form.bf16 else None
+            self.tiles = self._tiles(dequantized) if self.form.bf16 else None
             self.panels = self._pack(dequantized) if self.tiles is None else None
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -204,44 +212,11 @@ class Int8Linear:
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         return pack_panels(weight)
 
-
-class GatedInt8Linear(Int8Linear):
-    """A SiLU-gated MLP's fused gate_up ([2I, K]: the gate's rows, then the up's) in blocks,
-    its float32 panels gated as `GatedPanels` holds them, so that from many_rows() rows on
-    `silu_mul(x)` is one op (`f32_silu_mul`) with the bits of the product and then `silu_mul`;
-    fewer rows take the blocks' product and then `silu_mul`, as a plain one does."""
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, form: ManyRows | None = None
-    ) -> None:
-        assert bias is None, "a gate_up with a bias stays an Int8Linear"
-        self.inter = int(weight.shape[0]) // 2
-        super().__init__(weight, bias, form=form)
-
-    def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        count = x.numel() // self.in_features if rows is None else rows
-        if not self.takes_many(count) or self.tiles is not None:
-            return super().__call__(x, count)
-        assert self.panels is not None  # no AMX tiles: float32 panels
-        y = gated_product(_float_rows(x, self.in_features), self.panels, self.inter)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-
-    def silu_mul(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        """silu(gate) * up: [.., K] -> [.., I]."""
-        flat = _float_rows(x, self.in_features)
-        count = flat.shape[0] if rows is None else rows
-        out = torch.empty(flat.shape[0], self.inter)
-        if self.takes_many(count) and self.panels is not None:
-            torch.ops.shoal_cpu.f32_silu_mul(flat, self.panels, out)
-        else:
-            torch.ops.shoal_cpu.silu_mul(super().__call__(flat, count), out)
-        return out.view(*x.shape[:-1], self.inter).to(x.dtype)
-
-    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return pack_gated_panels(weight)
+    def _tiles(self, weight: torch.Tensor) -> Bf16Linear | GatedBf16Linear:
+        return Bf16Head(weight, self.bias) if self.head else Bf16Linear(weight, self.bias)
 
 
-def _float_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+def float_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x as contiguous float32 rows [T, K], as the kernels take them."""
     rows = x.reshape(-1, in_features)
     if rows.dtype != torch.float32 or rows.stride(-1) != 1:

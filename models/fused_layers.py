@@ -11,8 +11,8 @@ has a compiled form:
     the model   standard layers (no q/k norm, no sandwich norms, RoPE over the whole head, no
                 sliding window or soft-cap, a SiLU-gated dense MLP), the compiled element-wise
                 ops, every linear packed float32 (in panels, gate_up in gated ones), int8
-                (a gate_up's float32 panels gated too) or bfloat16 (in oneDNN's layout, or in
-                panels: bf16_linear.py)
+                (a gate_up's float32 or bfloat16 panels gated too) or bfloat16 (in oneDNN's
+                layout, or in panels: bf16_linear.py, gate_up in gated ones: bf16_gated.py)
     the step    every token a decode, attended by the compiled kernel (`attention="cpu"`)
 
 Anything else takes the Python forward, which stays the reference.
@@ -24,18 +24,20 @@ import torch
 
 from shoal.kernels.attention import AttentionMetadata
 from shoal.kernels.batch import Attention
+from shoal.kernels.bf16_gated import GatedBf16Linear
 from shoal.kernels.bf16_linear import Bf16Linear
 from shoal.kernels.elementwise import CompiledElementwise, Elementwise
+from shoal.kernels.int8_gated import GatedInt8Linear
 from shoal.kernels.int8_rows import NEVER
 from shoal.kernels.linear import GatedPanels, Linear, PackedLinear
-from shoal.kernels.quant import GatedInt8Linear, Int8Linear, Q4Blocks, Q8Blocks
+from shoal.kernels.quant import Int8Linear, Q4Blocks, Q8Blocks
 from shoal.loading.config import ModelConfig
 from shoal.models.kv_pool import KVPool
 from shoal.models.weights import DenseWeights, LayerWeights
 
 # A linear's kind as decoder_layers.cpp numbers them, and the form of its last part.
 FLOAT32, Q8, Q4, BF16 = 0, 1, 2, 3
-PANELS, GATED, ONEDNN_BF16, BF16_PANELS = 0, 1, 2, 3
+PANELS, GATED, ONEDNN_BF16, BF16_PANELS, GATED_BF16_PANELS = 0, 1, 2, 3, 4
 
 
 class FusedLayers:
@@ -142,12 +144,14 @@ def kernel_form(
     """(kind, parts, bias, the last part's form) as decoder_layers.cpp takes a linear, or None
     without one. The last part is what the linear multiplies by at every row count (float32,
     bf16) or from int8_rows.many_rows() rows on (int8): float32 panels, gated panels, a bfloat16
-    weight in oneDNN's layout, or bfloat16 panels (an empty tensor where int8's blocks take
-    every step)."""
+    weight in oneDNN's layout, or bfloat16 panels, plain or gated (an empty tensor where int8's
+    blocks take every step)."""
     if isinstance(linear, PackedLinear) and linear.panels is not None:
         return FLOAT32, [linear.panels], linear.bias, PANELS
     if isinstance(linear, GatedPanels):
         return FLOAT32, [linear.panels], None, GATED
+    if isinstance(linear, GatedBf16Linear):
+        return BF16, [linear.panels], None, GATED_BF16_PANELS
     if isinstance(linear, Bf16Linear):
         form = bf16_form(linear)
         return None if form is None else (BF16, [form[0]], linear.bias, form[1])
@@ -168,9 +172,12 @@ def kernel_form(
     return None
 
 
-def bf16_form(linear: Bf16Linear) -> tuple[torch.Tensor, int] | None:
+def bf16_form(linear: Bf16Linear | GatedBf16Linear) -> tuple[torch.Tensor, int] | None:
     """A bfloat16 linear's weight as decoder_layers.cpp takes it and its form: its panels
-    (bf16_panels.cpp), or its weight in oneDNN's layout; None for torch's `F.linear`."""
+    (bf16_panels.cpp; gated ones for a gated gate_up), or its weight in oneDNN's layout; None
+    for torch's `F.linear`."""
+    if isinstance(linear, GatedBf16Linear):
+        return linear.panels, GATED_BF16_PANELS
     if linear.panels is not None:
         return linear.panels, BF16_PANELS
     if linear.onednn and linear.weight is not None:

@@ -10,6 +10,17 @@
 //       bias    [N] float32 or None
 //       out     [M, N] float32, rows contiguous: x w.T + bias
 //
+//   bf16_silu_mul(x, panels, out)
+//       x       as above
+//       panels  [ceil(I / 8), K / 2, 32] bfloat16 (bf16_gated.pack_gated_bf16_panels): a SiLU-
+//               gated MLP's gate_up [2I, K], panel p's 16 channels gate 8p .. 8p + 7, then the
+//               same up channels (past I: zeros)
+//       out     [M, I] bfloat16, rows contiguous: silu(gate) * up, each channel as
+//               elementwise.cpp's silu_mul computes it from this op's float32 sums (silu.h), then
+//               rounded to nearest even, as the next call's rounding of x would: the bits of the
+//               plain product, silu_mul and the down's rounding, without writing the [M, 2I]
+//               float32 product and reading it back twice
+//
 // A panel's pair i is one zmm: 16 channels x the two weights of K's pair i. One `vdpbf16ps`
 // of it against the row's pair broadcast adds both products to the 16 channels' float32 sums:
 // a row costs one instruction a pair and 16 channels, nothing to scale or convert after, and
@@ -42,6 +53,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "silu.h"
 #include "tiles.h"
 
 #if defined(__x86_64__)
@@ -53,7 +65,9 @@
 namespace {
 
 constexpr int64_t kWidth = 16;     // output channels a panel
+constexpr int64_t kGatedWidth = kWidth / 2;  // a gated panel: 8 gates, then their 8 ups
 constexpr int64_t kPanels = 3;     // panels a tile
+constexpr int64_t kGatedPanels = 2;  // gated panels a tile: their act channels one vector
 constexpr int kMaxRows = 8;        // rows a tile: 8 x 3 accumulators
 constexpr int64_t kAhead = 1024;   // bytes of a panel asked for ahead
 constexpr int64_t kKeptCopy = int64_t{8} << 20;  // bytes of x in bfloat16 a thread keeps
@@ -68,12 +82,65 @@ bool cpu_has_bf16_dots() {
   return (eax & (1u << 5)) != 0;  // AVX512_BF16
 }
 
+// Where a tile's sums go: `out` [M, n] float32 (plus the bias), or gated (`gated_out` [M, n]
+// bfloat16, n the MLP's I: panel p's act channels 8p .. 8p + 7).
+struct Dest {
+  const float* bias;
+  float* out;
+  uint16_t* gated_out;
+  int64_t stride;  // elements from a row of the destination to the next
+  int64_t n;
+};
+
+// v rounded to bfloat16 bits, nearest even: c10's round_to_nearest_even (the rounding of
+// ATen's conversion of x at the next call) on 16 lanes, a NaN as its 0x7FC0.
+SHOAL_BF16_TARGET inline __m256i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// One row's act channels of `panels` (1 or 2) gated panels p, p + 1 (a, b: each its 8 gate
+// sums, then its 8 ups; b unused with one) into dst[8p ..] in bfloat16: silu(gate) * up as
+// elementwise.cpp's silu_mul computes each channel (silu.h: in vector lanes below the row's
+// last whole vector, where each lane's value is the same whatever shares its vector; one by
+// one past it), then rounded to nearest even; channels past n left alone.
+SHOAL_BF16_TARGET void store_gated(__m512 a, __m512 b, int64_t panels, uint16_t* dst,
+                                   int64_t p, int64_t n) {
+  using shoal_silu::Vec;
+  const int64_t c0 = p * kGatedWidth, cols = std::min(panels * kGatedWidth, n - c0);
+  const int64_t vector_end = n / Vec::size() * Vec::size();
+  const __m512 gates = _mm512_shuffle_f32x4(a, b, 0x44);  // a's 8 gates, b's 8
+  const __m512 ups = _mm512_shuffle_f32x4(a, b, 0xEE);    // a's 8 ups, b's 8
+  __m512 act = shoal_silu::silu_mul(Vec(gates), Vec(ups));
+  if (c0 + cols > vector_end) {  // the channels past the row's last whole vector: one by one
+    alignas(64) float g[16], u[16], y[16];
+    _mm512_store_ps(g, gates);
+    _mm512_store_ps(u, ups);
+    _mm512_store_ps(y, act);
+    for (int64_t c = std::max<int64_t>(0, vector_end - c0); c < cols; ++c) {
+      y[c] = shoal_silu::silu_mul(g[c], u[c]);
+    }
+    act = _mm512_load_ps(y);
+  }
+  const __m256i bits = bf16_bits(act);
+  if (cols == 2 * kGatedWidth) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c0), bits);
+  } else {
+    _mm256_mask_storeu_epi16(dst + c0, static_cast<__mmask16>((1u << cols) - 1), bits);
+  }
+}
+
 // Rows [m0, m0 + MR) of x (bfloat16 pairs, `pairs` a row) times NP panels from `panel` (each
-// `stride` elements after the last) into out's channels from n0 (n: the output's channels).
-template <int MR, int NP>
+// `stride` elements after the last) into the destination from panel p0 on (rows from the
+// tile's first).
+template <int MR, int NP, bool Gated>
 SHOAL_BF16_TARGET void panel_rows(const uint32_t* x, int64_t pairs, const uint16_t* panel,
-                                  int64_t stride, const float* bias, float* out,
-                                  int64_t out_stride, int64_t n0, int64_t n) {
+                                  int64_t stride, const Dest& dest, int64_t p0) {
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
@@ -93,11 +160,23 @@ SHOAL_BF16_TARGET void panel_rows(const uint32_t* x, int64_t pairs, const uint16
   }
   alignas(64) float y[kWidth];
   for (int q = 0; q < NP; ++q) {
-    const int64_t c0 = n0 + q * kWidth, valid = std::min(kWidth, n - c0);
+    if constexpr (Gated) {  // two panels' act channels at a time
+      if (q % 2 == 0) {
+        const int64_t panels = std::min(2, NP - q);
+        for (int r = 0; r < MR; ++r) {
+          const __m512 next = q + 1 < NP ? acc[r][q + 1] : _mm512_setzero_ps();
+          store_gated(acc[r][q], next, panels, dest.gated_out + r * dest.stride, p0 + q,
+                      dest.n);
+        }
+      }
+      continue;
+    }
+    const int64_t c0 = (p0 + q) * kWidth, valid = std::min(kWidth, dest.n - c0);
+    const float* bias = dest.bias;
     for (int r = 0; r < MR; ++r) {
       __m512 v = acc[r][q];
       if (bias != nullptr && valid == kWidth) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c0));
-      float* row = out + r * out_stride + c0;
+      float* row = dest.out + r * dest.stride + c0;
       if (valid == kWidth) {
         _mm512_storeu_ps(row, v);
       } else {
@@ -108,29 +187,52 @@ SHOAL_BF16_TARGET void panel_rows(const uint32_t* x, int64_t pairs, const uint16
   }
 }
 
-template <int MR, int NP>
+template <int MR, int NP, bool Gated>
 void rows_at(int64_t rows, const uint32_t* x, int64_t pairs, const uint16_t* panel,
-             int64_t stride, const float* bias, float* out, int64_t out_stride, int64_t n0,
-             int64_t n) {
+             int64_t stride, const Dest& dest, int64_t p0) {
   if constexpr (MR > 1) {
-    if (rows < MR) {
-      return rows_at<MR - 1, NP>(rows, x, pairs, panel, stride, bias, out, out_stride, n0, n);
-    }
+    if (rows < MR) return rows_at<MR - 1, NP, Gated>(rows, x, pairs, panel, stride, dest, p0);
   }
-  panel_rows<MR, NP>(x, pairs, panel, stride, bias, out, out_stride, n0, n);
+  panel_rows<MR, NP, Gated>(x, pairs, panel, stride, dest, p0);
 }
 
 // rows_at over the `panels` (<= NP) panels left of a group: a tile of that many
-template <int NP>
+template <int NP, bool Gated>
 void panels_at(int64_t panels, int64_t rows, const uint32_t* x, int64_t pairs,
-               const uint16_t* panel, int64_t stride, const float* bias, float* out,
-               int64_t out_stride, int64_t n0, int64_t n) {
+               const uint16_t* panel, int64_t stride, const Dest& dest, int64_t p0) {
   if constexpr (NP > 1) {
     if (panels < NP) {
-      return panels_at<NP - 1>(panels, rows, x, pairs, panel, stride, bias, out, out_stride, n0, n);
+      return panels_at<NP - 1, Gated>(panels, rows, x, pairs, panel, stride, dest, p0);
     }
   }
-  rows_at<kMaxRows, NP>(rows, x, pairs, panel, stride, bias, out, out_stride, n0, n);
+  rows_at<kMaxRows, NP, Gated>(rows, x, pairs, panel, stride, dest, p0);
+}
+
+// x [m, K] (bfloat16 pairs) times the panels into the destination: the rows in as few tiles of
+// at most kMaxRows as there can be, of even sizes; threads split the panels' groups.
+template <bool Gated>
+void run_panels(const uint32_t* rows, int64_t m, int64_t pairs, const uint16_t* weights,
+                int64_t num_panels, const Dest& dest) {
+  const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
+  const int64_t tile_rows = (m + tiles - 1) / tiles;
+  const int64_t stride = pairs * 2 * kWidth;
+  constexpr int64_t group = Gated ? kGatedPanels : kPanels;
+  const int64_t groups = (num_panels + group - 1) / group;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p = g * group, count = std::min(group, num_panels - p);
+      for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
+        Dest at_rows = dest;
+        if constexpr (Gated) {
+          at_rows.gated_out += m0 * dest.stride;
+        } else {
+          at_rows.out += m0 * dest.stride;
+        }
+        panels_at<group, Gated>(count, std::min(tile_rows, m - m0), rows + m0 * pairs, pairs,
+                                  weights + p * stride, stride, at_rows, p);
+      }
+    }
+  });
 }
 
 #endif  // SHOAL_BF16_DOTS
@@ -169,18 +271,43 @@ bool bf16_panels_supported() {
 #endif
 }
 
-void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
-                       const std::optional<at::Tensor>& bias, const at::Tensor& out) {
-  const char* op = "bf16_panel_linear";
+namespace {
+
+// x's checks, shared by both ops: [M, K] float32 or bfloat16, rows contiguous, K even
+void check_x(const char* op, const at::Tensor& x) {
   TORCH_CHECK(bf16_panels_supported(), op, ": this CPU has no AVX512-BF16 dot products");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               op, ": x must be a 2-d float32 or bfloat16 CPU tensor with contiguous rows");
+  TORCH_CHECK(x.size(1) % 2 == 0, op, ": K must be even, got ", x.size(1));
+}
+
+#ifdef SHOAL_BF16_DOTS
+// x times the panels into `dest`, x in bfloat16: up to kKeptCopy bytes in the calling thread's
+// buffer, kept between calls (a prompt's rows are hundreds of KB, which malloc would map, fault
+// in and unmap at every call), a bigger one for this call alone
+template <bool Gated>
+void multiply(const at::Tensor& x, const at::Tensor& panels, const Dest& dest) {
+  const int64_t m = x.size(0), k = x.size(1);
+  thread_local std::vector<uint16_t> kept;
+  std::vector<uint16_t> once;
+  auto& copy = m * k * 2 <= kKeptCopy ? kept : once;
+  const auto* rows = reinterpret_cast<const uint32_t*>(bf16_rows(x, copy));
+  run_panels<Gated>(rows, m, k / 2, reinterpret_cast<const uint16_t*>(panels.data_ptr()),
+                    panels.size(0), dest);
+}
+#endif
+
+}  // namespace
+
+void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  const char* op = "bf16_panel_linear";
+  check_x(op, x);
   TORCH_CHECK(out.dim() == 2, op, ": out must be 2-d");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
-  TORCH_CHECK(k % 2 == 0, op, ": K must be even, got ", k);
-  const int64_t num_panels = (n + kWidth - 1) / kWidth, pairs = k / 2;
-  shoal_tiles::check_tensor(op, "panels", panels, at::kBFloat16, {num_panels, pairs, 2 * kWidth});
+  const int64_t num_panels = (n + kWidth - 1) / kWidth;
+  shoal_tiles::check_tensor(op, "panels", panels, at::kBFloat16, {num_panels, k / 2, 2 * kWidth});
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
                   out.size(0) == m,
               op, ": out must be a float32 [M, N] with contiguous rows");
@@ -191,32 +318,25 @@ void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
   }
   if (m == 0 || n == 0) return;
 #ifdef SHOAL_BF16_DOTS
-  // x in bfloat16: up to kKeptCopy bytes in the calling thread's buffer, kept between calls
-  // (a prompt's rows are hundreds of KB, which malloc would map, fault in and unmap at every
-  // call), a bigger one for this call alone
-  thread_local std::vector<uint16_t> kept;
-  std::vector<uint16_t> once;
-  auto& copy = m * k * 2 <= kKeptCopy ? kept : once;
-  const auto* rows = reinterpret_cast<const uint32_t*>(bf16_rows(x, copy));
-  const auto* weights = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* out_data = out.data_ptr<float>();
-  const int64_t out_stride = out.stride(0);
-  // the rows in as few tiles of at most kMaxRows as there can be, of even sizes
-  const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
-  const int64_t tile_rows = (m + tiles - 1) / tiles;
-  const int64_t stride = pairs * 2 * kWidth;
-  const int64_t groups = (num_panels + kPanels - 1) / kPanels;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p = g * kPanels, count = std::min(kPanels, num_panels - p);
-      for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
-        panels_at<kPanels>(count, std::min(tile_rows, m - m0), rows + m0 * pairs, pairs,
-                           weights + p * stride, stride, bias_data, out_data + m0 * out_stride,
-                           out_stride, p * kWidth, n);
-      }
-    }
-  });
+  multiply<false>(x, panels, Dest{bias_data, out.data_ptr<float>(), nullptr, out.stride(0), n});
+#endif
+}
+
+void bf16_silu_mul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& out) {
+  const char* op = "bf16_silu_mul";
+  check_x(op, x);
+  TORCH_CHECK(out.dim() == 2, op, ": out must be 2-d");
+  const int64_t m = x.size(0), k = x.size(1), inter = out.size(1);
+  const int64_t num_panels = (inter + kGatedWidth - 1) / kGatedWidth;
+  shoal_tiles::check_tensor(op, "panels", panels, at::kBFloat16, {num_panels, k / 2, 2 * kWidth});
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 &&
+                  out.stride(1) == 1 && out.size(0) == m,
+              op, ": out must be a bfloat16 [M, I] with contiguous rows");
+  if (m == 0 || inter == 0) return;
+#ifdef SHOAL_BF16_DOTS
+  auto* act = reinterpret_cast<uint16_t*>(out.data_ptr());
+  multiply<true>(x, panels, Dest{nullptr, nullptr, act, out.stride(0), inter});
 #endif
 }
 
@@ -225,5 +345,7 @@ void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
 TORCH_LIBRARY_FRAGMENT(shoal_cpu, m) {
   m.def("bf16_panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()",
         &shoal_ops::bf16_panel_linear);
+  m.def("bf16_silu_mul(Tensor x, Tensor panels, Tensor(a!) out) -> ()",
+        &shoal_ops::bf16_silu_mul);
   m.def("bf16_panels_supported() -> bool", &shoal_ops::bf16_panels_supported);
 }

@@ -26,10 +26,12 @@
 //             bfloat16 weight in oneDNN's layout (kBf16's, and int8's on a CPU with AMX,
 //             quant.py: its many-row steps on the matrix tiles), 3 bfloat16 panels
 //             (bf16_panel_linear, bf16_panels.cpp: kBf16's and int8's on a CPU with
-//             AVX512-BF16 and no AMX). Gated panels (gate_up only,
+//             AVX512-BF16 and no AMX), 4 gated bfloat16 panels. Gated panels (gate_up only,
 //             without a bias) hold 8 gate channels and their 8 up channels each, and their
-//             product is the activation itself (f32_silu_mul, linear.cpp); an int8 gate_up's
-//             blocks stay as they are, for steps of fewer than `many_rows` rows
+//             product is the activation itself (f32_silu_mul, linear.cpp; bf16_silu_mul,
+//             bf16_panels.cpp, in bfloat16, which the down's bfloat16 panels take as it is);
+//             an int8 gate_up's blocks stay as they are, for steps of fewer than `many_rows`
+//             rows
 //
 //   h         [T, hidden] float32, the residual stream: updated in place and returned
 //   cos, sin  [T, head_dim] the rotation of each token's position
@@ -69,6 +71,7 @@ constexpr int64_t kPanels = 0;
 constexpr int64_t kGatedPanels = 1;
 constexpr int64_t kOneDnnBf16 = 2;
 constexpr int64_t kBf16Panels = 3;
+constexpr int64_t kGatedBf16Panels = 4;
 constexpr int64_t kLinearsPerLayer = 4;
 constexpr int64_t kLayoutPerLinear = 4;
 
@@ -109,11 +112,11 @@ struct Linear {
   int64_t kind;
   int64_t out_features;
   int64_t last;  // the last part's form: kPanels, kGatedPanels (silu_mul, not operator()),
-                 // kOneDnnBf16, kBf16Panels
+                 // kOneDnnBf16, kBf16Panels, kGatedBf16Panels (silu_mul too)
   std::vector<at::Tensor> parts;
   std::optional<at::Tensor> bias;
 
-  bool gated() const { return last == kGatedPanels; }
+  bool gated() const { return last == kGatedPanels || last == kGatedBf16Panels; }
 
   // Whether a step multiplies in bfloat16 through oneDNN; `many`: it stands for int8's many
   // rows (DecoderLayers::forward).
@@ -131,7 +134,8 @@ struct Linear {
     }
     TORCH_CHECK(!(gated() && panels),
                 "DecoderLayers: gated panels give an activation, not a product");
-    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    // float32 out, also for a bfloat16 x (a gated bfloat16 gate_up's activation)
+    at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
     if (panels && last == kBf16Panels) {
       traced("bf16_panel_linear",
              [&] { shoal_ops::bf16_panel_linear(x, parts.back(), bias, out); });
@@ -149,13 +153,19 @@ struct Linear {
   // silu(gate) * up of a gate_up: [T, out_features / 2]; in bfloat16 when `bf16_act` (the
   // next linear multiplies in bfloat16 too): the product kept bfloat16 and the activation
   // rounded once, the bits of widening the product and rounding at the next call
-  // (kernels/bf16_mlp.py does the same in the Python forward).
+  // (kernels/bf16_mlp.py does the same in the Python forward); in bfloat16 too from gated
+  // bfloat16 panels (the bits of their plain product, silu_mul and the down's rounding).
   at::Tensor silu_mul(const at::Tensor& x, bool many, bool bf16_act = false) const {
     if (bf16_act && bf16_at(many) && !bias.has_value()) {
       at::Tensor product;
       traced("bf16_linear", [&] { product = bf16_product(x, parts.back()); });
       at::Tensor act = at::empty({x.size(0), out_features / 2}, product.options());
       traced("silu_mul", [&] { shoal_ops::silu_mul(product, act); });
+      return act;
+    }
+    if (last == kGatedBf16Panels && on_last(many)) {
+      at::Tensor act = at::empty({x.size(0), out_features / 2}, x.options().dtype(at::kBFloat16));
+      traced("bf16_silu_mul", [&] { shoal_ops::bf16_silu_mul(x, parts.back(), act); });
       return act;
     }
     at::Tensor act = at::empty({x.size(0), out_features / 2}, x.options());
@@ -194,9 +204,10 @@ struct DecoderLayers : torch::CustomClassHolder {
     auto linear = [&]() {
       Linear l{layout[entry], layout[entry + 1], layout[entry + 3], {}, std::nullopt};
       TORCH_CHECK(l.last == kPanels || l.last == kGatedPanels || l.last == kOneDnnBf16 ||
-                      l.last == kBf16Panels,
+                      l.last == kBf16Panels || l.last == kGatedBf16Panels,
                   "DecoderLayers: unknown form ", l.last);
-      const bool bf16_last = l.last == kOneDnnBf16 || l.last == kBf16Panels;
+      const bool bf16_last =
+          l.last == kOneDnnBf16 || l.last == kBf16Panels || l.last == kGatedBf16Panels;
       TORCH_CHECK((l.kind == kBf16) == bf16_last || l.kind == kQ8 || l.kind == kQ4,
                   "DecoderLayers: a bf16 linear, and only it or an int8 one, ends in a "
                   "bfloat16 weight");

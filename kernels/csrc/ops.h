@@ -47,5 +47,6 @@ void q4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
 bool bf16_panels_supported();
 void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
                        const std::optional<at::Tensor>& bias, const at::Tensor& out);
+void bf16_silu_mul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& out);
 
 }  // namespace shoal_ops

@@ -15,7 +15,7 @@ from engines import EngineFactory
 from parity import copying_prompts
 from workload import greedy
 
-from shoal.kernels import int8_rows, quant
+from shoal.kernels import int8_gated, int8_rows, quant
 from shoal.kernels.int8_rows import ManyRows
 from shoal.models import decoder
 
@@ -43,9 +43,9 @@ def other_weights_for_many_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """int8's dequantized weights from MANY_ROWS rows on, in float32 panels, and negated: a
     position that takes them where its decode would take the blocks shows in the tokens."""
     monkeypatch.setattr(int8_rows, "many_rows", lambda: ManyRows(MANY_ROWS, False))
-    for name in ("pack_panels", "pack_gated_panels"):
-        pack = getattr(quant, name)
-        monkeypatch.setattr(quant, name, lambda w, pack=pack: pack(torch.neg(w)))
+    for module, name in ((quant, "pack_panels"), (int8_gated, "pack_gated_panels")):
+        pack = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda w, pack=pack: pack(torch.neg(w)))
 
 
 @pytest.mark.usefixtures("other_weights_for_many_rows")

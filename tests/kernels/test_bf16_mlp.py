@@ -17,8 +17,9 @@ from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear, onednn_bf16_availabl
 from shoal.kernels.bf16_mlp import bf16_pair
 from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.elementwise import CompiledElementwise, TorchElementwise
+from shoal.kernels.int8_gated import GatedInt8Linear
 from shoal.kernels.int8_rows import ManyRows
-from shoal.kernels.quant import GatedInt8Linear, Int8Linear
+from shoal.kernels.quant import Int8Linear
 from shoal.models.dense_mlp import dense_mlp
 from shoal.models.weights import DenseWeights
 

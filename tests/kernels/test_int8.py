@@ -19,11 +19,11 @@ from weight_kinds import (
 )
 
 from shoal.config import EngineOptions
+from shoal.kernels.int8_gated import GatedInt8Linear
 from shoal.kernels.int8_rows import MANY_ROWS_PANELS, MANY_ROWS_TILES, many_rows
 from shoal.kernels.linear import make_linear
 from shoal.kernels.quant import (
     BLOCK,
-    GatedInt8Linear,
     Int8Linear,
     Q4Blocks,
     Q8Blocks,
