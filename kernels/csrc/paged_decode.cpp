@@ -42,6 +42,7 @@
 #include <torch/library.h>
 
 #include "attention_args.h"
+#include "balanced_split.h"
 #include "decode_math.h"
 #include "decode_runs.h"
 #include "key_slots.h"
@@ -63,6 +64,9 @@ using namespace shoal_decode;
 
 // From this many sequences a thread on, a work item is a whole sequence (paged_decode).
 constexpr int64_t kSequencesPerThread = 2;
+// An item's cost beside its keys' (its queries, softmax and output), in keys, where threads
+// share the items out
+constexpr int64_t kItemCost = 16;
 
 // logits <- softcap * tanh(logits / softcap), as Gemma 2's eager attention computes them.
 inline void soft_cap(float* row, int64_t len, float softcap) {
@@ -169,7 +173,15 @@ void decode_pages(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 #else
   const bool streamed = false;
 #endif
-  at::parallel_for(0, count * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  // The items shared out by their keys (a sequence of 400 keys beside ones of 30)
+  const int64_t items = count * items_per_seq;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  const std::vector<int64_t> bounds = shoal_split::balanced_split(items, threads, [&](int64_t i) {
+    const int64_t b = seqs[i / items_per_seq];
+    return lens[b] - first_key(lens[b], window) + kItemCost;
+  });
+  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
+    const int64_t begin = bounds[t_begin], end = bounds[t_end];
     std::optional<RowStream<T>> stream;
     if (streamed) {
       stream.emplace(k_data, v_data, slot_stride, items_per_seq, span * dim, pages, max_pages,

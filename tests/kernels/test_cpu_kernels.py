@@ -157,6 +157,41 @@ def test_a_decode_gives_each_head_its_bits_however_the_threads_share_it(
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[300, 3, 5, 200, 1, 1, 1, 1, 64], [1, 1, 1, 1, 1, 400]])
+def test_threads_share_sequences_by_their_keys_and_every_one_is_attended(
+    kernel: DecodeKernel, lens: list[int], dtype: torch.dtype
+) -> None:
+    """Sequences of 1 to 400 keys, shared out by their keys (balanced_split.h), not by count:
+    every row attended (the output starts NaN), the same bits at 1, 2 and 3 threads, and the
+    reference's values."""
+    heads, kv_heads, dim, page = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(len(lens))
+    step = random_step(gen, lens, [1] * len(lens), heads, kv_heads, dim, page)
+    k_cache, v_cache = step.k_cache.to(dtype), step.v_cache.to(dtype)
+    meta = TorchAttention(page, kernel).prepare(step.page_table, step.shape)
+    meta.store(k_cache, v_cache, step.k_new, step.v_new)
+    fused = meta.kernel_decodes
+    assert fused is not None
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.full(step.q.shape, float("nan"))
+            kernel(step.q, k_cache, v_cache, fused.page_ids, fused.seq_lens, fused.token_index,
+                   page, dim**-0.5, out, 0, 0.0)  # fmt: skip
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert bool(torch.isfinite(outs[0]).all())
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    expected = dense_outputs(step.q, k_cache.float(), v_cache.float(), step.page_table,
+                             step.shape, page, dim**-0.5, None, None)  # fmt: skip
+    for row, want in enumerate(expected):
+        torch.testing.assert_close(outs[0][row].double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("garbage", [1e4, float("nan")])
 def test_kernel_never_reads_before_the_window(kernel: DecodeKernel, garbage: float) -> None:
     """Pages wholly before each decode's window hold garbage (even NaN) or are not pages at
