@@ -2,7 +2,7 @@
 many rows on they multiply their dequantized weights instead of the block kernels, and in what
 form. A model's build asks once (models/weights.py) and hands the answer to each linear.
 
-    form = many_rows()   # ManyRows(rows=64, bf16=True, head=False) on an AVX512-BF16 CPU
+    form = many_rows()   # ManyRows(rows=24, bf16=True, head=False) on an AVX512-BF16 CPU
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ from shoal.kernels.cpu_features import CpuFeatures, read_cpu_features
 from shoal.kernels.cpu_kernels import with_vnni
 
 # From this many rows on a step computes more than it reads the weights, and the dequantized
-# weights beat the block kernels: on AMX's bfloat16 tiles from 10 rows; through oneDNN's
-# bfloat16 on AVX512-BF16 from 64 (SmolLM2's layers on the AMD EPYC, float32 in and out: 32
-# rows 32.5 ms against 33.7 in blocks, 64 rows 51.5 against 66.1, 256 rows 179 against 265; the
+# weights beat the block kernels: on AMX's bfloat16 tiles from 10 rows; in shoal's bfloat16
+# panels on AVX512-BF16 from 24 (SmolLM2's 30 layers of distinct weights on the Zen 5 EPYC,
+# float32 in and out, 2 threads: 16 rows 6.3-6.9 ms in blocks against 7.1-7.5, 20 rows 7.4-7.6
+# against 7.0-7.2, 24 rows 8.4-8.8 against 7.2-7.4, 32 rows 10.8-11.4 against 8.1-9.4, 64 rows
+# 21.9 against 17.7; through oneDNN's bfloat16 there once from 64: on the AMD EPYC, 32 rows
+# 32.5 ms against 33.7 in blocks, 64 rows 51.5 against 66.1, 256 rows 179 against 265; the
 # engine's decode of 16 rows took 35-38 ms a step against 24 with them from 16), the lm_head
 # there kept in blocks (64 rows 23.1 ms against 20.3: its top logits again in float32 and the
 # conversions cost more than the bfloat16 product saves); without VNNI (an AVX2 build) the float32
@@ -24,7 +27,7 @@ from shoal.kernels.cpu_kernels import with_vnni
 # bench/README.md). With VNNI and no bfloat16 the blocks win at every size measured (256 rows
 # 289 ms against 353 for the panels), so they take every step and no panels are kept.
 MANY_ROWS_TILES = 10
-MANY_ROWS_BF16 = 64
+MANY_ROWS_BF16 = 24
 MANY_ROWS_PANELS = 24
 NEVER = 2**62
 

@@ -21,11 +21,12 @@ rows against ~25 (bench/README.md), as exactly as float32 bar the activations' 1
 activations lost 3% of its top-1 agreement with float32).
 
 They are for steps that read the weights more than they compute. From many_rows() rows on, the
-weights, dequantized once at load (every value as the blocks give it back), go through oneDNN
-in bfloat16 where the CPU has bfloat16 dot products (bf16_linear.py; the lm_head's top logits
-again in float32): on AMX's tiles from 10 rows (6x the float32 panels' rate at 64 rows there,
-offline 1.97x float32, 99.30% top-1 agreement), with AVX512-BF16 alone from 64 rows for the
-layers (1.28x the blocks at 64 rows, 1.48x at 256 on the AMD EPYC; bench/README.md). Without
+weights, dequantized once at load (every value as the blocks give it back), multiply in
+bfloat16 where the CPU has bfloat16 dot products (bf16_linear.py; the lm_head's top logits
+again in float32): on AMX's tiles through oneDNN from 10 rows (6x the float32 panels' rate at
+64 rows there, offline 1.97x float32, 99.30% top-1 agreement), with AVX512-BF16 alone in
+shoal's bfloat16 panels from 24 rows for the layers (1.24x the blocks at 64 rows on the Zen 5
+EPYC; int8_rows.py, bench/README.md). Without
 them, through `f32_linear` in float32 panels as float32 weights do (an AVX2 build: from 24
 rows), and where the CPU has VNNI the blocks take every step: they beat the float32 panels at
 every size. A SiLU-gated MLP's gate_up keeps its panels gated (`GatedInt8Linear`,

@@ -19,6 +19,7 @@ from weight_kinds import (
 )
 
 from shoal.config import EngineOptions
+from shoal.kernels.bf16_gated import GatedBf16Linear
 from shoal.kernels.int8_gated import GatedInt8Linear
 from shoal.kernels.int8_rows import MANY_ROWS_PANELS, MANY_ROWS_TILES, many_rows
 from shoal.kernels.linear import make_linear
@@ -186,8 +187,10 @@ def test_load_takes_the_new_weight() -> None:
 @pytest.mark.parametrize("q4", [True, False])
 def test_a_gated_gate_up_gives_the_plain_ones_bits(m: int, q4: bool) -> None:
     """A SiLU-gated gate_up's `silu_mul` is the plain linear's product then silu_mul, bit for
-    bit, below many_rows() (the blocks) and from it on (the gated float32 panels); a call is the
-    product; a weight update takes the new weight."""
+    bit, below many_rows() (the blocks) and from it on (the gated float32 panels, or the gated
+    bfloat16 panels where the many rows multiply in bfloat16 panels: the act then rounded to
+    bfloat16, as the down's call rounds it); a call is the product; a weight update takes the
+    new weight."""
     inter, k = 20, 64
     old = q4_1_weight(2 * inter, k, seed=m) if q4 else torch.randn(2 * inter, k) * 0.1
     new = old.flip(0)
@@ -202,7 +205,11 @@ def test_a_gated_gate_up_gives_the_plain_ones_bits(m: int, q4: bool) -> None:
         product = plain(x)
         expected = torch.empty(m, inter)
         torch.ops.shoal_cpu.silu_mul(product, expected)
-        assert torch.equal(gated.silu_mul(x), expected)
+        act = gated.silu_mul(x)
+        if act.dtype == torch.bfloat16:
+            assert isinstance(gated.tiles, GatedBf16Linear) and gated.takes_many(m)
+            expected = expected.to(torch.bfloat16)
+        assert torch.equal(act, expected)
         assert torch.equal(gated(x), product)
 
 
