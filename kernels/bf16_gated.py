@@ -56,10 +56,10 @@ class GatedBf16Linear:
     def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """The product itself, [.., K] -> [.., 2I] float32 (gate, then up)."""
         flat = _rows(x)
-        count = int(self.panels.shape[0])
+        count, half = int(self.panels.shape[0]), PANEL // 2
         y = torch.empty(flat.shape[0], count * PANEL)
         torch.ops.shoal_cpu.bf16_panel_linear(flat, self.panels, None, y)
-        halves = y.view(-1, count, 2, PANEL // 2).transpose(1, 2).reshape(-1, 2, count * 8)
+        halves = y.view(-1, count, 2, half).transpose(1, 2).reshape(-1, 2, count * half)
         product = halves[:, :, : self.inter].reshape(-1, self.out_features)
         return product.view(*x.shape[:-1], self.out_features)
 
@@ -72,7 +72,7 @@ class GatedBf16Linear:
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         assert bias is None
-        assert tuple(weight.shape) == (self.out_features, weight.shape[1]), weight.shape
+        assert int(weight.shape[0]) == self.out_features, weight.shape
         self.panels = pack_gated_bf16_panels(weight)
 
 

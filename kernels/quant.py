@@ -26,16 +26,16 @@ bfloat16 where the CPU has bfloat16 dot products (bf16_linear.py; the lm_head's 
 again in float32): on AMX's tiles through oneDNN from 10 rows (6x the float32 panels' rate at
 64 rows there, offline 1.97x float32, 99.30% top-1 agreement), with AVX512-BF16 alone in
 shoal's bfloat16 panels from 24 rows for the layers (1.24x the blocks at 64 rows on the Zen 5
-EPYC; int8_rows.py, bench/README.md). Without
-them, through `f32_linear` in float32 panels as float32 weights do (an AVX2 build: from 24
-rows), and where the CPU has VNNI the blocks take every step: they beat the float32 panels at
-every size. A SiLU-gated MLP's gate_up keeps its panels gated (`GatedInt8Linear`,
-int8_gated.py), so that it multiplies and activates in one op, as float32's does. The panels
-cost the float32 model's memory again (0.54 GB for SmolLM2), the bfloat16 weights half that;
-none is kept where the blocks take every step. AMX's own int8 tiles would need 8-bit
-activations, which cost SmolLM2 3% of its top-1 agreement (and 8-bit activations in blocks of
-128 for VNNI's vpdpbusd, twice the bfloat16 dot products' rate on the Zen 5 EPYC, 95-96% at
-chunks of 512: below the bound; blocks of 32, 97.3%).
+EPYC; int8_rows.py, bench/README.md). Without them, through `f32_linear` in float32 panels as
+float32 weights do (an AVX2 build: from 24 rows), and where the CPU has VNNI the blocks take
+every step: they beat the float32 panels at every size. A SiLU-gated MLP's gate_up keeps its
+panels gated (`GatedInt8Linear`, int8_gated.py), so that it multiplies and activates in one
+op, as float32's does. The panels cost the float32 model's memory again (0.54 GB for
+SmolLM2), the bfloat16 weights half that; none is kept where the blocks take every step.
+AMX's own int8 tiles would need 8-bit activations, which cost SmolLM2 3% of its top-1
+agreement (so would VNNI's vpdpbusd, twice the bfloat16 dot products' rate on the Zen 5 EPYC:
+emulated, 8-bit activations in blocks of 128 gave 94.9-96.3% top-1 at chunks of 512, under
+the bound, blocks of 32 97.3%).
 """
 
 from __future__ import annotations
@@ -196,9 +196,9 @@ class Int8Linear:
         weight = weight.detach().float()
         self.blocks: Q4Blocks | Q8Blocks = exact_q4_blocks(weight) or q8_blocks(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
-        # The same weights for steps of many rows (many_rows()): in bfloat16 through oneDNN
-        # where the CPU has its dot products, else in float32 panels, unless the blocks take
-        # every step.
+        # The same weights for steps of many rows (many_rows()): in bfloat16 where the CPU has
+        # its dot products (oneDNN's tiles, or shoal's panels, a gate_up's gated), else in
+        # float32 panels, unless the blocks take every step.
         self.tiles: Bf16Linear | GatedBf16Linear | None = None
         self.panels: torch.Tensor | None = None
         if self.many_rows < NEVER:

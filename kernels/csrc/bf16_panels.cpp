@@ -306,13 +306,23 @@ bool bf16_panels_supported() {
 
 namespace {
 
-// x's checks, shared by both ops: [M, K] float32 or bfloat16, rows contiguous, K even
-void check_x(const char* op, const at::Tensor& x) {
+// Both ops' checks: x [M, K] float32 or bfloat16, rows contiguous, K even; out [M, N] of
+// `dtype` (`form` names it), rows contiguous; the panels [ceil(N / width), K / 2, 32] bfloat16
+// (`width` out channels a panel).
+void check_args(const char* op, const at::Tensor& x, const at::Tensor& panels,
+                const at::Tensor& out, at::ScalarType dtype, int64_t width, const char* form) {
   TORCH_CHECK(bf16_panels_supported(), op, ": this CPU has no AVX512-BF16 dot products");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               op, ": x must be a 2-d float32 or bfloat16 CPU tensor with contiguous rows");
   TORCH_CHECK(x.size(1) % 2 == 0, op, ": K must be even, got ", x.size(1));
+  TORCH_CHECK(out.dim() == 2, op, ": out must be 2-d");
+  const int64_t num_panels = (out.size(1) + width - 1) / width;
+  shoal_tiles::check_tensor(op, "panels", panels, at::kBFloat16,
+                            {num_panels, x.size(1) / 2, 2 * kWidth});
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == dtype && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0),
+              op, ": out must be ", form, " with contiguous rows");
 }
 
 #ifdef SHOAL_BF16_DOTS
@@ -336,14 +346,8 @@ void multiply(const at::Tensor& x, const at::Tensor& panels, const Dest& dest) {
 void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
                        const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   const char* op = "bf16_panel_linear";
-  check_x(op, x);
-  TORCH_CHECK(out.dim() == 2, op, ": out must be 2-d");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
-  const int64_t num_panels = (n + kWidth - 1) / kWidth;
-  shoal_tiles::check_tensor(op, "panels", panels, at::kBFloat16, {num_panels, k / 2, 2 * kWidth});
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
-                  out.size(0) == m,
-              op, ": out must be a float32 [M, N] with contiguous rows");
+  check_args(op, x, panels, out, at::kFloat, kWidth, "a float32 [M, N]");
+  const int64_t m = x.size(0), n = out.size(1);
   if (bias.has_value()) {
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
                     bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == n,
@@ -358,14 +362,8 @@ void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
 
 void bf16_silu_mul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& out) {
   const char* op = "bf16_silu_mul";
-  check_x(op, x);
-  TORCH_CHECK(out.dim() == 2, op, ": out must be 2-d");
-  const int64_t m = x.size(0), k = x.size(1), inter = out.size(1);
-  const int64_t num_panels = (inter + kGatedWidth - 1) / kGatedWidth;
-  shoal_tiles::check_tensor(op, "panels", panels, at::kBFloat16, {num_panels, k / 2, 2 * kWidth});
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 &&
-                  out.stride(1) == 1 && out.size(0) == m,
-              op, ": out must be a bfloat16 [M, I] with contiguous rows");
+  check_args(op, x, panels, out, at::kBFloat16, kGatedWidth, "a bfloat16 [M, I]");
+  const int64_t m = x.size(0), inter = out.size(1);
   if (m == 0 || inter == 0) return;
 #ifdef SHOAL_BF16_DOTS
   auto* act = reinterpret_cast<uint16_t*>(out.data_ptr());

@@ -23,6 +23,7 @@ from shoal.kernels.attention import TorchAttention, store_kv
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.cpu_kernels import CpuKernels, DecodeKernel, KernelUnavailable
 from shoal.kernels.elementwise import CompiledElementwise, TorchElementwise
+from shoal.kernels.kernel_views import KernelDecodes
 from shoal.kernels.linear import (
     GatedPanels,
     PackedLinear,
@@ -118,6 +119,19 @@ def test_kernel_in_a_window_and_soft_capped_equals_dense_attention(
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def stored_decodes(
+    kernel: DecodeKernel, step: Step, page: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, KernelDecodes]:
+    """The step's caches in `dtype` with its new tokens stored, and its decodes as the kernel
+    takes them."""
+    k_cache, v_cache = step.k_cache.to(dtype), step.v_cache.to(dtype)
+    meta = TorchAttention(page, kernel).prepare(step.page_table, step.shape)
+    meta.store(k_cache, v_cache, step.k_new, step.v_new)
+    fused = meta.kernel_decodes
+    assert fused is not None
+    return k_cache, v_cache, fused
+
+
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -133,11 +147,7 @@ def test_a_decode_gives_each_head_its_bits_however_the_threads_share_it(
     the four-key products and the register-held sums, 20 the one-key loops."""
     gen = torch.Generator().manual_seed(heads + dim + window)
     step = random_step(gen, [150, 40], [1, 1], heads, kv_heads, dim, page)
-    k_cache, v_cache = step.k_cache.to(dtype), step.v_cache.to(dtype)
-    meta = TorchAttention(page, kernel).prepare(step.page_table, step.shape)
-    meta.store(k_cache, v_cache, step.k_new, step.v_new)
-    fused = meta.kernel_decodes
-    assert fused is not None
+    k_cache, v_cache, fused = stored_decodes(kernel, step, page, dtype)
     before = torch.get_num_threads()
     try:
         for softcap in (0.0, 5.0):
@@ -168,11 +178,7 @@ def test_threads_share_sequences_by_their_keys_and_every_one_is_attended(
     heads, kv_heads, dim, page = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(len(lens))
     step = random_step(gen, lens, [1] * len(lens), heads, kv_heads, dim, page)
-    k_cache, v_cache = step.k_cache.to(dtype), step.v_cache.to(dtype)
-    meta = TorchAttention(page, kernel).prepare(step.page_table, step.shape)
-    meta.store(k_cache, v_cache, step.k_new, step.v_new)
-    fused = meta.kernel_decodes
-    assert fused is not None
+    k_cache, v_cache, fused = stored_decodes(kernel, step, page, dtype)
     before = torch.get_num_threads()
     outs = []
     try:
