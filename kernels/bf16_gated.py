@@ -20,6 +20,7 @@ import torch
 
 from shoal.kernels import bf16_linear
 from shoal.kernels.bf16_linear import PANEL, pack_bf16_panels
+from shoal.kernels.linear import gated_rows, ungated
 
 
 def gated_bf16_available(in_features: int) -> bool:
@@ -34,13 +35,9 @@ def gated_bf16_available(in_features: int) -> bool:
 
 def pack_gated_bf16_panels(gate_up: torch.Tensor) -> torch.Tensor:
     """[2I, K] (gate rows, then up rows; K even) -> [ceil(I / 8), K / 2, 32] bfloat16: panel p
-    holds gate channels 8p .. 8p + 7 and then the same up channels (past I: zeros), each in
-    `pack_bf16_panels`' layout."""
-    two_inter, k = gate_up.shape
-    inter, half = two_inter // 2, PANEL // 2
-    padded = torch.zeros(2, -(-inter // half) * half, k, dtype=gate_up.dtype)
-    padded[:, :inter] = gate_up.detach().view(2, inter, k)
-    return pack_bf16_panels(padded.view(2, -1, half, k).transpose(0, 1).reshape(-1, k))
+    holds gate channels 8p .. 8p + 7 and then the same up channels (past I: zeros), in
+    `pack_bf16_panels`' layout (linear.gated_rows, as float32's gated panels)."""
+    return pack_bf16_panels(gated_rows(gate_up))
 
 
 class GatedBf16Linear:
@@ -56,12 +53,9 @@ class GatedBf16Linear:
     def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """The product itself, [.., K] -> [.., 2I] float32 (gate, then up)."""
         flat = _rows(x)
-        count, half = int(self.panels.shape[0]), PANEL // 2
-        y = torch.empty(flat.shape[0], count * PANEL)
+        y = torch.empty(flat.shape[0], int(self.panels.shape[0]) * PANEL)
         torch.ops.shoal_cpu.bf16_panel_linear(flat, self.panels, None, y)
-        halves = y.view(-1, count, 2, half).transpose(1, 2).reshape(-1, 2, count * half)
-        product = halves[:, :, : self.inter].reshape(-1, self.out_features)
-        return product.view(*x.shape[:-1], self.out_features)
+        return ungated(y, self.inter).view(*x.shape[:-1], self.out_features)
 
     def silu_mul(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """silu(gate) * up: [.., K] float32 or bfloat16 -> [.., I] bfloat16."""

@@ -148,24 +148,35 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def pack_gated_panels(gate_up: torch.Tensor) -> torch.Tensor:
-    """[2I, K] (gate rows, then up rows) -> [ceil(I / 8), K, 16]: panel p holds gate channels
-    8p .. 8p + 7 and then the same up channels (past I: zeros), the layout `f32_silu_mul`
-    reads."""
+def gated_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """[2I, K] (gate rows, then up rows) -> [ceil(I / 8) * 16, K]: every 16 rows gate channels
+    8p .. 8p + 7 and then the same up channels (past I: zeros), so that panels of 16 packed from
+    them are gated ones (float32 here, bfloat16 in bf16_gated.py)."""
     two_inter, k = gate_up.shape
     inter, half = two_inter // 2, PANEL // 2
     padded = torch.zeros(2, -(-inter // half) * half, k, dtype=gate_up.dtype)
-    padded[:, :inter] = gate_up.view(2, inter, k)
-    return pack_panels(padded.view(2, -1, half, k).transpose(0, 1).reshape(-1, k))
+    padded[:, :inter] = gate_up.detach().view(2, inter, k)
+    return padded.view(2, -1, half, k).transpose(0, 1).reshape(-1, k)
+
+
+def pack_gated_panels(gate_up: torch.Tensor) -> torch.Tensor:
+    """[2I, K] -> [ceil(I / 8), K, 16]: `gated_rows` in panels, the layout `f32_silu_mul`
+    reads."""
+    return pack_panels(gated_rows(gate_up))
+
+
+def ungated(y: torch.Tensor, inter: int) -> torch.Tensor:
+    """A product over gated panels, [T, P * 16], as a plain gate_up's: [T, 2I] (gate, then up)."""
+    count, half = y.shape[1] // PANEL, PANEL // 2
+    halves = y.view(-1, count, 2, half).transpose(1, 2).reshape(-1, 2, count * half)
+    return halves[:, :, :inter].reshape(-1, 2 * inter)
 
 
 def gated_product(rows: torch.Tensor, panels: torch.Tensor, inter: int) -> torch.Tensor:
     """The product of gated panels as a plain gate_up's: [T, K] -> [T, 2I] (gate, then up)."""
-    count = int(panels.shape[0])
-    y = torch.empty(rows.shape[0], count * PANEL)
+    y = torch.empty(rows.shape[0], int(panels.shape[0]) * PANEL)
     torch.ops.shoal_cpu.f32_linear(rows, panels, None, y)
-    halves = y.view(-1, count, 2, PANEL // 2).transpose(1, 2).reshape(-1, 2, count * 8)
-    return halves[:, :, :inter].reshape(-1, 2 * inter)
+    return ungated(y, inter)
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
