@@ -35,7 +35,8 @@ SmolLM2), the bfloat16 weights half that; none is kept where the blocks take eve
 AMX's own int8 tiles would need 8-bit activations, which cost SmolLM2 3% of its top-1
 agreement (so would VNNI's vpdpbusd, twice the bfloat16 dot products' rate on the Zen 5 EPYC:
 emulated, 8-bit activations in blocks of 128 gave 94.9-96.3% top-1 at chunks of 512, under
-the bound, blocks of 32 97.3%).
+the bound, blocks of 32 97.3%; turned by a block Hadamard rotation first, 96.3-97.6% as the
+scales' blocks go: bench/act8_emulation.py).
 """
 
 from __future__ import annotations
