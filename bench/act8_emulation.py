@@ -61,13 +61,14 @@ def rounded(t: torch.Tensor, block: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Scheme:
     rotate: int
-    rotate_down: int  # the rotation's block where K is a multiple of it and not of 576 (down)
+    rotate_down: int  # the rotation's block where K is not the hidden size (the MLP's down)
     act_block: int
     weight_block: int  # -1: the weights kept in float32 (the activations' share alone)
     only: frozenset[str] = frozenset()  # "NxK" shapes emulated (empty: all); the rest float32
+    hidden: int = 576  # the model's hidden size (SmolLM2's)
 
     def rotation(self, k: int) -> int:
-        return self.rotate_down if self.rotate_down and k % 576 else self.rotate
+        return self.rotate_down if self.rotate_down and k != self.hidden else self.rotate
 
 
 class Act8Linear:
@@ -102,7 +103,7 @@ def act8_factory(scheme: Scheme) -> Callable[..., object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rotate", type=int, default=0, help="Hadamard block (0: none)")
-    parser.add_argument("--rotate-down", type=int, default=0, help="its block for K = 1536")
+    parser.add_argument("--rotate-down", type=int, default=0, help="its block for the MLP's down")
     parser.add_argument("--act-block", type=int, default=0, help="0: one scale a row")
     parser.add_argument(
         "--weight-block", type=int, default=0, help="0: one scale a channel; -1: float32"
@@ -111,10 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=512, help="tokens a forward (prompt-like)")
     parser.add_argument("--tokens", type=int, default=None, help="the text's first n (all)")
     args = parser.parse_args(argv)
-    scheme = Scheme(
-        args.rotate, args.rotate_down, args.act_block, args.weight_block, frozenset(args.only)
-    )
     loaded = quality.load_model(None, progress=False)
+    blocks = (args.rotate, args.rotate_down, args.act_block, args.weight_block)
+    scheme = Scheme(*blocks, frozenset(args.only), loaded.config.hidden_size)
     ids = quality.text_ids(loaded, args.tokens)
     window = min(1024, loaded.config.max_position_embeddings)
     dense = model_weights.make_linear
