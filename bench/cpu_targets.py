@@ -11,10 +11,9 @@ The steps (~8 minutes a round on the 2-core Zen 5 EPYC with both peers):
     offline_default        offline.py --peers vllm: shoal's default dtype against vLLM's
     offline_float32        the same with --dtype float32 on both
     offline_int8           offline.py --quantization int8, shoal alone
-    offline_float32_after  offline.py --dtype float32, shoal alone (int8 is held against the
-                           mean of this and offline_float32's shoal)
+    offline_float32_after  --dtype float32, shoal alone (int8: against both float32 runs' mean)
     serving_default        serving.py --launch shoal vllm, c = 1 16, vLLM in its default dtype
-                           (bfloat16 where the CPU multiplies bfloat16 with dot products)
+                           (bfloat16 where the CPU has bfloat16 dot products)
     serving_float32        the same, both in float32
     one_stream_int8        serving.py --launch shoal llamacpp --quantization int8, c = 1
     quality_bf16, quality_int8   quality.py --linear bf16 / int8 (teacher-forced, bundled text)
@@ -23,7 +22,8 @@ A step that fails is reported and the next one runs; --settle seconds pass betwe
 (a stopped server's processes leave the CPU). One line per target and round:
     cpu_target round=<n> target=<name> shoal=<x> peer=<name> peer_value=<y> ratio=<x/y>
                bound=<what meets it> verdict=<met|missed|not_run> machine=<desc>
-then a Markdown table, a row a target and a column a round ("shoal / peer (ratio): verdict").
+then the CPU, each system's setup (shoal's kernels) and a Markdown table, a row a target and a
+column a round ("shoal / peer (ratio): verdict").
 --raw appends every step's lines (as JSON, with its step's name and round) so that --from can
 rebuild them.
 """
@@ -81,9 +81,7 @@ def run_step(step: Step) -> list[Record]:
     """The step's `offline`/`serving`/`quality` lines, its output echoed to stderr as it comes."""
     cmd = [sys.executable, str(BENCH / step.script), *step.args]
     began = time.monotonic()
-    print(
-        f"cpu_targets step={step.name} started: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True
-    )
+    print(f"cpu_targets step={step.name}: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=BENCH.parent)
     assert proc.stdout is not None
     records = []
@@ -156,9 +154,8 @@ def _serving(
 ) -> tuple[float | None, float | None]:
     """`what` at concurrency c for shoal (`system`) and its peer in a serving step."""
     at = {"load": c, "mode": "concurrency"}
-    return _pick(records, step, what, system=system, **at), _pick(
-        records, step, what, system=peer, **at
-    )
+    shoal = _pick(records, step, what, system=system, **at)
+    return shoal, _pick(records, step, what, system=peer, **at)
 
 
 def _offline(records: list[Record]) -> list[Target]:
@@ -192,9 +189,8 @@ def _served(records: list[Record]) -> list[Target]:
     out.append(_ratio_target("serving float32 16 streams, tok/s", shoal, "vLLM", vllm, 1.3))
     one, peer_one = _serving(records, "serving_float32", f32, "vllm", "itl_ms_median", "1")
     met = None if one is None else one <= 15
-    out.append(
-        Target("one stream float32, ITL median ms", one, "vLLM", peer_one, "shoal <= 15 ms", met)
-    )
+    name = "one stream float32, ITL median ms"
+    out.append(Target(name, one, "vLLM", peer_one, "shoal <= 15 ms", met))
     s, v = _serving(records, "one_stream_int8", "shoal-int8", "llamacpp", "itl_ms_median", "1")
     out.append(_no_higher("one stream int8, ITL median ms", s, "llama.cpp Q4_1", v))
     return out
@@ -230,10 +226,17 @@ def _cell(t: Target) -> str:
     return f"{_show(t.shoal)} / {_show(t.peer_value)}{ratio}: {verdict(t)}"
 
 
-def table(rounds: list[list[Target]], desc: str) -> str:
+def setups(records: list[Record]) -> list[str]:
+    """Each system's setup as its offline lines name it (shoal's kernels, vLLM's dtype), once."""
+    named = (f"{r['step']} {r['system']}: {r['setup']}" for r in records if "setup" in r)
+    return list(dict.fromkeys(named))
+
+
+def table(rounds: list[list[Target]], desc: str, kernels: list[str]) -> str:
     """One row a target, one column a round: shoal / peer (ratio): verdict."""
     cols = [f"round {i + 1}: shoal / peer" for i in range(len(rounds))]
-    lines = [f"CPU: {desc}", "", "| target | peer | bound | " + " | ".join(cols) + " |"]
+    lines = [f"CPU: {desc}", *(f"- {k}" for k in kernels), ""]
+    lines.append("| target | peer | bound | " + " | ".join(cols) + " |")
     lines.append("| --- " * (3 + len(cols)) + "|")
     for row in zip(*rounds, strict=True):
         first = row[0]
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = ("target", "shoal", "peer", "peer_value", "ratio", "bound", "verdict")
         line = {k: v.replace(" ", "_") for k, v in zip(keys, (*shown, verdict(t)), strict=True)}
         emit("cpu_target", {"round": n, **line, "machine": desc}, args.out)
-    print(table(by_round, desc), flush=True)
+    print(table(by_round, desc, setups(records)), flush=True)
     return 0
 
 

@@ -15,7 +15,7 @@ CPU = "AMD_EPYC_family_26_model_2-avx2+avx512f-x86_64-2cpu"
 
 def _offline(step: str, system: str, rate: float) -> dict[str, str]:
     rec = {"step": step, "kind": "offline", "system": system, "tok_per_s": str(rate)}
-    return {**rec, "machine": CPU}
+    return {**rec, "setup": f"{system}-kernels", "machine": CPU}
 
 
 def _serving(step: str, system: str, c: int, *figures: float) -> dict[str, str]:
@@ -85,6 +85,8 @@ def test_every_target_is_read_from_its_steps_lines(
     assert got["offline_int8_(VNNI/AMX_CPU),_tok/s"]["peer_value"] == "530"
     assert len(out.read_text().splitlines()) == len(EXPECTED)
     assert f"CPU: {CPU}" in printed and printed.count("\n| ") == len(EXPECTED) + 2  # head, rule
+    assert "\n- offline_default shoal: shoal-kernels\n" in printed  # each setup named once
+    assert printed.count("- offline_float32 vllm: vllm-kernels") == 1
 
 
 def test_each_round_is_held_to_the_targets_alone(
