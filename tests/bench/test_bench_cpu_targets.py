@@ -175,3 +175,27 @@ def test_a_step_is_read_from_its_scripts_output(
     ]
     err = capsys.readouterr().err
     assert "loading..." in err and "rc=3" in err  # echoed, and a failed step does not raise
+
+
+def test_the_plan_runs_round_after_round_and_keeps_its_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench = load_bench("cpu_targets", monkeypatch)
+    (tmp_path / "fake.py").write_text(
+        "import sys\nprint('quality top1_agreement=0.99 ppl_ratio=1.0 step_arg=' + sys.argv[1])\n"
+    )
+    monkeypatch.setattr(bench, "BENCH", tmp_path)
+    plan = [bench.Step(f"quality_{k}", "fake.py", (a,)) for k, a in (("bf16", "a"), ("int8", "b"))]
+    raw = tmp_path / "raw.jsonl"
+    records = bench.run_plan(plan, 2, 0.0, raw)
+    assert [(r["round"], r["step"], r["step_arg"]) for r in records] == [
+        ("1", "quality_bf16", "a"),
+        ("1", "quality_int8", "b"),
+        ("2", "quality_bf16", "a"),
+        ("2", "quality_int8", "b"),
+    ]
+    assert [json.loads(x) for x in raw.read_text().splitlines()] == records
+    capsys.readouterr()
+    assert bench.main(["--from", str(raw)]) == 0  # the table from them: two rounds
+    quality = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| quality")]
+    assert len(quality) == 2 and all(x.count(": met") == 2 for x in quality)
