@@ -125,7 +125,23 @@ SHOAL_BF16_TARGET void store_gated(__m512 a, __m512 b, int64_t panels, uint16_t*
   const int64_t vector_end = n / Vec::size() * Vec::size();
   const __m512 gates = _mm512_shuffle_f32x4(a, b, 0x44);  // a's 8 gates, b's 8
   const __m512 ups = _mm512_shuffle_f32x4(a, b, 0xEE);    // a's 8 ups, b's 8
+#if defined(CPU_CAPABILITY_AVX512)
   __m512 act = shoal_silu::silu_mul(Vec(gates), Vec(ups));
+#else
+  // A build whose vectors are narrower than the tile's 16 lanes (AVX2's 8; this code runs
+  // where the CPU has AVX512-BF16 whatever the build): silu_mul a vector at a time, as that
+  // build's elementwise.cpp computes it
+  __m512 act;
+  {
+    alignas(64) float g[16], u[16], y[16];
+    _mm512_store_ps(g, gates);
+    _mm512_store_ps(u, ups);
+    for (int64_t i = 0; i < 16; i += Vec::size()) {
+      shoal_silu::silu_mul(Vec::loadu(g + i), Vec::loadu(u + i)).store(y + i);
+    }
+    act = _mm512_load_ps(y);
+  }
+#endif
   if (c0 + cols > vector_end) {  // the channels past the row's last whole vector: one by one
     alignas(64) float g[16], u[16], y[16];
     _mm512_store_ps(g, gates);

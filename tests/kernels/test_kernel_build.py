@@ -280,3 +280,38 @@ def test_a_read_only_cache_loads_the_built_kernels(prebuilt_cpu_kernels: Path) -
     assert "shoal_cpu" in result.stdout
     after = sorted(p.relative_to(prebuilt_cpu_kernels) for p in prebuilt_cpu_kernels.rglob("*"))
     assert after == before
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    cpu_kernels.capability() != "AVX512",
+    reason="this CPU's own build is AVX2's or narrower, which every other test runs already",
+)
+def test_the_avx2_build_compiles_and_gives_its_bits_on_an_avx512_cpu(
+    prebuilt_cpu_kernels: Path,
+) -> None:
+    """The kernels as an AVX2 CPU builds them (ATen's vectors of 8), built and run here: code
+    for AVX-512 CPUs only (the bfloat16 panels' gated epilogue took ATen's 16-lane vector) once
+    broke that build, which no test on an AVX-512 machine compiled. Here the bfloat16 panels
+    still run (the CPU has AVX512-BF16) and must give that build's silu_mul's bits."""
+    tests = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "SHOAL_CACHE_DIR": str(prebuilt_cpu_kernels),
+    }
+    check = "from shoal.kernels import cpu_kernels; print(cpu_kernels.capability())"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+        ).stdout.strip()
+        == "AVX2"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         str(tests / "test_bf16_gated.py"), str(tests / "test_cpu_kernels.py"),
+         "-k", "bits_of_the_product or silu or decode"],
+        env=env, capture_output=True, text=True, timeout=1200, cwd=tests.parent.parent,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
