@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from bench_scripts import fields, load_bench
@@ -149,19 +150,27 @@ def test_dry_run_names_each_step_and_its_peers(
         bench.main(["--dry-run", "--steps", "offline_fp8"])
 
 
+def _with_fake_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> ModuleType:
+    """cpu_targets with its bench folder a temporary one holding fake.py (`import sys`, then
+    `body`), which its steps can name."""
+    bench = load_bench("cpu_targets", monkeypatch)
+    (tmp_path / "fake.py").write_text("import sys\n" + body)
+    monkeypatch.setattr(bench, "BENCH", tmp_path)
+    return bench
+
+
 def test_a_step_is_read_from_its_scripts_output(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real subprocess: its result lines are kept with their step's name, the rest echoed."""
-    bench = load_bench("cpu_targets", monkeypatch)
-    (tmp_path / "fake.py").write_text(
-        "import sys\n"
+    bench = _with_fake_script(
+        tmp_path,
+        monkeypatch,
         "print('loading...')\n"
         "print('offline system=shoal tok_per_s=12.5 args=' + ','.join(sys.argv[1:]))\n"
         "print('offline system=vllm skipped reason=no vLLM here')\n"
-        "sys.exit(3)\n"
+        "sys.exit(3)\n",
     )
-    monkeypatch.setattr(bench, "BENCH", tmp_path)
     records = bench.run_step(bench.Step("offline_default", "fake.py", ("--x", "1")))
     assert records == [
         {
@@ -180,11 +189,8 @@ def test_a_step_is_read_from_its_scripts_output(
 def test_the_plan_runs_round_after_round_and_keeps_its_lines(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bench = load_bench("cpu_targets", monkeypatch)
-    (tmp_path / "fake.py").write_text(
-        "import sys\nprint('quality top1_agreement=0.99 ppl_ratio=1.0 step_arg=' + sys.argv[1])\n"
-    )
-    monkeypatch.setattr(bench, "BENCH", tmp_path)
+    line = "print('quality top1_agreement=0.99 ppl_ratio=1.0 step_arg=' + sys.argv[1])\n"
+    bench = _with_fake_script(tmp_path, monkeypatch, line)
     plan = [bench.Step(f"quality_{k}", "fake.py", (a,)) for k, a in (("bf16", "a"), ("int8", "b"))]
     raw = tmp_path / "raw.jsonl"
     records = bench.run_plan(plan, 2, 0.0, raw)
