@@ -1,17 +1,20 @@
 """What 8-bit activations would cost int8's quality: an emulation, not a kernel. Every linear of
 the bundled SmolLM2 (its lm_head too) multiplies as a W8A8 kernel with VNNI's `vpdpbusd` or
 AMX's int8 tiles would, in float32 arithmetic: activations rounded to 8 bits per row (or per
-block along K), weights to int8 per output channel (or per block), optionally both turned by a
+block along K; symmetric, or with --act-asym unsigned from the row's or block's minimum, as
+`vpdpbusd`'s unsigned operand takes them, the minimum's share added from the weights' sums),
+weights to int8 per output channel (or per block), optionally both turned by a
 block-diagonal Hadamard rotation first (QuaRot's idea: y = (W H^T)(H x) spreads an outlier
 channel over its block), then scored against packed float32 as quality.py scores int8.
 
     python bench/act8_emulation.py                          # per row, no rotation
     python bench/act8_emulation.py --rotate 64 --rotate-down 512 --act-block 64 --weight-block 64
+    python bench/act8_emulation.py --act-asym --act-block 32 --weight-block -1  # GGUF's weights
 
 Prints one line:
-    act8 rotate=<n> rotate_down=<n> act_block=<n> weight_block=<n> only=<shapes|all> chunk=<n>
-         tokens=<n> top1_agreement=<x> ppl_ratio=<x> verdict=<pass|fail against int8's bound>
-         machine=<desc>
+    act8 rotate=<n> rotate_down=<n> act_block=<n> weight_block=<n> act_asym=<bool>
+         only=<shapes|all> chunk=<n> tokens=<n> top1_agreement=<x> ppl_ratio=<x>
+         verdict=<pass|fail against int8's bound> machine=<desc>
 (block 0: one scale a row / output channel; rotate 0: none; --only 3072x576 960x576 ...: those
 linears alone, by their weights' shapes, the others in float32).
 """
@@ -58,12 +61,23 @@ def rounded(t: torch.Tensor, block: int) -> torch.Tensor:
     return ((g / scale).round().clamp(-127, 127) * scale).reshape(t.shape)
 
 
+def rounded_unsigned(t: torch.Tensor, block: int) -> torch.Tensor:
+    """t as unsigned 8-bit values with a minimum give it back: each row's (block 0) or block's
+    smallest value maps to 0, its largest to 255."""
+    k = t.shape[-1]
+    g = t.reshape(*t.shape[:-1], k // block, block) if block else t.unsqueeze(-2)
+    low = g.amin(-1, keepdim=True)
+    scale = (g.amax(-1, keepdim=True) - low).clamp_min(1e-12) / 255
+    return (((g - low) / scale).round().clamp(0, 255) * scale + low).reshape(t.shape)
+
+
 @dataclass(frozen=True)
 class Scheme:
     rotate: int
     rotate_down: int  # the rotation's block where K is not the hidden size (the MLP's down)
     act_block: int
     weight_block: int  # -1: the weights kept in float32 (the activations' share alone)
+    act_asym: bool = False  # activations unsigned from their minimum (rounded_unsigned)
     only: frozenset[str] = frozenset()  # "NxK" shapes emulated (empty: all); the rest float32
     hidden: int = 576  # the model's hidden size (SmolLM2's)
 
@@ -77,13 +91,14 @@ class Act8Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: Scheme) -> None:
         self.rotate = scheme.rotation(int(weight.shape[1]))
         self.act_block = scheme.act_block
+        self.round = rounded_unsigned if scheme.act_asym else rounded
         turned = rotated(weight.float(), self.rotate)
         self.weight = turned if scheme.weight_block < 0 else rounded(turned, scheme.weight_block)
         self.bias = bias
         self.out_features = int(weight.shape[0])
 
     def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        x8 = rounded(rotated(x.float(), self.rotate), self.act_block)
+        x8 = self.round(rotated(x.float(), self.rotate), self.act_block)
         return F.linear(x8, self.weight, self.bias)
 
 
@@ -108,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--weight-block", type=int, default=0, help="0: one scale a channel; -1: float32"
     )
+    parser.add_argument(
+        "--act-asym", action="store_true", help="activations unsigned from their minimum"
+    )
     parser.add_argument("--only", nargs="+", default=[], help="these NxK linears (e.g. 3072x576)")
     parser.add_argument("--chunk", type=int, default=512, help="tokens a forward (prompt-like)")
     parser.add_argument("--tokens", type=int, default=None, help="the text's first n (all)")
     args = parser.parse_args(argv)
     loaded = quality.load_model(None, progress=False)
     blocks = (args.rotate, args.rotate_down, args.act_block, args.weight_block)
-    scheme = Scheme(*blocks, frozenset(args.only), loaded.config.hidden_size)
+    scheme = Scheme(*blocks, args.act_asym, frozenset(args.only), loaded.config.hidden_size)
     ids = quality.text_ids(loaded, args.tokens)
     window = min(1024, loaded.config.max_position_embeddings)
     dense = model_weights.make_linear

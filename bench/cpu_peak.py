@@ -10,8 +10,15 @@ Each thread runs twelve independent chains (enough to hide every latency) of
     int8      vpmaddubsw (32 u8 x s8 products, pairs summed to s16), vpmaddwd by ones (to s32),
               vpaddd into the accumulator: 32 multiply-adds for three instructions, the fastest
               exact int8 sum AVX2 has without VNNI
+and, where the CPU has them (`-` where not), the same twelve chains of 512-bit instructions:
+    zmm_f32   vfmadd on 16 floats
+    bf16_dot  vdpbf16ps (AVX512-BF16): 32 multiply-adds of bfloat16 pairs into float32
+    vnni_u8   vpdpbusd (AVX512-VNNI): 64 u8 x s8 multiply-adds into int32, the instruction an
+              8-bit-activation kernel would sum with
+so that vnni_over_bf16 says what such a kernel could gain over the bfloat16 panels at most.
 One line per thread count:
     cpu_peak threads=<n> f32_gmacs=<x> f32_gflops=<2x> int8_gmacs=<y> int8_over_f32=<y/x>
+             zmm_f32_gmacs=<a|-> bf16_dot_gmacs=<b|-> vnni_u8_gmacs=<c|-> vnni_over_bf16=<c/b|->
              machine=<desc>
 Needs a compiler (torch's extension builder, as the CPU kernels do) and AVX2.
 """
@@ -27,6 +34,8 @@ from pathlib import Path
 import torch
 from bench_format import emit, machine
 from torch.utils.cpp_extension import load_inline
+
+from shoal.kernels.cpu_features import read_cpu_features
 
 CHAINS = 12
 _SOURCE = r"""
@@ -84,6 +93,45 @@ double int8_chains(int64_t iters) {
   });
   return double(sink);
 }
+
+// Twelve chains of one 512-bit multiply-add instruction (Op: 0 vfmadd, 1 vdpbf16ps,
+// 2 vpdpbusd), compiled for those extensions alone: called only where the CPU has them.
+#define SHOAL_ZMM __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vnni")))
+template <int Op>
+SHOAL_ZMM int64_t zmm_thread(int64_t iters) {
+  __m512 f[12];
+  __m512i s[12];
+  for (int c = 0; c < 12; ++c) f[c] = _mm512_set1_ps(float(c));
+  for (int c = 0; c < 12; ++c) s[c] = _mm512_set1_epi32(c);
+  __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
+  __m512i a = _mm512_set1_epi8(3), w = _mm512_set1_epi8(-5);
+  for (int64_t i = 0; i < iters; ++i) {
+    for (int c = 0; c < 12; ++c) {
+      if constexpr (Op == 0) f[c] = _mm512_fmadd_ps(f[c], x, y);
+      if constexpr (Op == 1) f[c] = _mm512_dpbf16_ps(f[c], (__m512bh)a, (__m512bh)w);
+      if constexpr (Op == 2) s[c] = _mm512_dpbusd_epi32(s[c], a, w);
+    }
+    asm volatile("" : "+v"(x), "+v"(a));
+  }
+  __m512 fs = f[0];
+  __m512i is = s[0];
+  for (int c = 1; c < 12; ++c) fs = _mm512_add_ps(fs, f[c]);
+  for (int c = 1; c < 12; ++c) is = _mm512_add_epi32(is, s[c]);
+  return int64_t(_mm512_reduce_add_ps(fs)) + _mm512_reduce_add_epi32(is);
+}
+
+template <int Op>
+double zmm_chains(int64_t iters) {
+  std::atomic<int64_t> sink{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) sink += zmm_thread<Op>(iters);
+  });
+  return double(sink);
+}
+
+double zmm_f32_chains(int64_t iters) { return zmm_chains<0>(iters); }
+double bf16_dot_chains(int64_t iters) { return zmm_chains<1>(iters); }
+double vnni_u8_chains(int64_t iters) { return zmm_chains<2>(iters); }
 """
 
 
@@ -91,7 +139,13 @@ def build(folder: Path) -> object:
     return load_inline(
         name="shoal_cpu_peak",
         cpp_sources=_SOURCE,
-        functions=["f32_chains", "int8_chains"],
+        functions=[
+            "f32_chains",
+            "int8_chains",
+            "zmm_f32_chains",
+            "bf16_dot_chains",
+            "vnni_u8_chains",
+        ],
         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
@@ -116,20 +170,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="append each line as JSON")
     args = parser.parse_args(argv)
     own_threads = torch.get_num_threads()
+    cpu = read_cpu_features()
+    zmm = {  # name: (chain, multiply-adds an instruction, whether this CPU has it)
+        "zmm_f32": ("zmm_f32_chains", 16, "avx512f" in cpu.flags),
+        "bf16_dot": ("bf16_dot_chains", 32, cpu.bf16),
+        "vnni_u8": ("vnni_u8_chains", 64, cpu.vnni),
+    }
     with tempfile.TemporaryDirectory() as folder:
         peak = build(Path(folder))
         for threads in args.threads:
             torch.set_num_threads(threads)
             f32 = rate(peak.f32_chains, args.iters, 8, threads)  # type: ignore[attr-defined]
             int8 = rate(peak.int8_chains, args.iters, 32, threads)  # type: ignore[attr-defined]
-            line = {
+            line: dict[str, object] = {
                 "threads": threads,
                 "f32_gmacs": round(f32, 1),
                 "f32_gflops": round(2 * f32, 1),
                 "int8_gmacs": round(int8, 1),
                 "int8_over_f32": round(int8 / f32, 2),
-                "machine": machine(),
             }
+            wide: dict[str, float] = {}
+            for name, (chain, macs, present) in zmm.items():
+                if present:
+                    wide[name] = rate(getattr(peak, chain), args.iters, macs, threads)
+                line[f"{name}_gmacs"] = round(wide[name], 1) if name in wide else "-"
+            both = "bf16_dot" in wide and "vnni_u8" in wide
+            line["vnni_over_bf16"] = round(wide["vnni_u8"] / wide["bf16_dot"], 2) if both else "-"
+            line["machine"] = machine()
             emit("cpu_peak", line, args.out)
     torch.set_num_threads(own_threads)
     return 0

@@ -1,4 +1,5 @@
-"""bench/act8_emulation.py: its rotation is orthonormal, its rounding is 8-bit, a rotation
+"""bench/act8_emulation.py: its rotation is orthonormal, its roundings (symmetric and
+unsigned from a minimum) are 8-bit, a rotation
 spreads an outlier channel as the emulation counts on, and a short run prints its line and
 leaves the model builder as it found it."""
 
@@ -29,6 +30,29 @@ def test_hadamard_is_orthonormal_and_rounding_keeps_the_8_bit_grid(
         assert (err.reshape(3, -1, block or 128) <= groups / 127 / 2 + 1e-7).all()
 
 
+def test_unsigned_rounding_keeps_its_grid_and_halves_a_one_sided_blocks_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--act-asym: 256 steps from the block's minimum; on values that are mostly one side of 0
+    (a SiLU's outputs, down_proj's inputs) that is about half the symmetric rounding's step."""
+    bench = load_bench("act8_emulation", monkeypatch)
+    on_grid = torch.arange(256, dtype=torch.float32).reshape(1, 256) * 0.25 - 3.0
+    assert torch.equal(bench.rounded_unsigned(on_grid, 0), on_grid)  # min -3, 255 steps of 1/4
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    for block in (0, 32):
+        err = (bench.rounded_unsigned(x, block) - x).abs().reshape(4, -1, block or 256)
+        g = x.reshape(4, -1, block or 256)
+        step = (g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 255
+        assert (err <= step / 2 + 1e-6).all()
+    silu = torch.nn.functional.silu(x * 3)  # >= -0.28, up to ~9
+    unsigned = (bench.rounded_unsigned(silu, 32) - silu).norm()
+    assert unsigned < (bench.rounded(silu, 32) - silu).norm() * 0.7
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(4))
+    scheme = bench.Scheme(0, 0, 32, -1, act_asym=True)
+    got = bench.Act8Linear(w, None, scheme)(silu)
+    assert torch.allclose(got, bench.rounded_unsigned(silu, 32) @ w.T, atol=1e-4)
+
+
 def test_a_rotation_spreads_an_outlier_channel(monkeypatch: pytest.MonkeyPatch) -> None:
     bench = load_bench("act8_emulation", monkeypatch)
     g = torch.Generator().manual_seed(1)
@@ -45,7 +69,7 @@ def test_a_rotation_spreads_an_outlier_channel(monkeypatch: pytest.MonkeyPatch) 
 
 def test_only_the_shapes_asked_for_are_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
     bench = load_bench("act8_emulation", monkeypatch)
-    make = bench.act8_factory(bench.Scheme(64, 0, 0, -1, frozenset({"8x64"})))
+    make = bench.act8_factory(bench.Scheme(64, 0, 0, -1, only=frozenset({"8x64"})))
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
     emulated = make("dense", w, None)
     assert isinstance(emulated, bench.Act8Linear)
@@ -68,3 +92,7 @@ def test_a_short_run_prints_its_line(
     assert bench.main(["--only", "3072x576", "--weight-block", "-1", "--tokens", "40"]) == 0
     line = fields(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["only"] == "3072x576" and line["weight_block"] == "-1"
+    assert line["act_asym"] == "False"
+    assert bench.main(["--act-asym", "--act-block", "32", "--tokens", "40", "--chunk", "16"]) == 0
+    line = fields(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["act_asym"] == "True" and line["act_block"] == "32"
