@@ -45,6 +45,7 @@ BUCKETS: dict[str, tuple[str, ...]] = {
     "matmul": (
         "mm", "addmm", "linear", "matmul", "_mkl_linear", "_linear_pointwise", "bmm",
         "f32_linear", "q8_linear", "q4_linear", "f32_silu_mul", "bf16_panel_linear",
+        "bf16_silu_mul",  # the gate_up's bfloat16 panels with their silu_mul epilogue
     ),
     "attention": (
         "_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention",
