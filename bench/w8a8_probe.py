@@ -1,26 +1,29 @@
-"""What an 8-bit-activation (W8A8) linear could do on a CPU with AVX512-VNNI, beside shoal's
-bfloat16 panels: a probe, not a kernel shoal runs. The int8 mode's many-row steps multiply in
-the bfloat16 panels (`vdpbf16ps`); `vpdpbusd` does twice their multiply-adds a cycle
-(`cpu_peak.py`), and activations rounded unsigned per block of 32 beside the GGUF's own weights
-keep int8's quality bound (`act8_emulation.py --act-asym`). This measures the kernel side:
+"""What int8's many-row steps could do with 8-bit activations on a CPU with AVX512-VNNI and no
+AMX, beside the kernels they run now: a probe (bench/w8a8_probe.cpp), not a kernel shoal runs.
+On such a CPU the int8 mode multiplies few rows in its blocks (`q4_linear`, int16 activations,
+`vpdpwssd`) and many in bfloat16 panels (`bf16_panel_linear`, `vdpbf16ps`); `vpdpbusd` does
+twice `vdpbf16ps`' multiply-adds a cycle (`cpu_peak.py`), and activations rounded unsigned per
+block of 32 beside the GGUF's own weights keep int8's quality bound
+(`act8_emulation.py --act-asym`). Two parts:
 
-  tile    one register tile of 4 rows x 2 panels of 16 channels, its weights in L1, summed over
-          SmolLM2's K = 576 again and again: `vpdpbusd` with each block of 32's scales and
-          minimum's term applied (a conversion, a multiply and two multiply-adds a row and
-          panel every 8 `vpdpbusd`s), against the same tile of `vdpbf16ps`. One thread.
+  tile    one register tile of 4 rows x 2 panels of 16 channels, its operands in L1, summed over
+          SmolLM2's K = 576 again and again: `vpdpbusd` with each block of 32's scale and
+          the activations' minimum applied, against the same tile of `vdpbf16ps`. One thread.
   layers  SmolLM2's four projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536)
-          in 30 layers of distinct random weights, that tile swept over every panel and row,
-          against `bf16_panel_linear` on the same shapes, threads as given.
+          in 30 layers of distinct Q4_1 weights (as the bundled GGUF holds them), float32 rows
+          in and out: `u8_linear` (the rows rounded to unsigned 8 bits a block of 32, the
+          weights' own 4-bit integers, a tile of 4 rows x 2 panels applying both scales and
+          both minimums every block) against the blocks and the bfloat16 panels.
 
-    python bench/w8a8_probe.py                      # both, 64 and 256 rows, 2 threads
-    python bench/w8a8_probe.py --rows 16 64 --layers 1
+    python bench/w8a8_probe.py                      # rows 16 32 64 256, 2 threads
+    python bench/w8a8_probe.py --rows 64 --layers 1
 
 Prints one line a part (tile), and a row count (layers):
     w8a8_probe part=tile u8_gmacs=<x> bf16_gmacs=<y> u8_over_bf16=<x/y> machine=<desc>
-    w8a8_probe part=layers rows=<m> layers=<n> u8_ms=<x> bf16_ms=<y> u8_over_bf16=<y/x>
-               max_rel_err=<against a float64 reference> machine=<desc>
-(the ms are the best of three passes; u8_over_bf16 above 1 is the probe faster). Needs a
-compiler, AVX512-VNNI and AVX512-BF16, and the CPU kernels (cpu_kernels.py) for the panels.
+    w8a8_probe part=layers rows=<m> layers=<n> u8_ms=<x> bf16_panels_ms=<y> blocks_ms=<z>
+               u8_over_bf16=<y/x> max_rel_err=<against a float64 reference> machine=<desc>
+(the ms are the best of five passes; u8_over_bf16 above 1 is the probe faster). Needs a
+compiler, AVX512-VNNI and AVX512-BF16, and the CPU kernels (cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -31,209 +34,129 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from bench_format import emit, machine
-from torch.utils.cpp_extension import load_inline
+from torch.utils.cpp_extension import load
+
+from shoal.kernels.quant import BLOCK, PANEL, Q4Blocks, Q8Blocks, exact_q4_blocks
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2's [N, K], a layer
-_SOURCE = r"""
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <cstring>
-
-namespace {
-
-// rows 0..3 of x (uint8 [4, K]) times panels 0..1 (int8 [2][B][512]: quad i of block b holds
-// 16 channels x 4 of K at 64 i), each block's sums scaled by dw[p][b] * dx[r][b] and the
-// block's minimum mx[r][b] times cw[p][b] added: out [4][32] float
-inline void u8_tile(const int8_t* w, int64_t w_stride, const float* dw, const float* cw,
-                    int64_t s_stride, const uint8_t* x, int64_t K, const float* dx,
-                    const float* mx, int64_t B, float* out, int64_t out_stride) {
-  __m512 acc[4][2];
-  for (int r = 0; r < 4; ++r) for (int q = 0; q < 2; ++q) acc[r][q] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
-    __m512i dot[4][2];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      const __m512i w0 = _mm512_loadu_si512(w + b * 512 + 64 * i);
-      const __m512i w1 = _mm512_loadu_si512(w + w_stride + b * 512 + 64 * i);
-      for (int r = 0; r < 4; ++r) {
-        int32_t a;
-        std::memcpy(&a, x + r * K + b * 32 + 4 * i, 4);
-        const __m512i av = _mm512_set1_epi32(a);
-        dot[r][0] = _mm512_dpbusd_epi32(i ? dot[r][0] : _mm512_setzero_si512(), av, w0);
-        dot[r][1] = _mm512_dpbusd_epi32(i ? dot[r][1] : _mm512_setzero_si512(), av, w1);
-      }
-    }
-    for (int q = 0; q < 2; ++q) {
-      const __m512 d = _mm512_loadu_ps(dw + q * s_stride + b * 16);
-      const __m512 c = _mm512_loadu_ps(cw + q * s_stride + b * 16);
-      for (int r = 0; r < 4; ++r) {
-        const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][q]), d);
-        acc[r][q] = _mm512_fmadd_ps(p, _mm512_set1_ps(dx[r * B + b]), acc[r][q]);
-        acc[r][q] = _mm512_fmadd_ps(c, _mm512_set1_ps(mx[r * B + b]), acc[r][q]);
-      }
-    }
-  }
-  for (int r = 0; r < 4; ++r)
-    for (int q = 0; q < 2; ++q) _mm512_storeu_ps(out + r * out_stride + 16 * q, acc[r][q]);
-}
-
-// the same tile in bfloat16: x [4][K] bfloat16 pairs, panels [2][K / 2][32] (pair i: 16
-// channels x 2 of K), products summed in float32
-inline void bf16_tile(const uint16_t* w, int64_t w_stride, const uint16_t* x, int64_t K,
-                      float* out) {
-  __m512 acc[4][2];
-  for (int r = 0; r < 4; ++r) for (int q = 0; q < 2; ++q) acc[r][q] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < K / 2; ++i) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + 32 * i);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + w_stride + 32 * i);
-    for (int r = 0; r < 4; ++r) {
-      int32_t a;
-      std::memcpy(&a, x + r * K + 2 * i, 4);
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(a);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, w1);
-    }
-  }
-  for (int r = 0; r < 4; ++r)
-    for (int q = 0; q < 2; ++q) _mm512_storeu_ps(out + 32 * r + 16 * q, acc[r][q]);
-}
-
-}  // namespace
-
-// y [M, N] = the W8A8 product: xq uint8 [M, K], dx, mx float [M, B]; w int8 [P, B, 512];
-// dw, cw float [P, B, 16]. M a multiple of 4, P of 2.
-void u8_linear(at::Tensor xq, at::Tensor dx, at::Tensor mx, at::Tensor w, at::Tensor dw,
-               at::Tensor cw, at::Tensor y) {
-  const int64_t M = xq.size(0), K = xq.size(1), P = w.size(0), B = w.size(1), N = y.size(1);
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* dwp = dw.data_ptr<float>();
-  const float* cwp = cw.data_ptr<float>();
-  const uint8_t* x = xq.data_ptr<uint8_t>();
-  const float* dxp = dx.data_ptr<float>();
-  const float* mxp = mx.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, P / 2, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t m = 0; m < M; m += 4) {
-        u8_tile(wp + 2 * g * B * 512, B * 512, dwp + 2 * g * B * 16, cwp + 2 * g * B * 16, B * 16,
-                x + m * K, K, dxp + m * B, mxp + m * B, B, out + m * N + 32 * g, N);
-      }
-    }
-  });
-}
-
-// seconds for `reps` passes of each tile over K = 576 with its operands in L1 (one thread)
-std::vector<double> tile_seconds(int64_t reps) {
-  constexpr int64_t K = 576, B = K / 32;
-  std::vector<int8_t> w(2 * B * 512);
-  std::vector<uint16_t> wb(2 * K * 16), xb(4 * K);
-  std::vector<uint8_t> x(4 * K);
-  std::vector<float> s(2 * B * 16, 0.5f), dx(4 * B, 0.25f), out(4 * 32);
-  for (size_t i = 0; i < w.size(); ++i) w[i] = int8_t(i * 7 % 127);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = uint8_t(i * 3 % 200);
-  for (size_t i = 0; i < wb.size(); ++i) wb[i] = uint16_t(0x3f80 + i % 64);
-  for (size_t i = 0; i < xb.size(); ++i) xb[i] = uint16_t(0x3f00 + i % 64);
-  float sink = 0.f;
-  auto start = std::chrono::steady_clock::now();
-  for (int64_t t = 0; t < reps; ++t) {
-    u8_tile(w.data(), B * 512, s.data(), s.data(), B * 16, x.data(), K, dx.data(), dx.data(), B,
-            out.data(), 32);
-    sink += out[t % 128];
-  }
-  auto mid = std::chrono::steady_clock::now();
-  for (int64_t t = 0; t < reps; ++t) {
-    bf16_tile(wb.data(), K * 16, xb.data(), K, out.data());
-    sink += out[t % 128];
-  }
-  auto end = std::chrono::steady_clock::now();
-  return {std::chrono::duration<double>(mid - start).count(),
-          std::chrono::duration<double>(end - mid).count(), double(sink)};
-}
-"""
+SOURCE = Path(__file__).resolve().parent / "w8a8_probe.cpp"
+CSRC = Path(__file__).resolve().parents[1] / "kernels" / "csrc"  # tiles.h
+BLOCK_BYTES = 704  # 512 bytes of quads, then dw, cw and mw, 16 float32 each
 
 
-def build(folder: Path) -> Any:
-    return load_inline(
+def build(folder: Path) -> None:
+    """Compiles the probe's ops (torch.ops.shoal_probe) and loads them."""
+    load(
         name="shoal_w8a8_probe",
-        cpp_sources="#include <chrono>\n#include <vector>\n" + _SOURCE,
-        functions=["u8_linear", "tile_seconds"],
-        extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mavx512bf16"],
+        sources=[str(SOURCE)],
+        extra_include_paths=[str(CSRC)],
+        extra_cflags=["-O3", "-fopenmp"],  # at::parallel_for is OpenMP's: without it, one thread
+        extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
+        is_python_module=False,
     )
 
 
-def quantized(n: int, k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random int8 weights in the probe's quads with their block scales, and the same weight in
-    bfloat16 panels."""
-    from shoal.kernels.bf16_linear import pack_bf16_panels
+def pack_u8_panels(blocks: Q4Blocks | Q8Blocks) -> torch.Tensor:
+    """The blocks' weights as uint8 [P, B, 704]: panel p's block b holds channel 16 p + j's
+    integer weight at K = 32 b + 4 i + t in byte 64 i + 4 j + t, then float32 dw (the block's
+    scale), cw (dw times the sum of its integers) and mw (its minimum: Q4_1's m, 0 for int8)
+    for the 16 channels; w = dw * q + mw. Channels past N are zero."""
+    values = blocks.values()  # [N, B * 32]: int8, or Q4's 0..15 as uint8
+    n, k = values.shape
+    panels, count = -(-n // PANEL), k // BLOCK
+    q = torch.zeros(panels * PANEL, k, dtype=torch.int8)
+    q[:n] = values.to(torch.int8)
+    quads = q.view(panels, PANEL, count, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
+    dw = blocks.d  # [P, B, 16]
+    sums = q.view(panels, PANEL, count, BLOCK).sum(-1, dtype=torch.int32).permute(0, 2, 1)
+    mw = blocks.m if isinstance(blocks, Q4Blocks) else torch.zeros_like(dw)
+    scales = torch.stack([dw, dw * sums.float(), mw], dim=2).contiguous()  # [P, B, 3, 16]
+    packed = torch.empty(panels, count, BLOCK_BYTES, dtype=torch.uint8)
+    packed[:, :, :512] = quads.reshape(panels, count, 512).view(torch.uint8)
+    packed[:, :, 512:] = scales.view(panels, count, 48).view(torch.uint8)
+    return packed
 
-    q = torch.randint(-127, 128, (n // 16, k // 32, 512), dtype=torch.int8, generator=gen)
-    dw = torch.rand(n // 16, k // 32, 16, generator=gen) / 64
-    cw = torch.rand(n // 16, k // 32, 16, generator=gen)
-    dense = q.view(n // 16, k // 32, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 32, 32)
-    weight = (dense.float() * dw.permute(0, 2, 1).reshape(n, k // 32, 1)).reshape(n, k)
-    return {"q": q, "dw": dw, "cw": cw, "dense": dense, "panels": pack_bf16_panels(weight)}
+
+def u8_product(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None):
+    out = torch.empty(x.shape[0], n)
+    torch.ops.shoal_probe.u8_linear(x, panels, bias, out)
+    return out
 
 
-def reference(
-    xq: torch.Tensor, dx: torch.Tensor, mx: torch.Tensor, w: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    """The probe's product in float64: sum_b dx dw (xq . q) + mx cw."""
-    n, blocks = w["dense"].shape[0], w["dense"].shape[1]
-    dots = torch.einsum("mbk,nbk->mnb", xq.view(xq.shape[0], blocks, 32).double(),
-                        w["dense"].double())  # fmt: skip
-    dw = w["dw"].permute(0, 2, 1).reshape(n, blocks).double()
-    cw = w["cw"].permute(0, 2, 1).reshape(n, blocks).double()
-    return (dots * dx.double()[:, None] * dw[None]).sum(-1) + mx.double() @ cw.T
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's blocks of 32 as u8_linear rounds them (255 steps from the block's minimum),
+    in float64."""
+    g = x.float().reshape(x.shape[0], -1, BLOCK)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    step = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(lo))
+    u = torch.round((g - lo) / step).clamp(0, 255)
+    return (u.double() * step.double() + lo.double()).reshape(x.shape)
+
+
+def q4_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A weight that is exactly Q4_1 blocks (q * d + m, d a float16), as the GGUF's are."""
+    q = torch.randint(0, 16, (n, k // BLOCK, BLOCK), generator=gen).float()
+    q[:, :, 0], q[:, :, 1] = 0, 15  # each block's minimum and maximum, as GGUF's quantizer puts
+    d = (torch.rand(n, k // BLOCK, 1, generator=gen) / 50 + 1e-3).half().float()
+    m = -torch.rand(n, k // BLOCK, 1, generator=gen) / 10
+    return (q * d + m).reshape(n, k)
 
 
 def best_ms(run: Callable[[], None]) -> float:
     run()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         start = time.perf_counter()
         run()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
 
 
-def layers_line(probe: Any, rows: int, layers: int) -> dict[str, object]:
+def layers_line(rows: int, layers: int) -> dict[str, object]:
+    from shoal.kernels.bf16_linear import pack_bf16_panels
+
     gen = torch.Generator().manual_seed(0)
-    weights = [[quantized(n, k, gen) for n, k in SHAPES] for _ in range(layers)]
-    inputs = {}
-    for _, k in SHAPES:
-        xq = torch.randint(0, 256, (rows, k), dtype=torch.uint8, generator=gen)
-        dx, mx = torch.rand(rows, k // 32, generator=gen), torch.rand(rows, k // 32, generator=gen)
-        inputs[k] = (xq, dx, mx, torch.randn(rows, k, generator=gen))
+    weights = []
+    for _ in range(layers):
+        layer = []
+        for n, k in SHAPES:
+            blocks = exact_q4_blocks(q4_weight(n, k, gen))
+            assert blocks is not None
+            layer.append((blocks, pack_u8_panels(blocks), pack_bf16_panels(blocks.dequantize())))
+        weights.append(layer)
+    x = {k: torch.randn(rows, k, generator=gen) for _, k in SHAPES}
     outs = {n: torch.empty(rows, n) for n, _ in SHAPES}
-    first, (n0, k0) = weights[0][0], SHAPES[0]
-    probe.u8_linear(*inputs[k0][:3], first["q"], first["dw"], first["cw"], outs[n0])
-    want = reference(*inputs[k0][:3], first)
-    err = float(((outs[n0].double() - want).abs().max() / want.abs().max()).item())
+    blocks, panels, _ = weights[0][0]
+    want = rounded_rows(x[SHAPES[0][1]]) @ blocks.dequantize().double().T
+    got = u8_product(x[SHAPES[0][1]], panels, SHAPES[0][0]).double()
+    err = float(((got - want).abs().max() / want.abs().max()).item())
 
-    def u8() -> None:
-        for layer in weights:
-            for (n, k), w in zip(SHAPES, layer, strict=True):
-                probe.u8_linear(*inputs[k][:3], w["q"], w["dw"], w["cw"], outs[n])
+    def sweep(kind: int) -> Callable[[], None]:
+        def run() -> None:
+            for layer in weights:
+                for (n, k), parts in zip(SHAPES, layer, strict=True):
+                    if kind == 0:
+                        torch.ops.shoal_probe.u8_linear(x[k], parts[1], None, outs[n])
+                    elif kind == 1:
+                        torch.ops.shoal_cpu.bf16_panel_linear(x[k], parts[2], None, outs[n])
+                    else:
+                        parts[0].run(x[k], None, outs[n])
 
-    def bf16() -> None:
-        for layer in weights:
-            for (n, k), w in zip(SHAPES, layer, strict=True):
-                torch.ops.shoal_cpu.bf16_panel_linear(inputs[k][3], w["panels"], None, outs[n])
+        return run
 
-    u8_ms, bf16_ms = best_ms(u8), best_ms(bf16)
-    return {"part": "layers", "rows": rows, "layers": layers, "u8_ms": round(u8_ms, 2),
-            "bf16_ms": round(bf16_ms, 2), "u8_over_bf16": round(bf16_ms / u8_ms, 2),
-            "max_rel_err": f"{err:.1e}"}  # fmt: skip
+    u8, bf16, int16 = (best_ms(sweep(kind)) for kind in range(3))
+    return {"part": "layers", "rows": rows, "layers": layers, "u8_ms": round(u8, 2),
+            "bf16_panels_ms": round(bf16, 2), "blocks_ms": round(int16, 2),
+            "u8_over_bf16": round(bf16 / u8, 2), "max_rel_err": f"{err:.1e}"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="multiples of 4")
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 256])
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=200_000, help="tile passes (the tile part)")
@@ -249,18 +172,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     own_threads = torch.get_num_threads()
     load_cpu_kernels(default_cache_dir())
-    with tempfile.TemporaryDirectory() as folder:
-        probe = build(Path(folder))
-        u8_s, bf16_s, _ = probe.tile_seconds(args.reps)
-        macs = args.reps * 4 * 32 * 576  # 4 rows x 32 channels x K
-        u8, bf16 = macs / u8_s / 1e9, macs / bf16_s / 1e9
-        tile = {"part": "tile", "u8_gmacs": round(u8, 1), "bf16_gmacs": round(bf16, 1)}
-        emit("w8a8_probe", {**tile, "u8_over_bf16": round(u8 / bf16, 2), "machine": machine()},
-             args.out)  # fmt: skip
-        torch.set_num_threads(args.threads)
-        for rows in args.rows:
-            line = layers_line(probe, rows, args.layers)
-            emit("w8a8_probe", {**line, "machine": machine()}, args.out)
+    if not hasattr(torch.ops.shoal_probe, "u8_linear"):
+        with tempfile.TemporaryDirectory() as folder:
+            build(Path(folder))
+    u8_s, bf16_s, _ = torch.ops.shoal_probe.tile_seconds(args.reps)
+    macs = args.reps * 4 * 32 * 576  # 4 rows x 32 channels x K
+    u8, bf16 = macs / u8_s / 1e9, macs / bf16_s / 1e9
+    tile = {"part": "tile", "u8_gmacs": round(u8, 1), "bf16_gmacs": round(bf16, 1)}
+    emit("w8a8_probe", {**tile, "u8_over_bf16": round(u8 / bf16, 2), "machine": machine()},
+         args.out)  # fmt: skip
+    torch.set_num_threads(args.threads)
+    for rows in args.rows:
+        emit("w8a8_probe", {**layers_line(rows, args.layers), "machine": machine()}, args.out)
     torch.set_num_threads(own_threads)
     return 0
 
