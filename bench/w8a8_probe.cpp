@@ -32,10 +32,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <chrono>
 #include <vector>
 
 #include "tiles.h"
@@ -107,10 +107,11 @@ void round_rows(const at::Tensor& x, int64_t blocks, Rounded& r) {
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t at = row * x.stride(0) + b * kBlock;
-        const float* block = floats + at;
+        const float* block = v;
         if (bf16) {
           for (int64_t i = 0; i < kBlock; ++i) v[i] = static_cast<float>(halves[at + i]);
-          block = v;
+        } else {
+          block = floats + at;
         }
         const int64_t s = row * blocks + b;
         round_block(block, r.u.data() + row * k + b * kBlock, &r.dx[s], &r.mx[s], &r.sa[s]);
@@ -119,7 +120,6 @@ void round_rows(const at::Tensor& x, int64_t blocks, Rounded& r) {
   });
 }
 
-// rows m0 .. m0 + R - 1 times panels p0 .. p0 + Q - 1 into out (all 16 channels of each).
 // Where a tile's sums go: out [M, n] (rows `stride` apart) plus the bias, if any.
 struct Dest {
   float* out;
@@ -127,6 +127,8 @@ struct Dest {
   const float* bias;
 };
 
+// rows m0 .. m0 + R - 1 times panels p0 .. p0 + Q - 1 into d (a panel's channels past n not
+// written)
 template <int R, int Q>
 SHOAL_U8_TARGET void tile(const uint8_t* panels, int64_t panel_bytes, int64_t blocks,
                           const Rounded& r, int64_t k, int64_t m0, int64_t p0, const Dest& d) {
@@ -151,7 +153,8 @@ SHOAL_U8_TARGET void tile(const uint8_t* panels, int64_t panel_bytes, int64_t bl
       }
     }
     for (int q = 0; q < Q; ++q) {
-      const auto* s = reinterpret_cast<const float*>(panels + q * panel_bytes + b * kBlockBytes + 512);
+      const uint8_t* block = panels + q * panel_bytes + b * kBlockBytes;
+      const auto* s = reinterpret_cast<const float*>(block + 512);
       const __m512 dw = _mm512_loadu_ps(s), cw = _mm512_loadu_ps(s + 16);
       const __m512 mw = _mm512_loadu_ps(s + 32);
       for (int row = 0; row < R; ++row) {
@@ -185,8 +188,7 @@ SHOAL_U8_TARGET void tile_rows(int64_t rows, const uint8_t* panels, int64_t pane
   tile<R, Q>(panels, panel_bytes, blocks, r, k, m0, p0, d);
 }
 
-// The sketch's tile (bench/README.md): a block's scales, no weights' minimum.
-// rows 0..3 of x (uint8 [4, K]) times panels 0..1 (int8 [2][B][512]: quad i of block b holds
+// The sketch's tile (bench/README.md): a block's scales, no weights' minimum. Rows 0..3 of x (uint8 [4, K]) times panels 0..1 (int8 [2][B][512]: quad i of block b holds
 // 16 channels x 4 of K at 64 i), each block's sums scaled by dw[p][b] * dx[r][b] and the
 // block's minimum mx[r][b] times cw[p][b] added: out [4][32] float
 SHOAL_U8_TARGET void u8_tile(const int8_t* w, int64_t w_stride, const float* dw, const float* cw,
