@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench_format import emit, machine
@@ -47,17 +48,25 @@ CSRC = Path(__file__).resolve().parents[1] / "kernels" / "csrc"  # tiles.h
 BLOCK_BYTES = 704  # 512 bytes of quads, then dw, cw and mw, 16 float32 each
 
 
-def build(folder: Path) -> None:
-    """Compiles the probe's ops (torch.ops.shoal_probe) and loads them."""
-    load(
-        name="shoal_w8a8_probe",
-        sources=[str(SOURCE)],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O3", "-fopenmp"],  # at::parallel_for is OpenMP's: without it, one thread
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        is_python_module=False,
-    )
+def load_probe() -> None:
+    """shoal's CPU kernels (the panels and blocks it is measured against) and the probe's ops
+    (torch.ops.shoal_probe), compiled once a process."""
+    from shoal.kernels.cpu_kernels import load_cpu_kernels
+    from shoal.loading.loader import default_cache_dir
+
+    load_cpu_kernels(default_cache_dir())
+    if hasattr(torch.ops.shoal_probe, "u8_linear"):
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        load(
+            name="shoal_w8a8_probe",
+            sources=[str(SOURCE)],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3", "-fopenmp"],  # at::parallel_for is OpenMP's: else one thread
+            extra_ldflags=["-fopenmp"],
+            build_directory=folder,
+            is_python_module=False,
+        )
 
 
 def pack_u8_panels(blocks: Q4Blocks | Q8Blocks) -> torch.Tensor:
@@ -81,7 +90,9 @@ def pack_u8_panels(blocks: Q4Blocks | Q8Blocks) -> torch.Tensor:
     return packed
 
 
-def u8_product(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None):
+def u8_product(
+    x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     out = torch.empty(x.shape[0], n)
     torch.ops.shoal_probe.u8_linear(x, panels, bias, out)
     return out
@@ -135,20 +146,22 @@ def layers_line(rows: int, layers: int) -> dict[str, object]:
     got = u8_product(x[SHAPES[0][1]], panels, SHAPES[0][0]).double()
     err = float(((got - want).abs().max() / want.abs().max()).item())
 
-    def sweep(kind: int) -> Callable[[], None]:
+    Multiply = Callable[[torch.Tensor, tuple[Any, ...], torch.Tensor], None]
+
+    def sweep(multiply: Multiply) -> Callable[[], None]:
+        """Every layer's four projections, each as `multiply` takes (x, its parts, out)."""
+
         def run() -> None:
             for layer in weights:
                 for (n, k), parts in zip(SHAPES, layer, strict=True):
-                    if kind == 0:
-                        torch.ops.shoal_probe.u8_linear(x[k], parts[1], None, outs[n])
-                    elif kind == 1:
-                        torch.ops.shoal_cpu.bf16_panel_linear(x[k], parts[2], None, outs[n])
-                    else:
-                        parts[0].run(x[k], None, outs[n])
+                    multiply(x[k], parts, outs[n])
 
         return run
 
-    u8, bf16, int16 = (best_ms(sweep(kind)) for kind in range(3))
+    ops = torch.ops
+    u8 = best_ms(sweep(lambda x, p, out: ops.shoal_probe.u8_linear(x, p[1], None, out)))
+    bf16 = best_ms(sweep(lambda x, p, out: ops.shoal_cpu.bf16_panel_linear(x, p[2], None, out)))
+    int16 = best_ms(sweep(lambda x, p, out: p[0].run(x, None, out)))
     return {"part": "layers", "rows": rows, "layers": layers, "u8_ms": round(u8, 2),
             "bf16_panels_ms": round(bf16, 2), "blocks_ms": round(int16, 2),
             "u8_over_bf16": round(bf16 / u8, 2), "max_rel_err": f"{err:.1e}"}  # fmt: skip
@@ -163,18 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="append each line as JSON")
     args = parser.parse_args(argv)
     from shoal.kernels.cpu_features import read_cpu_features
-    from shoal.kernels.cpu_kernels import load_cpu_kernels
-    from shoal.loading.loader import default_cache_dir
 
     cpu = read_cpu_features()
     if not (cpu.vnni and cpu.bf16):
         print(f"w8a8_probe skipped: needs AVX512-VNNI and AVX512-BF16 ({cpu.isa()})", flush=True)
         return 0
     own_threads = torch.get_num_threads()
-    load_cpu_kernels(default_cache_dir())
-    if not hasattr(torch.ops.shoal_probe, "u8_linear"):
-        with tempfile.TemporaryDirectory() as folder:
-            build(Path(folder))
+    load_probe()
     u8_s, bf16_s, _ = torch.ops.shoal_probe.tile_seconds(args.reps)
     macs = args.reps * 4 * 32 * 576  # 4 rows x 32 channels x K
     u8, bf16 = macs / u8_s / 1e9, macs / bf16_s / 1e9

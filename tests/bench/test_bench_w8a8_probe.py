@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,7 @@ import torch
 from bench_scripts import fields, load_bench
 
 from shoal.kernels import cpu_features
-from shoal.kernels.cpu_kernels import load_cpu_kernels
 from shoal.kernels.quant import exact_q4_blocks, q8_blocks
-from shoal.loading.loader import default_cache_dir
 
 FEATURES = cpu_features.read_cpu_features()
 NEEDS = pytest.mark.skipif(
@@ -30,10 +27,7 @@ NEEDS = pytest.mark.skipif(
 @pytest.fixture
 def probe(monkeypatch: pytest.MonkeyPatch) -> Any:
     bench = load_bench("w8a8_probe", monkeypatch)
-    load_cpu_kernels(default_cache_dir())
-    if not hasattr(torch.ops.shoal_probe, "u8_linear"):
-        with tempfile.TemporaryDirectory() as folder:
-            bench.build(Path(folder))
+    bench.load_probe()
     return bench
 
 
