@@ -2,7 +2,7 @@
 many rows on they multiply their dequantized weights instead of the block kernels, and in what
 form. A model's build asks once (models/weights.py) and hands the answer to each linear.
 
-    form = many_rows()   # ManyRows(rows=24, bf16=True, head=False) on an AVX512-BF16 CPU
+    form = many_rows()   # ManyRows(rows=24, bf16=True) on an AVX512-BF16 CPU
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from shoal.kernels.cpu_kernels import with_vnni
 # against 7.0-7.2, 24 rows 8.4-8.8 against 7.2-7.4, 32 rows 10.8-11.4 against 8.1-9.4, 64 rows
 # 21.9 against 17.7; through oneDNN's bfloat16 there once from 64: on the AMD EPYC, 32 rows
 # 32.5 ms against 33.7 in blocks, 64 rows 51.5 against 66.1, 256 rows 179 against 265; the
-# engine's decode of 16 rows took 35-38 ms a step against 24 with them from 16), the lm_head
-# there kept in blocks (64 rows 23.1 ms against 20.3: its top logits again in float32 and the
-# conversions cost more than the bfloat16 product saves); without VNNI (an AVX2 build) the float32
+# engine's decode of 16 rows took 35-38 ms a step against 24 with them from 16). The lm_head
+# takes the same form from the same rows (a `Bf16Head`: its top logits again in float32); in
+# the panels on the Zen 5 EPYC 2.29 ms at 32 rows against 3.27 in blocks, 64 rows 4.25 against
+# 6.45, 16 rows 1.71 against 1.70 (through oneDNN it had lost there: 64 rows 23.1 ms against
+# 20.3, so it had kept its blocks until 2026-11-29). Without VNNI (an AVX2 build) the float32
 # panels from ~32 rows (16 rows 23.7 ms in blocks against 28.1, 32 rows 46.0 against 44.2;
 # bench/README.md). With VNNI and no bfloat16 the blocks win at every size measured (256 rows
 # 289 ms against 353 for the panels), so they take every step and no panels are kept.
@@ -34,13 +36,12 @@ NEVER = 2**62
 
 @dataclass(frozen=True)
 class ManyRows:
-    """From how many rows on an int8 linear multiplies its dequantized weights (NEVER: the
-    blocks take every step), and how: in bfloat16 through oneDNN, or in float32 panels;
-    `head`: the lm_head too (else it keeps its blocks at every size)."""
+    """From how many rows on an int8 linear, the lm_head too, multiplies its dequantized
+    weights (NEVER: the blocks take every step), and how: in bfloat16 (oneDNN's tiles, or
+    shoal's panels), or in float32 panels."""
 
     rows: int
     bf16: bool
-    head: bool = True
 
 
 def many_rows() -> ManyRows:
@@ -54,5 +55,5 @@ def form_for(cpu: CpuFeatures, onednn_bf16: bool, vnni_build: bool) -> ManyRows:
     if onednn_bf16 and cpu.amx_bf16:
         return ManyRows(MANY_ROWS_TILES, True)
     if onednn_bf16 and cpu.bf16:
-        return ManyRows(MANY_ROWS_BF16, True, head=False)
+        return ManyRows(MANY_ROWS_BF16, True)
     return ManyRows(NEVER if vnni_build else MANY_ROWS_PANELS, False)

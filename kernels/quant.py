@@ -25,13 +25,14 @@ weights, dequantized once at load (every value as the blocks give it back), mult
 bfloat16 where the CPU has bfloat16 dot products (bf16_linear.py; the lm_head's top logits
 again in float32): on AMX's tiles through oneDNN from 10 rows (6x the float32 panels' rate at
 64 rows there, offline 1.97x float32, 99.30% top-1 agreement), with AVX512-BF16 alone in
-shoal's bfloat16 panels from 24 rows for the layers (1.24x the blocks at 64 rows on the Zen 5
-EPYC; int8_rows.py, bench/README.md). Without them, through `f32_linear` in float32 panels as
-float32 weights do (an AVX2 build: from 24 rows), and where the CPU has VNNI the blocks take
-every step: they beat the float32 panels at every size. A SiLU-gated MLP's gate_up keeps its
-panels gated (`GatedInt8Linear`, int8_gated.py), so that it multiplies and activates in one
-op, as float32's does. The panels cost the float32 model's memory again (0.54 GB for
-SmolLM2), the bfloat16 weights half that; none is kept where the blocks take every step.
+shoal's bfloat16 panels from 24 rows (the layers 1.24x the blocks at 64 rows on the Zen 5
+EPYC, the head 1.52x; int8_rows.py, bench/README.md). Without them, through `f32_linear`
+in float32 panels as float32 weights do (an AVX2 build: from 24 rows), and where the CPU has
+VNNI the blocks take every step: they beat the float32 panels at every size. A SiLU-gated
+MLP's gate_up keeps its panels gated (`GatedInt8Linear`, int8_gated.py), so that it
+multiplies and activates in one op, as float32's does. The panels cost the float32 model's
+memory again (0.54 GB for SmolLM2), the bfloat16 weights half that (and the head's float32
+weight again, for its top logits); none is kept where the blocks take every step.
 AMX's own int8 tiles would need 8-bit activations, which cost SmolLM2 3% of its top-1
 agreement (so would VNNI's vpdpbusd, twice the bfloat16 dot products' rate on the Zen 5 EPYC:
 emulated, 8-bit activations in blocks of 128 gave 94.9-96.3% top-1 at chunks of 512, under
@@ -157,11 +158,11 @@ class Int8Linear:
             )
         self.out_features = int(weight.shape[0])
         self.in_features = int(weight.shape[1])
-        self.head = head  # the lm_head: on the tiles, its top logits again in float32 (Bf16Head)
+        self.head = head  # the lm_head: in bfloat16, its top logits again in float32 (Bf16Head)
         # How it takes steps of many rows (many_rows(): a model's build decides it once for
         # all its linears)
         self.form = many_rows() if form is None else form
-        self.many_rows = self.form.rows if self.form.head or not head else NEVER
+        self.many_rows = self.form.rows
         self.load(weight, bias)
 
     def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:

@@ -20,8 +20,17 @@ from weight_kinds import (
 
 from shoal.config import EngineOptions
 from shoal.kernels.bf16_gated import GatedBf16Linear
+from shoal.kernels.bf16_linear import Bf16Head, onednn_bf16_available
+from shoal.kernels.cpu_features import CpuFeatures
 from shoal.kernels.int8_gated import GatedInt8Linear
-from shoal.kernels.int8_rows import MANY_ROWS_PANELS, MANY_ROWS_TILES, many_rows
+from shoal.kernels.int8_rows import (
+    MANY_ROWS_BF16,
+    MANY_ROWS_PANELS,
+    MANY_ROWS_TILES,
+    ManyRows,
+    form_for,
+    many_rows,
+)
 from shoal.kernels.linear import make_linear
 from shoal.kernels.quant import (
     BLOCK,
@@ -211,6 +220,32 @@ def test_a_gated_gate_up_gives_the_plain_ones_bits(m: int, q4: bool) -> None:
             expected = expected.to(torch.bfloat16)
         assert torch.equal(act, expected)
         assert torch.equal(gated(x), product)
+
+
+ZEN5 = CpuFeatures("AMD EPYC", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}))
+
+
+@pytest.mark.skipif(not onednn_bf16_available(), reason="oneDNN has no bfloat16 matmul on this CPU")
+def test_the_head_takes_the_bfloat16_form_from_many_rows_too() -> None:
+    """On a CPU with AVX512-BF16 and no AMX the lm_head, like the layers, multiplies its
+    dequantized weights in bfloat16 from many_rows() rows on (a Bf16Head: each row's top
+    candidates again in float32, so the greedy choice is its own weights'), and in its blocks
+    below."""
+    form = form_for(ZEN5, onednn_bf16=True, vnni_build=True)
+    assert form == ManyRows(MANY_ROWS_BF16, True)
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(700, 64, generator=gen) * 0.1
+    head = Int8Linear(weight, None, head=True, form=form)
+    assert isinstance(head.tiles, Bf16Head) and head.many_rows == MANY_ROWS_BF16
+    own = head.dequantized_weight().double()
+    x = torch.randn(MANY_ROWS_BF16 + 3, 64, generator=gen)
+    y, exact = head(x), x.double() @ own.T
+    torch.testing.assert_close(y.amax(-1).double(), exact.amax(-1), rtol=0, atol=1e-5)
+    assert torch.equal(y.argmax(-1), exact.argmax(-1))
+    few = x[: MANY_ROWS_BF16 - 1]
+    blocks = torch.empty(few.shape[0], 700)
+    head.blocks.run(few, None, blocks)
+    assert torch.equal(head(few), blocks)
 
 
 def test_the_kernels_refuse_what_they_cannot_read() -> None:
