@@ -9,6 +9,8 @@ compiled kernels (`cpu`: csrc/paged_decode.cpp, csrc/paged_extend.cpp) against i
     python bench/kernels.py --device cpu --impls cpu --batch 16 64 --context 120 250 \
         --layers 30                          # a step's 30 layers' caches: read from memory
     TRITON_INTERPRET=1 python bench/kernels.py --smoke       # tiny shapes on CPU: runs, no figures
+    python bench/kernels.py --device cpu --impls cpu --batch 64 --extend-batch 0 --context 200 \
+        --layers 30 --pool-tokens 200000 --kv-memory torch pool   # a server's pool, both ways
 
 Prints one line per kernel, implementation and shape:
     kernel op=<decode|extend> impl=<triton|torch> batch=<B> context=<L> ms=<x> gbps=<y>
@@ -18,13 +20,18 @@ read (B x L x 2 x Hkv x D x dtype bytes), the figure to hold against the HBM ban
 --layers N: N caches on the same pages, attended in turn, and the time is a layer's (one
 layer's cache may fit in the CPU's last-level cache where a model's layers do not).
 extend: a prefill of L new tokens per sequence, no cached prefix; tflops counts the causal
-attention's multiply-adds (2 x 2 x B x H x D x L^2 / 2). Pages are shuffled over the pool.
+attention's multiply-adds (2 x 2 x B x H x D x L^2 / 2). Pages are shuffled over the pool: the
+step's own, or with --pool-tokens N a pool of N tokens' slots (a server's, after a while of
+serving). --kv-memory: the caches from torch's allocator (`torch`), or as the engine's KV pool
+allocates them on the CPU (`pool`: models/huge_pages.py, in transparent huge pages where Linux
+gives them), each in turn on the same pages; the lines name it (kv_memory, pool_tokens).
 Times: the median of --iters runs after a warm-up, CUDA events on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -47,24 +54,33 @@ Caches = list[tuple[torch.Tensor, torch.Tensor]]  # each layer's K and V
 
 def make_batch(
     batch: int, context: int, decode: bool, page_size: int, dtype: torch.dtype, device: str,
-    layers: int = 1,
+    layers: int = 1, pool_tokens: int = 0, memory: str = "torch",
 ) -> tuple[BatchShape, torch.Tensor, Caches, torch.Tensor]:  # fmt: skip
     """The shape, page table, each layer's K/V caches and the queries of one step; pages
-    shuffled."""
+    shuffled over a pool of at least `pool_tokens` slots, its caches from `memory`."""
     pages_per_seq = -(-context // page_size)
-    num_pages = batch * pages_per_seq + 1
+    num_pages = max(batch * pages_per_seq + 1, -(-pool_tokens // page_size))
     order = torch.randperm(num_pages)[: batch * pages_per_seq].view(batch, pages_per_seq)
     table = order.to(device=device, dtype=torch.int64)
-    slots = num_pages * page_size
-    caches = []
-    for _ in range(layers):
-        k_cache = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
-        caches.append((k_cache, torch.randn_like(k_cache)))
+    shape_of = (num_pages * page_size, NUM_KV_HEADS, HEAD_DIM)
+    caches = [(kv_cache(shape_of, dtype, device, memory), kv_cache(shape_of, dtype, device, memory))
+              for _ in range(layers)]  # fmt: skip
     new = 1 if decode else context
     shape = BatchShape(tuple(range(batch)), (context - new,) * batch, (new,) * batch)
     q_dtype = dtype if device == "cuda" else torch.float32  # the CPU's q: float32
     q = torch.randn(batch * new, NUM_HEADS, HEAD_DIM, dtype=q_dtype, device=device)
     return shape, table, caches, q
+
+
+def kv_cache(
+    shape: tuple[int, int, int], dtype: torch.dtype, device: str, memory: str
+) -> torch.Tensor:
+    """Random K or V rows: torch's memory, or the engine's KV pool's (CPU only)."""
+    if memory == "torch":
+        return torch.randn(shape, dtype=dtype, device=device)
+    from shoal.models.huge_pages import zeros
+
+    return zeros(shape, dtype).normal_()
 
 
 def timed(fn: Callable[[], Any], iters: int, device: str) -> float:
@@ -117,11 +133,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     chosen = backends(args.impls, args.page_size)
     for op, batches in (("decode", args.batch), ("extend", args.extend_batch)):
         for batch in batches:
-            for context in args.context:
+            for context, memory in itertools.product(args.context, args.kv_memory):
                 decode = op == "decode"
+                torch.manual_seed(0)  # the same pages for each memory
                 shape, table, caches, q = make_batch(
-                    batch, context, decode, args.page_size, dtype, args.device, args.layers
-                )
+                    batch, context, decode, args.page_size, dtype, args.device, args.layers,
+                    args.pool_tokens, memory,
+                )  # fmt: skip
                 impls: dict[str, Attention] = {
                     name: backend.prepare(table, shape) for name, backend in chosen.items()
                 }
@@ -140,6 +158,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "tflops": round(flops / ms / 1e9, 2) if op == "extend" else "-",
                         "dtype": args.dtype,
                         "layers": args.layers,
+                        "kv_memory": memory,
+                        "pool_tokens": args.pool_tokens,
                         "machine": machine(),
                     }
                     print("kernel " + " ".join(f"{k}={v}" for k, v in line.items()), flush=True)
@@ -163,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         "--impls", nargs="+", default=None, choices=["triton", "torch", "cpu"],
         help="default: triton torch on cuda (and --smoke), torch cpu on the CPU",
     )  # fmt: skip
+    parser.add_argument("--pool-tokens", type=int, default=0, help="slots the pool holds")
+    parser.add_argument(
+        "--kv-memory", nargs="+", default=["torch"], choices=["torch", "pool"],
+        help="the caches' memory: torch's allocator, or the engine's KV pool's (CPU)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     parser.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny shapes, 1 iter")
     args = parser.parse_args(argv)
@@ -172,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.impls is None:
         on_gpu = args.device == "cuda" or args.smoke
         args.impls = ["triton", "torch"] if on_gpu else ["torch", "cpu"]
+    if "pool" in args.kv_memory and args.device != "cpu":
+        parser.error("--kv-memory pool: the KV pool's own memory is the CPU's")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device (use --smoke on CPU)")
     lines = run(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from shoal.loading.config import ModelConfig
+from shoal.models import huge_pages
 
 
 class KVPool:
@@ -45,4 +46,6 @@ class KVPool:
             self.released = False
 
     def _zeros(self) -> torch.Tensor:
+        if self.device.type == "cpu":  # in huge pages where Linux gives them (huge_pages.py)
+            return huge_pages.zeros(self.shape, self.dtype)
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)

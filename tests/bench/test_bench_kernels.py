@@ -23,7 +23,8 @@ def test_kernels_benchmark_smoke(
     assert [(x["op"], x["impl"]) for x in lines] == [
         ("decode", "triton"), ("decode", "torch"), ("extend", "triton"), ("extend", "torch")
     ]  # fmt: skip
-    keys = ["op", "impl", "batch", "context", "ms", "gbps", "tflops", "dtype", "layers", "machine"]
+    keys = ["op", "impl", "batch", "context", "ms", "gbps", "tflops", "dtype", "layers"]
+    keys += ["kv_memory", "pool_tokens", "machine"]
     assert all(list(x) == keys for x in lines)
     assert all(float(x["ms"]) > 0 for x in lines)
     assert [x["gbps"] != "-" for x in lines] == [True, True, False, False]
@@ -46,3 +47,22 @@ def test_kernels_benchmark_cpu_kernels(
     ]  # fmt: skip
     assert all(float(x["ms"]) > 0 and x["dtype"] == "bfloat16" for x in lines)
     assert all(x["layers"] == "2" for x in lines)
+
+
+def test_kernels_benchmark_kv_memory(
+    kernels: CpuKernels, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--kv-memory torch pool: each shape with the caches from torch's allocator, then from the
+    KV pool's (models/huge_pages.py), on a pool of --pool-tokens slots; the lines say which."""
+    bench = load_bench("kernels", monkeypatch)
+    argv = ["--device", "cpu", "--impls", "cpu", "--batch", "2", "--extend-batch", "0"]
+    argv += ["--context", "40", "--iters", "1", "--pool-tokens", "20000"]
+    assert bench.main([*argv, "--kv-memory", "torch", "pool"]) == 0
+    lines = [fields(x) for x in capsys.readouterr().out.splitlines() if x.startswith("kernel ")]
+    decodes = [x for x in lines if x["op"] == "decode"]
+    assert [(x["kv_memory"], x["pool_tokens"]) for x in decodes] == [
+        ("torch", "20000"), ("pool", "20000")
+    ]  # fmt: skip
+    assert all(float(x["ms"]) > 0 for x in lines)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--kv-memory", "pool"])
