@@ -33,11 +33,13 @@ MLP's gate_up keeps its panels gated (`GatedInt8Linear`, int8_gated.py), so that
 multiplies and activates in one op, as float32's does. The panels cost the float32 model's
 memory again (0.54 GB for SmolLM2), the bfloat16 weights half that (and the head's float32
 weight again, for its top logits); none is kept where the blocks take every step.
-AMX's own int8 tiles would need 8-bit activations, which cost SmolLM2 3% of its top-1
-agreement (so would VNNI's vpdpbusd, twice the bfloat16 dot products' rate on the Zen 5 EPYC:
-emulated, 8-bit activations in blocks of 128 gave 94.9-96.3% top-1 at chunks of 512, under
-the bound, blocks of 32 97.3%; turned by a block Hadamard rotation first, 96.3-97.6% as the
-scales' blocks go: bench/act8_emulation.py).
+AMX's own int8 tiles would need 8-bit activations (so would VNNI's vpdpbusd, twice the
+bfloat16 dot products' rate on the Zen 5 EPYC): rounded symmetric they cost SmolLM2 about 3%
+of its top-1 agreement; rounded unsigned from each block of 32's minimum, 1.8% (98.23%,
+bench/act8_emulation.py). A kernel of them (bench/w8a8_probe.py) applies both sides' scales
+and minimums every block of 32, and that epilogue keeps it at 1.04-1.21x the bfloat16 panels
+from 64 rows on the Zen 5 (about 1.4x at most, by a model of its pipes; docs/cpu-step.md, "int8
+on VNNI and AMX"), for 1.8 points of top-1: not wired in.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A decode step on the CPU reads each sequence's K and V rows from pages the cache manager put
 anywhere in the pool, so after a while of serving its reads jump across the whole pool and each
-jump can miss the TLB (a 4 KB page holds 16 tokens' rows of one KV head of 64 bfloat16s at
-most). With the pool in 2 MB pages, a few hundred entries cover it all. Linux gives anonymous
+jump can miss the TLB (a 4 KB page holds about ten tokens' K rows of SmolLM2 in bfloat16). With
+the pool in 2 MB pages, a few hundred entries cover it all. Linux gives anonymous
 memory huge pages only where it was asked to (`madvise(MADV_HUGEPAGE)`) when the system's
 setting is `madvise`, the common default, and torch's CPU allocator asks only when
 `THP_MEM_ALLOC_ENABLE=1` was set before its first allocation; so the pool asks itself:
