@@ -10,13 +10,15 @@ setting is `madvise`, the common default, and torch's CPU allocator asks only wh
 
     k = zeros((slots, kv_heads, head_dim), torch.bfloat16)   # models/kv_pool.py
 
-Where the advice does not apply (not Linux, the setting `never`, under 2 MB) the tensor is
-torch.zeros' own. Either way it is written once here, so the pages are there before a step
+Where the advice does not apply (not Linux, under 2 MB) the tensor is torch.zeros' own; where
+the kernel ignores it (the setting `never`) or refuses it (built without huge pages), the same
+memory in small pages. Either way it is written once here, so the pages are there before a step
 needs them (a first write later would stall a step on the kernel's fault, or its compaction).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 
@@ -36,7 +38,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # the tensor can start on a huge page's boundary (its last part, under 2 MB, stays in small
     # pages, and the untouched rest costs nothing); the tensor holds the mapping while it lives
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    region.madvise(advice)
+    with contextlib.suppress(OSError):  # a kernel without huge pages refuses: small pages then
+        region.madvise(advice)
     whole = torch.frombuffer(region, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     tensor = whole[start : start + nbytes].view(dtype).view(shape)

@@ -55,6 +55,21 @@ def test_zeros_of_the_shape_and_dtype(shape: tuple[int, ...], dtype: torch.dtype
     assert float(t.sum()) == 2 and not bool(huge_pages.zeros(shape, dtype).any())
 
 
+class RefusingMap(mmap.mmap):
+    """A mapping whose kernel has no huge pages: the advice is refused (EINVAL)."""
+
+    def madvise(self, option: int, start: int = 0, length: int = 0) -> None:
+        raise OSError(22, "Invalid argument")
+
+
+def test_a_refused_advice_leaves_small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(huge_pages.mmap, "mmap", RefusingMap)
+    t = huge_pages.zeros((huge_pages.HUGE_PAGE // 256 + 1, 64), torch.float32)
+    assert t.shape == (huge_pages.HUGE_PAGE // 256 + 1, 64) and not bool(t.any())
+    t[-1, -1] = 1
+    assert float(t.sum()) == 1
+
+
 @needs_madvise
 def test_a_big_tensor_is_advised_and_a_small_one_is_torchs() -> None:
     """Under the 'madvise' setting, memory is eligible for huge pages only where it was
