@@ -15,7 +15,8 @@ and the lm_head, in milliseconds.
         onednn_bf16_ms=<x> bf16_panels_ms=<x> int8_blocks_ms=<x> isa=<flags> machine=<desc>
 
 The weights are random (the time does not depend on their values); the panels need the
-compiled CPU kernels (without them that column is absent).
+compiled CPU kernels (without them that column is absent), and a CPU whose oneDNN has no
+bfloat16 (AVX2 alone) has no onednn_bf16 column.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from bench_format import emit, machine
 
-from shoal.kernels.bf16_linear import pack_bf16_panels
+from shoal.kernels.bf16_linear import onednn_bf16_available, pack_bf16_panels
 from shoal.kernels.cpu_features import read_cpu_features
 from shoal.kernels.cpu_kernels import KernelUnavailable, load_cpu_kernels
 from shoal.kernels.linear import pack_panels
@@ -77,6 +78,8 @@ def runner(
     if kind == "f_linear":
         return lambda: torch.nn.functional.linear(x, weight)
     if kind == "onednn_bf16":
+        if not onednn_bf16_available():  # AVX2 alone: oneDNN refuses to pack bfloat16
+            return None
         weight, x = weight.to(torch.bfloat16), x.to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
     return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
