@@ -21,7 +21,9 @@ The steps (~8 minutes a round on the 2-core Zen 5 EPYC with both peers):
 A step that fails is reported and the next one runs; --settle seconds pass between two steps
 (a stopped server's processes leave the CPU). One line per target and round:
     cpu_target round=<n> target=<name> shoal=<x> peer=<name> peer_value=<y> ratio=<x/y>
-               bound=<what meets it> verdict=<met|missed|not_run> machine=<desc>
+               bound=<what meets it> verdict=<met|missed|not_run|not_this_CPU's> machine=<desc>
+(int8's 2x is asked only of a CPU with VNNI or AMX: on an AVX2 one its verdict is
+not_this_CPU's, its figures still shown).
 then the CPU, each system's setup (shoal's kernels) and a Markdown table, a row a target and a
 column a round ("shoal / peer (ratio): verdict").
 --raw appends every step's lines (as JSON, with its step's name and round) so that --from can
@@ -31,6 +33,7 @@ rebuild them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import statistics
@@ -121,6 +124,7 @@ class Target:
     bound: str
     met: bool | None  # None: not run
     comparable: bool = True  # shoal / peer means something (not for quality's two figures)
+    applies: bool = True  # the target holds on this CPU (int8's 2x: only with VNNI or AMX)
 
     @property
     def ratio(self) -> float | None:
@@ -171,8 +175,18 @@ def _offline(records: list[Record]) -> list[Target]:
         if (f := _pick(records, s, "tok_per_s", system="shoal")) is not None
     ]
     f32 = statistics.fmean(floats) if floats else None
-    out.append(_ratio_target("offline int8 (VNNI/AMX CPU), tok/s", int8, "shoal float32", f32, 2.0))
+    target = _ratio_target("offline int8 (VNNI/AMX CPU), tok/s", int8, "shoal float32", f32, 2.0)
+    out.append(dataclasses.replace(target, applies=_integer_units(records)))
     return out
+
+
+def _integer_units(records: list[Record]) -> bool:
+    """Whether the CPU the int8 run named (its `machine`: model, then ISA features) has the
+    integer dot products int8's 2x is asked of: VNNI (`vpdpbusd`) or AMX's int8 tiles. An
+    AVX2-only CPU (a Zen 3 EPYC) has neither. No int8 line: held to it."""
+    named = (r.get("machine", "") for r in records if r["step"] == "offline_int8")
+    desc = next(named, None)
+    return desc is None or "vnni" in desc or "amx_int8" in desc
 
 
 def _served(records: list[Record]) -> list[Target]:
@@ -218,7 +232,11 @@ def _show(x: float | None) -> str:
 
 
 def verdict(t: Target) -> str:
-    return "not run" if t.met is None else ("met" if t.met else "missed")
+    if t.met is None:
+        return "not run"
+    if not t.applies:
+        return "not this CPU's"
+    return "met" if t.met else "missed"
 
 
 def _cell(t: Target) -> str:

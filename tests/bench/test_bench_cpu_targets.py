@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 from bench_scripts import fields, load_bench
 
-CPU = "AMD_EPYC_family_26_model_2-avx2+avx512f-x86_64-2cpu"
+CPU = "AMD_EPYC_family_26_model_2-avx2+avx512f+avx512_vnni+avx512_bf16-x86_64-2cpu"
 
 
 def _offline(step: str, system: str, rate: float) -> dict[str, str]:
@@ -106,6 +106,34 @@ def test_each_round_is_held_to_the_targets_alone(
     assert [(x["ratio"], x["verdict"]) for x in default] == [("1.3", "met"), ("1.137", "missed")]
     row = next(x for x in printed.splitlines() if x.startswith("| offline default"))
     assert row.endswith("| 910 / 700 (1.30x): met | 910 / 800 (1.14x): missed |")
+
+
+def test_int8s_2x_is_not_asked_of_a_cpu_without_vnni_or_amx(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An AVX2-only CPU (the Zen 3 EPYC) has no integer dot-product units: int8 under 2x
+    float32 there is not a miss; its figures are still shown. Every other target is as before."""
+    bench = load_bench("cpu_targets", monkeypatch)
+    avx2 = "AMD_EPYC_family_25_model_1-avx2-x86_64-2cpu"
+    sitting = [{**r, "machine": avx2} if "machine" in r else r for r in SITTING]
+    sitting[4] = {**sitting[4], "tok_per_s": "500.0"}  # int8 0.94x float32
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in sitting))
+    assert bench.main(["--from", str(raw)]) == 0
+    printed = capsys.readouterr().out
+    got = _targets(printed)
+    int8 = got["offline_int8_(VNNI/AMX_CPU),_tok/s"]
+    assert (int8["shoal"], int8["ratio"], int8["verdict"]) == ("500", "0.9434", "not_this_CPU's")
+    others = {k: (v["ratio"], v["verdict"]) for k, v in got.items() if v is not int8}
+    assert others == {k: v for k, v in EXPECTED.items() if not k.startswith("offline_int8")}
+    assert "500 / 530 (0.94x): not this CPU's |" in printed
+    # on a CPU with VNNI the same figures miss
+    sitting = [{**r, "machine": CPU} if "machine" in r else r for r in sitting]
+    raw.write_text("".join(json.dumps(r) + "\n" for r in sitting))
+    assert bench.main(["--from", str(raw)]) == 0
+    assert _targets(capsys.readouterr().out)["offline_int8_(VNNI/AMX_CPU),_tok/s"]["verdict"] == (
+        "missed"
+    )
 
 
 def test_a_step_not_run_leaves_its_targets_not_run(
