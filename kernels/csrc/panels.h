@@ -28,7 +28,9 @@
 //
 // On the 2-core AVX2 EPYC it beat oneDNN's packed float32 matmul at every row count measured,
 // all of SmolLM2's linears in a row (bench/README.md): 1 row 19.6 ms against 25.0, 16 rows
-// 37.2 against 53.5, 64 rows 111 against 142, 512 rows 848 against 961.
+// 37.2 against 53.5, 64 rows 111 against 142, 512 rows 848 against 961. On a Zen 3 EPYC
+// (AVX2 alone) it is level with oneDNN to 64 rows and 1.1-1.3x behind at 256 (bench/README.md,
+// "Zen 3 EPYC"); neither a pointer a row in the tile nor smaller row blocks moved that.
 //
 // The accumulators are named variables, not an array: GCC kept an array of them on the stack
 // and stored each one back every k, which halved the rate.
