@@ -116,4 +116,6 @@ async def test_fuzz_every_route(serve: ServeFactory, tmp_path: Path) -> None:
     assert engine.dead_reason is None
     await engine.check_integrity()
     assert await greedy(s) == before
-    assert elapsed_s < 180, f"the fuzz passes took {elapsed_s:.0f}s"
+    # a bound on CI's minutes, not on shoal's speed: on a 2-core Zen 3 EPYC (AVX2 alone;
+    # 2026-11-29), the slowest CPU CI has met, the test took 190 s in CI and 242 s alone
+    assert elapsed_s < 480, f"the fuzz passes took {elapsed_s:.0f}s"
