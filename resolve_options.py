@@ -57,6 +57,9 @@ class Resolved:
     cap_to_measure: bool = False
     # a prompt token's matmuls as the start measured them, where it picked the cap (None: not)
     prompt_token_ms: float | None = None
+    # from how many rows float32's panels give way to oneDNN, as the start measured it
+    # (kernels/f32_many_rows.py; None: not float32 panels; NEVER: never)
+    f32_many_rows: int | None = None
 
     def with_measured_cap(self, prompt_token_ms: float) -> Resolved:
         """The CPU's mixed-prefill cap for a prompt token that costs this (api/startup.py)."""
@@ -69,7 +72,13 @@ class Resolved:
         """What the start picked, as serve logs it, a line each: `shoal kernels: ...`
         (kernels/cpu_features.py: kernel_report; `attention`: the backend in use) and
         `shoal scheduling: ...`."""
-        kernels = kernel_report(self.device, self.linear_kind, attention, kv_dtype=self.kv_dtype)
+        kernels = kernel_report(
+            self.device,
+            self.linear_kind,
+            attention,
+            kv_dtype=self.kv_dtype,
+            f32_many_rows=self.f32_many_rows,
+        )
         return f"shoal kernels: {kernels}\nshoal scheduling: {self.scheduling_report()}"
 
     def scheduling_report(self) -> str:

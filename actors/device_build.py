@@ -32,12 +32,14 @@ class Built:
     the models on their devices with their KV pools, and the executor's device state;
     `prompt_token_ms`: a prompt token's matmuls, measured where the CPU's mixed-prefill cap is
     the engine's to pick (`Resolved.cap_to_measure`; models/prompt_cost.py; None: not
-    measured)."""
+    measured); `f32_many_rows`: from how many rows float32's linears take oneDNN, as the
+    first stage's build measured it (kernels/f32_many_rows.py; None: not float32 panels)."""
 
     stages: list[Stage]
     grammars: Grammars
     device_state: DeviceState
     prompt_token_ms: float | None = None
+    f32_many_rows: int | None = None
 
 
 def build_device(
@@ -70,7 +72,8 @@ def build_device(
         grammars=grammars,
     )
     cost = prompt_token_ms([stage.model for stage in stages]) if resolved.cap_to_measure else None
-    return Built(stages, grammars, device_state, cost)
+    many = stages[0].model.f32_many_rows if resolved.linear_kind == "packed" else None
+    return Built(stages, grammars, device_state, cost, many)
 
 
 def attention_backend(
@@ -97,7 +100,7 @@ def build_stages(
     devices = stage_devices(count, options.stage_devices, resolved.device)
     family = family_of(config.model_type)
     slots = layout.num_pages * layout.page_size
-    stages = []
+    stages: list[Stage] = []
     for k, (layers, device) in enumerate(zip(parts, devices, strict=True)):
         part = Part(layers, first=k == 0, last=k == count - 1)
         model = family.build(
@@ -108,6 +111,9 @@ def build_stages(
             resolved.linear_kind,
             None if compiled is None else CompiledElementwise(compiled),
             part=part,
+            # the first stage measures float32's kernels (kernels/f32_many_rows.py), the rest
+            # take its choice
+            f32_many_rows=stages[0].model.f32_many_rows if stages else None,
         )
         pool = KVPool(config, slots, resolved.kv_dtype, device, num_layers=len(layers))
         backend = attention_backend(

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -97,6 +97,7 @@ async def start_engine(
     built = await in_fresh_thread(build_device, loaded, options, resolved, kernels)
     if built.prompt_token_ms is not None:  # the CPU's cap, unset: from the measured cost
         resolved = resolved.with_measured_cap(built.prompt_token_ms)
+    resolved = replace(resolved, f32_many_rows=built.f32_many_rows)  # as the build measured
     actors = start_actors(
         loaded,
         options,

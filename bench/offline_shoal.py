@@ -27,7 +27,9 @@ def engine_setup(engine: Any) -> str:
     stages = o.pipeline_stages
     inflight = stages + o.pipeline_depth if stages > 1 else o.max_inflight  # actors/wiring.py
     # the linears as kernel_choice names them: bf16:onednn-amx, packed:panels-avx512_vnni, ...
-    picked = kernel_choice(r.device, r.linear_kind, engine.attention).split()[0]
+    picked = kernel_choice(
+        r.device, r.linear_kind, engine.attention, f32_many_rows=r.f32_many_rows
+    ).split()[0]
     return (
         f"{r.device.type}-{dtype_name(r.dtype)}-{engine.attention}"
         f"-graphs{r.cuda_graph_max_batch}-inflight{inflight}-{picked.removeprefix('linear=')}"

@@ -102,12 +102,13 @@ def kernel_report(
     features: CpuFeatures | None = None,
     *,
     kv_dtype: torch.dtype | None = None,
+    f32_many_rows: int | None = None,
 ) -> str:
     """One line naming the CPU, its features and the kernels picked, as the serve log gives it:
     `cpu="Intel(R) Xeon(R) Processor" isa=avx2+avx512f+... linear=bf16:onednn-amx
     attention=cpu:avx512_vnni kv=bfloat16`."""
     cpu = features or read_cpu_features()
-    picked = kernel_choice(device, linear_kind, attention, cpu)
+    picked = kernel_choice(device, linear_kind, attention, cpu, f32_many_rows=f32_many_rows)
     if kv_dtype is not None:  # a bfloat16 KV's decode attention on the tiles (tile_attention.cpp)
         tiles = kv_dtype == torch.bfloat16 and attention == "cpu" and "amx_bf16" in cpu.flags
         picked += f" kv={str(kv_dtype).removeprefix('torch.')}" + (":amx-tiles" if tiles else "")
@@ -117,10 +118,17 @@ def kernel_report(
 
 
 def kernel_choice(
-    device: torch.device, linear_kind: str, attention: str, features: CpuFeatures | None = None
+    device: torch.device,
+    linear_kind: str,
+    attention: str,
+    features: CpuFeatures | None = None,
+    *,
+    f32_many_rows: int | None = None,
 ) -> str:
     """The kernels picked: `linear=<kind>:<how> attention=<backend>[:<build>]`, where how is
-    panels-<build> (float32, csrc/panels.h), onednn (float32 without the compiled kernels),
+    panels-<build> (float32, csrc/panels.h; then `+onednn@<rows>` where a start measured
+    oneDNN faster for steps of that many rows or more: `f32_many_rows`, f32_many_rows.py),
+    onednn (float32 without the compiled kernels),
     onednn-amx / panels-avx512bf16 (csrc/bf16_panels.cpp) / onednn-avx512bf16 (without the
     compiled kernels) / onednn-emulated (bfloat16), blocks-<build> (int8, then
     `+<how>@<rows>`: the form its steps of many rows take, int8_rows.py) or torch (dense),
@@ -140,7 +148,7 @@ def kernel_choice(
     else:
         bf16 = "onednn-emulated"
     how = {
-        "packed": f"panels-{built}" if compiled else "onednn",
+        "packed": f"panels-{built}{f32_onednn(f32_many_rows)}" if compiled else "onednn",
         "bf16": bf16 if bf16.startswith("panels") or onednn_bf16_available() else "torch",
         "int8": f"blocks-{built}{int8_many_rows(cpu, bf16, built)}",
         "dense": "torch",
@@ -149,10 +157,18 @@ def kernel_choice(
     return f"linear={linear_kind}:{how} attention={where}"
 
 
+def f32_onednn(f32_many_rows: int | None) -> str:
+    """`+onednn@<rows>` where float32's steps of that many rows take oneDNN, else ""."""
+    from shoal.kernels.linear import NEVER
+
+    return "" if f32_many_rows is None or f32_many_rows >= NEVER else f"+onednn@{f32_many_rows}"
+
+
 def int8_many_rows(cpu: CpuFeatures, bf16: str, built: str) -> str:
     """`+<how>@<rows>` for int8's steps of many rows on that CPU (int8_rows.py), "" where
     its blocks take every step."""
-    from shoal.kernels.int8_rows import NEVER, form_for
+    from shoal.kernels.int8_rows import form_for
+    from shoal.kernels.linear import NEVER
 
     form = form_for(cpu, onednn_bf16_available(), built.endswith("_vnni"))
     if form.rows == NEVER:

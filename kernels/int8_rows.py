@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from shoal.kernels.bf16_linear import onednn_bf16_available
 from shoal.kernels.cpu_features import CpuFeatures, read_cpu_features
 from shoal.kernels.cpu_kernels import with_vnni
+from shoal.kernels.linear import NEVER
 
 # From this many rows on a step computes more than it reads the weights, and the dequantized
 # weights beat the block kernels: on AMX's bfloat16 tiles from 10 rows; in shoal's bfloat16
@@ -31,7 +32,6 @@ from shoal.kernels.cpu_kernels import with_vnni
 MANY_ROWS_TILES = 10
 MANY_ROWS_BF16 = 24
 MANY_ROWS_PANELS = 24
-NEVER = 2**62
 
 
 @dataclass(frozen=True)

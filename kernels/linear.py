@@ -21,8 +21,10 @@
                                                   gated, with GatedPanels' `silu_mul(x)`
 
 A call may say how many rows its step stands for (`rows`): int8 picks its kernel by it, so
-that a verification's drafts take their row's decode kernel (kernels/batch.py: kernel_rows);
-the others have one kernel at every size and need not know.
+that a verification's drafts take their row's decode kernel (kernels/batch.py: kernel_rows),
+and so do float32's panels where oneDNN takes the steps of many rows (`take_many_rows`: on a
+CPU where a start measured it faster there, kernels/f32_many_rows.py); bfloat16 and dense
+have one kernel at every size and need not know.
 
 `Linear.load` takes a new weight of the same shape (a weight update): a dense linear copies it
 into the tensor it already holds (a captured CUDA graph keeps reading that tensor); a packed one
@@ -45,6 +47,7 @@ LinearKind = Literal["dense", "packed", "int8", "bf16"]
 PANEL = 16  # output channels a panel (csrc/panels.h's kWidth)
 # oneDNN's packing takes the expected number of rows as a hint; any number works at call time.
 _ONEDNN_ROWS_HINT = 16
+NEVER = 2**62  # a row count no step reaches: "never" for a kernel taken from many rows on
 
 
 class Linear(Protocol):
@@ -71,6 +74,18 @@ class DenseLinear:
             self.bias.copy_(bias)
 
 
+def onednn_pack(weight: torch.Tensor, rows_hint: int = _ONEDNN_ROWS_HINT) -> torch.Tensor:
+    """A float32 [N, K] weight in oneDNN's blocked layout for its matmul (`onednn_product`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
+
+
+def onednn_product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [T, K] times a weight `onednn_pack` packed, plus the bias: [T, N]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class PackedLinear:
     """float32 on the CPU, the weight packed once at load: with the compiled CPU kernels
     loaded, into panels of 16 output channels for `f32_linear` (csrc/linear.cpp, panels.h);
@@ -85,26 +100,47 @@ class PackedLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = int(weight.shape[0])
+        self.in_features = int(weight.shape[1])
+        self.many_from = NEVER  # steps of this many rows or more: oneDNN (take_many_rows)
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout
         self.load(weight, bias)
 
     def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if self.panels is not None:
-            y = torch.empty(flat.shape[0], self.out_features)
-            torch.ops.shoal_cpu.f32_linear(flat.contiguous(), self.panels, self.bias, y)
+        step_rows = flat.shape[0] if rows is None else rows
+        if self.panels is not None and step_rows < self.many_from:
+            y = self.panels_product(flat)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            assert self.packed is not None  # without the compiled kernels, or many rows
+            y = onednn_product(flat, self.packed, self.bias)
         return y.view(*shape[:-1], self.out_features)
+
+    def panels_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """x [T, K] through the compiled kernel on the panels: [T, N]."""
+        assert self.panels is not None
+        y = torch.empty(flat.shape[0], self.out_features)
+        torch.ops.shoal_cpu.f32_linear(flat.contiguous(), self.panels, self.bias, y)
+        return y
+
+    def plain_weight(self) -> torch.Tensor:
+        """The weight [N, K] as it was loaded (exactly: the panels only permute it)."""
+        assert self.panels is not None
+        return unpack_panels(self.panels)[: self.out_features]
+
+    def take_many_rows(self, from_rows: int) -> None:
+        """Steps of `from_rows` rows or more multiply through oneDNN (f32_many_rows.py), on the
+        weight in its layout too; the panels keep the others."""
+        self.many_from = from_rows
+        self.packed = onednn_pack(self.plain_weight())
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.contiguous()
         compiled = hasattr(torch.ops.shoal_cpu, "f32_linear")  # loaded: cpu_kernels.py
         self.panels = pack_panels(weight) if compiled else None
         self.packed = None
-        if not compiled:
-            hint = _ONEDNN_ROWS_HINT
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint)
+        if not compiled or self.many_from < NEVER:
+            self.packed = onednn_pack(weight)
 
 
 class GatedPanels:
@@ -118,25 +154,58 @@ class GatedPanels:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         assert bias is None, "a gate_up with a bias stays a PackedLinear"
         self.out_features = int(weight.shape[0])
+        self.in_features = int(weight.shape[1])
         self.inter = self.out_features // 2
+        self.many_from = NEVER  # steps of this many rows or more: oneDNN (take_many_rows)
+        self.packed: torch.Tensor | None = None
         self.load(weight, bias)
 
     def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).contiguous()
-        return gated_product(flat, self.panels, self.inter).view(*shape[:-1], self.out_features)
+        y = self._onednn(flat, rows)
+        if y is None:
+            y = self.panels_product(flat)
+        return y.view(*shape[:-1], self.out_features)
 
     def silu_mul(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """silu(gate) * up: [.., K] -> [.., I]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).contiguous()
         out = torch.empty(flat.shape[0], self.inter)
-        torch.ops.shoal_cpu.f32_silu_mul(flat, self.panels, out)
+        y = self._onednn(flat, rows)
+        if y is None:
+            torch.ops.shoal_cpu.f32_silu_mul(flat, self.panels, out)
+        else:  # the same activation as f32_silu_mul's epilogue (silu.h)
+            torch.ops.shoal_cpu.silu_mul(y, out)
         return out.view(*shape[:-1], self.inter)
+
+    def panels_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """x [T, K] through the compiled kernel on the gated panels: [T, 2I] (gate, then up)."""
+        return gated_product(flat, self.panels, self.inter)
+
+    def plain_weight(self) -> torch.Tensor:
+        """The gate_up [2I, K] as it was loaded (exactly: the panels only permute it)."""
+        return ungated(unpack_panels(self.panels).t(), self.inter).t()
+
+    def take_many_rows(self, from_rows: int) -> None:
+        """Steps of `from_rows` rows or more multiply through oneDNN (f32_many_rows.py), on the
+        weight in its layout too, and activate after; the panels keep the others."""
+        self.many_from = from_rows
+        self.packed = onednn_pack(self.plain_weight())
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         assert bias is None
         self.panels = pack_gated_panels(weight)
+        if self.many_from < NEVER:
+            self.packed = onednn_pack(weight)
+
+    def _onednn(self, flat: torch.Tensor, rows: int | None) -> torch.Tensor | None:
+        """The product [T, 2I] through oneDNN for a step of many rows, else None."""
+        step_rows = flat.shape[0] if rows is None else rows
+        if self.packed is None or step_rows < self.many_from:
+            return None
+        return onednn_product(flat, self.packed, None)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -146,6 +215,12 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
+    """`pack_panels` undone: [P, K, 16] -> [P * 16, K] (the zero channels past N included)."""
+    count, k, width = panels.shape
+    return panels.transpose(1, 2).reshape(count * width, k)
 
 
 def gated_rows(gate_up: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,8 @@ import torch
 
 from shoal.kernels.bf16_gated import GatedBf16Linear
 from shoal.kernels.bf16_linear import Bf16Head, Bf16Linear
-from shoal.kernels.int8_rows import NEVER, ManyRows, many_rows
-from shoal.kernels.linear import pack_panels
+from shoal.kernels.int8_rows import ManyRows, many_rows
+from shoal.kernels.linear import NEVER, pack_panels
 
 BLOCK = 32  # weights per scale, along K (the kernels' kBlock)
 PAIRS = BLOCK // 2  # pairs of K a block (kPairs)

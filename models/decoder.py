@@ -19,7 +19,6 @@ One layer, as transformers computes it (Gemma's extra norms in brackets)::
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +38,7 @@ from shoal.models.layout import ModelSource, Part, part_of
 from shoal.models.weights import (
     LayerWeights,
     ModelWeights,
+    StagedWeights,
     build_weights,
     expert_weights,
     linear_weights,
@@ -47,19 +47,6 @@ from shoal.models.weights import (
 
 # A family's mapping from a full set of HF-named weights to the forward's layout.
 SourceFn = Callable[[ModelConfig, dict[str, torch.Tensor]], ModelSource]
-
-
-@dataclass
-class StagedWeights:
-    """A weight update's new weights for one model part, ready to serve (`DecoderModel.stage`):
-    either rebuilt whole (packed and int8 linears) or, to be copied in place, the host tensors
-    in the order `ModelWeights` walks its own."""
-
-    rebuilt: ModelWeights | None = None
-    fused: FusedLayers | None = None
-    plain: list[torch.Tensor] = field(default_factory=list)
-    linears: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
-    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class DecoderModel:
@@ -76,8 +63,12 @@ class DecoderModel:
         *,
         source: SourceFn,
         part: Part | None = None,
+        f32_many_rows: int | None = None,
     ) -> None:
         self.config = config
+        # from how many rows float32 panel linears take oneDNN (kernels/f32_many_rows.py);
+        # None: the first build measures it
+        self.f32_many_rows = f32_many_rows
         self.part = part or Part.whole(config.num_layers)
         self.dtype = dtype
         self.device = device
@@ -108,8 +99,9 @@ class DecoderModel:
         if not hasattr(self, "weights"):
             source = part_of(self.source(self.config, weights), self.part)
             self.weights = build_weights(
-                self.config, source, self.dtype, self.device, self.linear_kind
+                self.config, source, self.dtype, self.device, self.linear_kind, self.f32_many_rows
             )
+            self.f32_many_rows = self.weights.f32_many_rows  # kept for every later build
             self.fused = self._fused(self.weights)
         else:
             self.commit(self.stage(weights))
@@ -137,7 +129,9 @@ class DecoderModel:
         here they are only mapped to the forward's layout."""
         source = part_of(self.source(self.config, weights), self.part)
         if self.linear_kind != "dense":
-            built = build_weights(self.config, source, self.dtype, self.device, self.linear_kind)
+            built = build_weights(
+                self.config, source, self.dtype, self.device, self.linear_kind, self.f32_many_rows
+            )
             return StagedWeights(rebuilt=built, fused=self._fused(built))
         experts = [(moe.router, moe.gate_up, moe.down) for moe in expert_weights(source)]
         return StagedWeights(
@@ -208,7 +202,7 @@ class DecoderModel:
         layers = self.weights.layers
         rotations = [(cos[positions], sin[positions]) for cos, sin in self.tables]
         fused = self.fused
-        if recorder is None and fused is not None and fused.takes(attention, int(h.shape[0])):
+        if recorder is None and fused is not None and fused.takes(attention, int(h.shape[0]), rows):
             assert isinstance(attention, AttentionMetadata)
             return fused(h, *rotations[0], attention, kv, rows)
         first = self.part.layers.start

@@ -37,9 +37,11 @@ class Family:
         linear_kind: LinearKind = "dense",
         elementwise: Elementwise | None = None,
         part: Part | None = None,
+        f32_many_rows: int | None = None,
     ) -> DecoderModel:
         """The family's forward over these weights (HF names, checked); with `part`, only a
-        pipeline stage's share of it."""
+        pipeline stage's share of it. `f32_many_rows`: DecoderModel's (None: measured)."""
         return DecoderModel(
-            config, weights, dtype, device, linear_kind, elementwise, source=self.source, part=part
-        )
+            config, weights, dtype, device, linear_kind, elementwise,
+            source=self.source, part=part, f32_many_rows=f32_many_rows,
+        )  # fmt: skip

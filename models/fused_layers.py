@@ -13,7 +13,9 @@ has a compiled form:
                 ops, every linear packed float32 (in panels, gate_up in gated ones), int8
                 (a gate_up's float32 or bfloat16 panels gated too) or bfloat16 (in oneDNN's
                 layout, or in panels: bf16_linear.py, gate_up in gated ones: bf16_gated.py)
-    the step    every token a decode, attended by the compiled kernel (`attention="cpu"`)
+    the step    every token a decode, attended by the compiled kernel (`attention="cpu"`),
+                fewer rows than the float32 linears take through oneDNN where a start chose
+                it (kernels/f32_many_rows.py)
 
 Anything else takes the Python forward, which stays the reference.
 """
@@ -28,8 +30,7 @@ from shoal.kernels.bf16_gated import GatedBf16Linear
 from shoal.kernels.bf16_linear import Bf16Linear
 from shoal.kernels.elementwise import CompiledElementwise, Elementwise
 from shoal.kernels.int8_gated import GatedInt8Linear
-from shoal.kernels.int8_rows import NEVER
-from shoal.kernels.linear import GatedPanels, Linear, PackedLinear
+from shoal.kernels.linear import NEVER, GatedPanels, Linear, PackedLinear
 from shoal.kernels.quant import Int8Linear, Q4Blocks, Q8Blocks
 from shoal.loading.config import ModelConfig
 from shoal.models.kv_pool import KVPool
@@ -43,12 +44,17 @@ PANELS, GATED, ONEDNN_BF16, BF16_PANELS, GATED_BF16_PANELS = 0, 1, 2, 3, 4
 class FusedLayers:
     """The layers of a model part as one `DecoderLayers` (decoder_layers.cpp)."""
 
-    def __init__(self, layers: object) -> None:
+    def __init__(self, layers: object, python_from: int = NEVER) -> None:
         self.layers = layers
+        # steps of this many rows or more take the Python forward: there the float32 linears
+        # multiply through oneDNN (kernels/f32_many_rows.py), which the C++ layers do not
+        self.python_from = python_from
 
-    @staticmethod
-    def takes(attention: Attention, tokens: int) -> bool:
-        """Whether this step is one the C++ layers run: decodes only, through the kernel."""
+    def takes(self, attention: Attention, tokens: int, rows: int | None = None) -> bool:
+        """Whether this step is one the C++ layers run: decodes only, through the kernel, of
+        fewer rows (`rows`: as the step stands for them; None: its tokens) than python_from."""
+        if (tokens if rows is None else rows) >= self.python_from:
+            return False
         if not isinstance(attention, AttentionMetadata):
             return False
         fused = attention.kernel_decodes
@@ -94,6 +100,7 @@ def fused_layers(
     tensors: list[torch.Tensor] = []
     layout: list[int] = []
     many_rows = NEVER  # int8's threshold, one for the model's linears (none: unused)
+    python_from = NEVER  # float32's oneDNN threshold (FusedLayers.python_from)
     for layer in layers:
         norms = layer.norms
         if norms.q is not None or norms.pre_mlp is not None or norms.post_mlp is not None:
@@ -108,13 +115,15 @@ def fused_layers(
             kind, parts, bias, last = form
             if isinstance(linear, Int8Linear):
                 many_rows = linear.many_rows
+            if isinstance(linear, PackedLinear | GatedPanels):
+                python_from = min(python_from, linear.many_from)
             tensors += parts if bias is None else [*parts, bias]
             layout += [kind, linear.out_features, int(bias is not None), last]
     built = torch.classes.shoal_cpu.DecoderLayers(
         tensors, layout, config.num_heads, config.num_kv_heads, config.head_dim,
         config.rms_norm_eps, scale, many_rows,
     )  # fmt: skip
-    return FusedLayers(built)
+    return FusedLayers(built, python_from)
 
 
 def registered() -> bool:

@@ -5,19 +5,25 @@ mixture-of-experts layer as an `Experts` (moe.py).
 
 `tensors()`, `linears()` and `experts()` walk them in a fixed order, the order
 `plain_tensors`, `linear_weights` and `expert_weights` give a new source's, so a reload copies
-each into its own.
+each into its own. A float32 model's first build measures whether its layers' steps of many
+rows take oneDNN instead of the panels (kernels/f32_many_rows.py); its rebuilds keep that.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from shoal.kernels.linear import Linear, LinearKind, make_linear
+from shoal.kernels.f32_many_rows import onednn_from, take_many_rows
+from shoal.kernels.linear import NEVER, Linear, LinearKind, make_linear
 from shoal.kernels.moe import Experts
 from shoal.loading.config import ModelConfig
 from shoal.models.layout import DenseMLP, ExpertMLP, LayerNorms, ModelSource
+
+if TYPE_CHECKING:
+    from shoal.models.fused_layers import FusedLayers  # which builds on these weights
 
 
 @dataclass
@@ -40,6 +46,9 @@ class ModelWeights:
     embed: torch.Tensor | None  # a pipeline stage holds only its part (layout.Part)
     norm: torch.Tensor | None
     lm_head: Linear | None  # built from the embedding when tied
+    # from how many rows the float32 layer linears multiply through oneDNN (NEVER: never;
+    # kernels/f32_many_rows.py)
+    f32_many_rows: int = NEVER
 
     def tensors(self) -> list[torch.Tensor]:
         """The plain tensors (norms, embedding), in a fixed order."""
@@ -58,6 +67,19 @@ class ModelWeights:
             if isinstance(layer.mlp, DenseWeights):
                 out += [layer.mlp.gate_up, layer.mlp.down]
         return out
+
+
+@dataclass
+class StagedWeights:
+    """A weight update's new weights for one model part, ready to serve (`DecoderModel.stage`):
+    either rebuilt whole (packed and int8 linears) or, to be copied in place, the host tensors
+    in the order `ModelWeights` walks its own."""
+
+    rebuilt: ModelWeights | None = None
+    fused: FusedLayers | None = None
+    plain: list[torch.Tensor] = field(default_factory=list)
+    linears: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def plain_tensors(config: ModelConfig, source: ModelSource) -> list[torch.Tensor]:
@@ -95,7 +117,12 @@ def build_weights(
     dtype: torch.dtype,
     device: torch.device,
     kind: LinearKind,
+    f32_many_rows: int | None = None,
 ) -> ModelWeights:
+    """The forward's weights. `f32_many_rows`: from how many rows float32 panel linears take
+    oneDNN (kernels/f32_many_rows.py; NEVER: never), None: measured here (a first build; a
+    weight update keeps what the first measured)."""
+
     def own(t: torch.Tensor) -> torch.Tensor:
         # Always a copy: later loads write into these tensors, never into the caller's.
         return t.to(device=device, dtype=dtype, copy=True)
@@ -146,4 +173,11 @@ def build_weights(
                 linear(layer.mlp.gate_up, None, gate_up=True), linear(layer.mlp.down, None)
             )
         layers.append(LayerWeights(norms, qkv, o, mlp))
-    return ModelWeights(layers, embed, norm, lm_head)
+    weights = ModelWeights(layers, embed, norm, lm_head)
+    if kind == "packed":
+        in_layers = weights.linears()[0 if lm_head is None else 1 :]
+        if f32_many_rows is None:
+            f32_many_rows = onednn_from(in_layers)
+        take_many_rows(in_layers, f32_many_rows)
+        weights.f32_many_rows = f32_many_rows
+    return weights

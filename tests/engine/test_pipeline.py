@@ -32,7 +32,8 @@ from workload import greedy, prompt
 from shoal import Engine
 from shoal.actors.executor.stages import StagePipeline
 from shoal.kernels import int8_rows
-from shoal.kernels.int8_rows import NEVER, ManyRows
+from shoal.kernels.int8_rows import ManyRows
+from shoal.kernels.linear import NEVER
 from shoal.models.load import LoadedModel, load_model
 from shoal.results import EngineDeadError
 

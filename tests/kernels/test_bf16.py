@@ -5,6 +5,7 @@ bfloat16-rounded inputs, how resolve_options.py picks it from the CPU's features
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from shoal.kernels.bf16_linear import (
 )
 from shoal.kernels.cpu_features import CpuFeatures, kernel_report
 from shoal.kernels.cpu_kernels import CpuKernels
-from shoal.kernels.linear import make_linear
+from shoal.kernels.linear import NEVER, make_linear
 from shoal.models.load import load_model
 from shoal.resolve_options import resolve
 
@@ -188,6 +189,13 @@ def test_the_report_names_the_cpu_and_the_kernels(kernels: CpuKernels) -> None:
     assert kernel_report(cpu, "bf16", "cpu", XEON, kv_dtype=bf16).endswith(" kv=bfloat16:amx-tiles")
     assert kernel_report(cpu, "bf16", "cpu", EPYC, kv_dtype=bf16).endswith(" kv=bfloat16")
     assert kernel_report(cpu, "packed", "cpu", XEON, kv_dtype=torch.float32).endswith(" kv=float32")
+    # float32's steps of many rows through oneDNN where the start measured it faster
+    # (f32_many_rows.py); the panels alone where it did not, or before it measured
+    packed = kernel_report(cpu, "packed", "cpu", EPYC, f32_many_rows=128)
+    assert re.search(r" linear=packed:panels-\w+\+onednn@128 ", packed)
+    for measured in (None, NEVER):
+        said = kernel_report(cpu, "packed", "cpu", EPYC, f32_many_rows=measured)
+        assert "+onednn" not in said and " linear=packed:panels-" in said
 
 
 def test_features_are_read_from_cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

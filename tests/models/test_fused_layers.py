@@ -17,13 +17,14 @@ from reference import Reference
 from tiny_families import make_family_folder
 
 from shoal.kernels import int8_rows
+from shoal.kernels import linear as linear_module
 from shoal.kernels.attention import AttentionMetadata, TorchAttention
 from shoal.kernels.batch import BatchShape
 from shoal.kernels.bf16_linear import onednn_bf16_available
 from shoal.kernels.cpu_kernels import CpuKernels
 from shoal.kernels.elementwise import CompiledElementwise
 from shoal.kernels.int8_rows import MANY_ROWS_TILES, ManyRows
-from shoal.kernels.linear import LinearKind
+from shoal.kernels.linear import LinearKind, onednn_product
 from shoal.models.decoder import DecoderModel
 from shoal.models.fused_layers import FusedLayers
 from shoal.models.kv_pool import KVPool
@@ -213,6 +214,53 @@ def test_steps_with_a_prompt_chunk_take_the_python_forward(
     shape, table, _ = decode_step(kernels, [3, 5], seed=0)
     reference = TorchAttention(PAGE).prepare(table, shape)  # gathers: no decode kernel
     assert not model.fused.takes(reference, shape.num_tokens)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])  # qwen2: a bias on qkv
+def test_steps_of_the_rows_float32_gives_onednn_take_the_python_forward(
+    kernels: CpuKernels,
+    families: dict[str, LoadedModel],
+    family: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a start chose oneDNN for float32's steps of many rows (kernels/f32_many_rows.py),
+    the C++ layers, which multiply on the panels, take only the steps below that; the Python
+    forward's logits there are oneDNN's, close to the panels', and a weight update keeps the
+    choice."""
+    loaded = families[family]
+    lens = LENS[3]  # twelve decodes
+    model = family_of(loaded.config.model_type).build(
+        loaded.config, loaded.weights, torch.float32, torch.device("cpu"), "packed",
+        CompiledElementwise(kernels), f32_many_rows=len(lens),
+    )  # fmt: skip
+    panels = build(loaded, kernels, "packed")
+    assert model.fused is not None and model.fused.python_from == len(lens)
+    shape, _, meta = decode_step(kernels, lens, seed=4)
+    assert not model.fused.takes(meta, shape.num_tokens)
+    assert model.fused.takes(meta, shape.num_tokens, rows=len(lens) - 1)
+    ids, positions = inputs(shape, loaded.config.vocab_size, seed=4)
+    sample = torch.arange(shape.num_tokens)
+    pool = filled_pool(loaded, loaded.config.num_layers, 4)
+    panels_pool = copy_of(pool)
+    onednn_calls: list[int] = []
+
+    def counted(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        onednn_calls.append(int(x.shape[0]))
+        return onednn_product(x, packed, bias)
+
+    monkeypatch.setattr(linear_module, "onednn_product", counted)
+    logits = model.forward(ids, positions, meta, pool, sample)
+    layers = loaded.config.num_layers
+    assert onednn_calls == [len(lens)] * 4 * layers  # qkv, o, gate_up, down of every layer
+    _, _, meta = decode_step(kernels, lens, seed=4)
+    expected = panels.forward(ids, positions, meta, panels_pool, sample)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    onednn_calls.clear()
+    chained, python, _, _ = both_ways(model, loaded, kernels, LENS[2], seed=5)  # seven rows
+    assert torch.equal(chained, python) and not onednn_calls
+    model.load(dict(loaded.weights))  # a weight update: the same choice, not measured again
+    assert model.f32_many_rows == len(lens) and model.fused is not None
+    assert model.fused.python_from == len(lens)
 
 
 @pytest.mark.parametrize(
