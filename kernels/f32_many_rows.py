@@ -2,14 +2,15 @@
 (kernels/linear.py: PackedLinear, GatedPanels) on the CPU at hand: measured once, when a model
 is first built (models/weights.py), and kept for its weight updates.
 
-CPUs of the same instruction set differ here, so no feature flag can say it. On a 2-core Zen 2
-class AVX2 EPYC the panels beat oneDNN's float32 matmul at every row count (512 rows 848 ms
-against 961 over SmolLM2's linears); on a Zen 5 EPYC (AVX-512) they are level with it at 256
-rows (107.7 against 109.6); on a Zen 3 EPYC (AVX2 alone) oneDNN took one layer's four linears
-at 256 rows in 14.9-15.5 ms against the panels' 18.6-19.4, and from 128 rows on the offline
-benchmark in float32 went from 118-126 output tok/s to 129-140 (three interleaved pairs, 2026-11-29;
-from 48 rows on 138-141, no better). Below it the panels stay: at 16 rows they took 12.6-14.2 ms
-against oneDNN's 16.9-20.1, at one row 7.2-7.5 against 10.3-10.5 (bench/README.md).
+CPUs of the same instruction set differ here, so no feature flag can say it. On the first
+2-core AVX2 EPYC measured the panels beat oneDNN's float32 matmul at every row count (512 rows
+848 ms against 961 over SmolLM2's linears); on a Zen 5 EPYC (AVX-512) they are level with it at
+256 rows (SmolLM2's layers 107.7 ms against 109.6); on a Zen 3 EPYC (AVX2 alone) oneDNN took
+one layer's four linears at 256 rows in 14.9-15.5 ms against the panels' 18.6-19.4, and with
+it from 128 rows on the offline benchmark in float32 went from 118-126 output tok/s to 129-140
+(three interleaved pairs, 2026-11-29; from 48 rows on 138-141, no better). Below that the panels
+stay: at 16 rows they took 12.6-14.2 ms against oneDNN's 16.9-20.1, at one row 7.2-7.5
+against 10.3-10.5 (bench/README.md, "Zen 3 EPYC").
 
 A start times one layer's float32 linears at MEASURE_ROWS random rows both ways, interleaved,
 the best of RUNS each (a shared machine's noise only ever adds); oneDNN takes the steps of
@@ -60,7 +61,8 @@ def onednn_from(linears: Sequence[object], runs: int = RUNS) -> int:
     for linear in layer:
         x = torch.randn(MEASURE_ROWS, linear.in_features, generator=generator)
         calls_panels.append(partial(linear.panels_product, x))
-        calls_onednn.append(partial(onednn_product, x, onednn_pack(linear.plain_weight()), None))
+        packed = onednn_pack(linear.plain_weight(), MANY_ROWS)
+        calls_onednn.append(partial(onednn_product, x, packed, None))
     panels_s, onednn_s = float("inf"), float("inf")
     for run in range(runs + 1):
         took_panels, took_onednn = _seconds(calls_panels), _seconds(calls_onednn)

@@ -95,8 +95,11 @@ class PackedLinear:
     lm_head in a row (bench/README.md): oneDNN was the fastest of MKL's packed sgemm,
     `F.linear` and oneDNN at every row count tried (1 to 512), and `f32_linear` on panels beat
     oneDNN at every row count: 1 row 19.6 ms against 25.0, 16 rows 37.2 against 53.5, 64 rows
-    111 against 142, 512 rows 848 against 961. Each output is one chain of multiply-adds in k
-    order: results may differ from `F.linear` in the last bits."""
+    111 against 142, 512 rows 848 against 961. Not on every CPU: on a Zen 3 EPYC oneDNN wins
+    from ~128 rows, so where a model's first build measures that (f32_many_rows.py) its steps of
+    many rows take oneDNN on a second copy of the weight (`take_many_rows`). Each output of the
+    panels is one chain of multiply-adds in k order: results may differ from `F.linear` (and
+    oneDNN's) in the last bits."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = int(weight.shape[0])
@@ -132,15 +135,17 @@ class PackedLinear:
         """Steps of `from_rows` rows or more multiply through oneDNN (f32_many_rows.py), on the
         weight in its layout too; the panels keep the others."""
         self.many_from = from_rows
-        self.packed = onednn_pack(self.plain_weight())
+        self.packed = onednn_pack(self.plain_weight(), from_rows)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.contiguous()
         compiled = hasattr(torch.ops.shoal_cpu, "f32_linear")  # loaded: cpu_kernels.py
         self.panels = pack_panels(weight) if compiled else None
         self.packed = None
-        if not compiled or self.many_from < NEVER:
+        if not compiled:
             self.packed = onednn_pack(weight)
+        elif self.many_from < NEVER:
+            self.packed = onednn_pack(weight, self.many_from)
 
 
 class GatedPanels:
@@ -192,13 +197,13 @@ class GatedPanels:
         """Steps of `from_rows` rows or more multiply through oneDNN (f32_many_rows.py), on the
         weight in its layout too, and activate after; the panels keep the others."""
         self.many_from = from_rows
-        self.packed = onednn_pack(self.plain_weight())
+        self.packed = onednn_pack(self.plain_weight(), from_rows)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         assert bias is None
         self.panels = pack_gated_panels(weight)
         if self.many_from < NEVER:
-            self.packed = onednn_pack(weight)
+            self.packed = onednn_pack(weight, self.many_from)
 
     def _onednn(self, flat: torch.Tensor, rows: int | None) -> torch.Tensor | None:
         """The product [T, 2I] through oneDNN for a step of many rows, else None."""

@@ -116,11 +116,11 @@ def test_steps_of_many_rows_take_onednn_and_the_rest_the_panels(
     assert linear.many_from == FROM and linear.packed is not None
     few, many = torch.randn(FROM - 1, 40), torch.randn(3 * FROM, 40)
     assert torch.equal(linear(few), panels_only(few))
-    assert torch.equal(linear(many), onednn_product(many, onednn_pack(w), b))
+    assert torch.equal(linear(many), onednn_product(many, onednn_pack(w, FROM), b))
     torch.testing.assert_close(linear(many), F.linear(many, w, b), rtol=1e-5, atol=1e-4)
     # the step's rows decide, not x's: a verification's drafts take their row's kernel
     assert torch.equal(linear(many, rows=FROM - 1), panels_only(many))
-    assert torch.equal(linear(few, rows=FROM), onednn_product(few, onednn_pack(w), b))
+    assert torch.equal(linear(few, rows=FROM), onednn_product(few, onednn_pack(w, FROM), b))
 
 
 def test_a_gated_mlp_of_many_rows_activates_onednns_product(kernels: CpuKernels) -> None:
@@ -131,7 +131,7 @@ def test_a_gated_mlp_of_many_rows_activates_onednns_product(kernels: CpuKernels)
     few, many = torch.randn(FROM - 1, 24), torch.randn(2 * FROM, 24)
     assert torch.equal(linear.silu_mul(few), panels_only.silu_mul(few))
     assert torch.equal(linear(few), panels_only(few))
-    product = onednn_product(many, onednn_pack(gate_up), None)
+    product = onednn_product(many, onednn_pack(gate_up, FROM), None)
     assert torch.equal(linear(many), product)
     expected = torch.empty(2 * FROM, 40)
     torch.ops.shoal_cpu.silu_mul(product, expected)
