@@ -9,8 +9,8 @@ CPUs of the same instruction set differ here, so no feature flag can say it. On 
 one layer's four linears at 256 rows in 14.9-15.5 ms against the panels' 18.6-19.4, and with
 it from 128 rows on the offline benchmark in float32 went from 118-126 output tok/s to 129-140
 (three interleaved pairs, 2026-11-29; from 48 rows on 138-141, no better). Below that the panels
-stay: at 16 rows they took 12.6-14.2 ms against oneDNN's 16.9-20.1, at one row 7.2-7.5
-against 10.3-10.5 (bench/README.md, "Zen 3 EPYC").
+stay: a layer's four linears and the lm_head took 12.6-14.2 ms at 16 rows against oneDNN's
+16.9-20.1, 7.2-7.5 at one row against 10.3-10.5 (bench/README.md, "Zen 3 EPYC").
 
 A start times one layer's float32 linears at MEASURE_ROWS random rows both ways, interleaved,
 the best of RUNS each (a shared machine's noise only ever adds); oneDNN takes the steps of
