@@ -86,6 +86,11 @@ def onednn_product(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def many_rows(flat: torch.Tensor, rows: int | None, many_from: int) -> bool:
+    """Whether x [T, K]'s step (`rows` rows; None: T) is oneDNN's (`take_many_rows`)."""
+    return (flat.shape[0] if rows is None else rows) >= many_from
+
+
 class PackedLinear:
     """float32 on the CPU, the weight packed once at load: with the compiled CPU kernels
     loaded, into panels of 16 output channels for `f32_linear` (csrc/linear.cpp, panels.h);
@@ -96,10 +101,9 @@ class PackedLinear:
     `F.linear` and oneDNN at every row count tried (1 to 512), and `f32_linear` on panels beat
     oneDNN at every row count: 1 row 19.6 ms against 25.0, 16 rows 37.2 against 53.5, 64 rows
     111 against 142, 512 rows 848 against 961. Not on every CPU: on a Zen 3 EPYC oneDNN wins
-    from ~128 rows, so where a model's first build measures that (f32_many_rows.py) its steps of
-    many rows take oneDNN on a second copy of the weight (`take_many_rows`). Each output of the
-    panels is one chain of multiply-adds in k order: results may differ from `F.linear` (and
-    oneDNN's) in the last bits."""
+    from ~128 rows, so where a model's first build measures that (f32_many_rows.py) its steps
+    of many rows take oneDNN on a second copy of the weight (`take_many_rows`). The panels sum
+    each output in k order: it may differ from `F.linear`'s (and oneDNN's) in the last bits."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = int(weight.shape[0])
@@ -111,8 +115,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        step_rows = flat.shape[0] if rows is None else rows
-        if self.panels is not None and step_rows < self.many_from:
+        if self.panels is not None and not many_rows(flat, rows, self.many_from):
             y = self.panels_product(flat)
         else:
             assert self.packed is not None  # without the compiled kernels, or many rows
@@ -207,8 +210,7 @@ class GatedPanels:
 
     def _onednn(self, flat: torch.Tensor, rows: int | None) -> torch.Tensor | None:
         """The product [T, 2I] through oneDNN for a step of many rows, else None."""
-        step_rows = flat.shape[0] if rows is None else rows
-        if self.packed is None or step_rows < self.many_from:
+        if self.packed is None or not many_rows(flat, rows, self.many_from):
             return None
         return onednn_product(flat, self.packed, None)
 
