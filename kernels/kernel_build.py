@@ -5,14 +5,17 @@
             <name>_<key>.so            loaded with torch.ops.load_library: no builder, no lock,
                                        nothing written, so a read-only cache loads it too
             shoal-kernels.json         what it was built from (`shoal cache list` shows it)
+            unit_<i>.cpp               what was compiled, where the spec asks for units: each
+                                       #includes a share of the sources (build_units.py)
         .<name>_<key>.lock             held while a process builds that key (cache_files.py)
         .<name>_<key>.tmp-<pid>-<hex>/ a build in progress: torch's builder works here, its
                                        `lock` file included, so that one never blocks anybody
 
 The key hashes everything that makes two builds differ: the sources and headers, the flags,
-the compiler ($CXX), torch's version and install location, Python's version and BUILD_SCHEME.
-Two checkouts or environments on one machine therefore keep a build each instead of taking
-turns rebuilding one folder, and a changed source builds into a new folder.
+the units they are compiled as, the compiler ($CXX), torch's version and install location,
+Python's version and BUILD_SCHEME. Two checkouts or environments on one machine therefore keep
+a build each instead of taking turns rebuilding one folder, and a changed source builds into a
+new folder.
 
 The compile runs in a child process (build_child.py) that leads its own process group:
 cancelling the start stops the group (Python, ninja, and through ninja the compilers) and
@@ -45,6 +48,7 @@ from typing import Any
 
 import torch
 
+from shoal.kernels.build_units import write_units
 from shoal.kernels.cache_files import (
     NOTE_EVERY_S,
     FolderLock,
@@ -83,6 +87,7 @@ class ExtensionSpec:
     ldflags: tuple[str, ...]
     what: str = "the CPU kernels"  # for the log lines
     takes: str = ""  # how long a build takes, for the log line that starts it
+    units: int = 0  # compiled as this many translation units (build_units.py); 0: one a source
 
 
 def build_key(spec: ExtensionSpec) -> str:
@@ -98,6 +103,7 @@ def build_key(spec: ExtensionSpec) -> str:
         add(path.name, path.read_bytes())
     add("cflags", json.dumps(spec.cflags).encode())
     add("ldflags", json.dumps(spec.ldflags).encode())
+    add("units", str(spec.units).encode())
     add("torch", torch.__version__.encode())
     add("torch location", str(Path(torch.__file__).resolve().parent).encode())
     add("python", sys.version.encode())
@@ -199,9 +205,15 @@ def _compile(
 ) -> None:
     """Run the builder in a child process group into `private`, reporting progress; on any way
     out but success (a failure, a cancellation, an exception here) the group is killed."""
+    sources = spec.sources
+    if spec.units:
+        try:
+            sources = write_units(spec.sources, spec.units, private)
+        except ValueError as error:
+            raise KernelUnavailable(f"{spec.what} could not be built: {error}") from error
     request = {
         "name": name,
-        "sources": [str(source) for source in spec.sources],
+        "sources": [str(source) for source in sources],
         "cflags": list(spec.cflags),
         "ldflags": list(spec.ldflags),
         "folder": str(private),

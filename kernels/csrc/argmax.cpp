@@ -22,15 +22,17 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
-constexpr int64_t kRowsPerTask = 2;
+constexpr int64_t kArgmaxLanes = Vec::size();
+constexpr int64_t kArgmaxRowsPerTask = 2;
 
 float row_max(const float* row, int64_t n) {
   int64_t i = 0;
   float most = row[0];
-  if (n >= kLanes) {
+  if (n >= kArgmaxLanes) {
     Vec acc = Vec::loadu(row);
-    for (i = kLanes; i + kLanes <= n; i += kLanes) acc = at::vec::maximum(acc, Vec::loadu(row + i));
+    for (i = kArgmaxLanes; i + kArgmaxLanes <= n; i += kArgmaxLanes) {
+      acc = at::vec::maximum(acc, Vec::loadu(row + i));
+    }
     most = at::vec::vec_reduce_all<float>(
         [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, acc);
   }
@@ -43,10 +45,10 @@ float row_max(const float* row, int64_t n) {
 int64_t first_equal(const float* row, int64_t n, float value) {
   const Vec target(value);
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
+  for (; i + kArgmaxLanes <= n; i += kArgmaxLanes) {
     // zero_mask: the lanes whose compare came out all zero bits, i.e. not equal
     const int unequal = (Vec::loadu(row + i) == target).zero_mask();
-    const int equal = ~unequal & ((1 << kLanes) - 1);
+    const int equal = ~unequal & ((1 << kArgmaxLanes) - 1);
     if (equal != 0) return i + __builtin_ctz(static_cast<unsigned>(equal));
   }
   for (; i < n; ++i) {
@@ -74,7 +76,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* data = logits.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kArgmaxRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) index[r] = row_argmax(data + r * stride, n);
   });
   return out;

@@ -75,9 +75,9 @@ namespace {
 
 constexpr int64_t kWidth = 16;     // output channels a panel
 constexpr int64_t kGatedWidth = kWidth / 2;  // a gated panel: 8 gates, then their 8 ups
-constexpr int64_t kPanels = 3;     // panels a tile
-constexpr int64_t kGatedPanels = 2;  // gated panels a tile: their act channels one vector
-constexpr int kMaxRows = 8;        // rows a tile: 8 x 3 accumulators
+constexpr int64_t kTilePanels = 3;  // panels a tile
+constexpr int64_t kTileGatedPanels = 2;  // gated panels a tile: their act channels one vector
+constexpr int kTileRows = 8;  // rows a tile: 8 x 3 accumulators
 constexpr int64_t kAhead = 1024;   // bytes of a panel asked for ahead
 constexpr int64_t kKeptCopy = int64_t{8} << 20;  // bytes of x in bfloat16 a thread keeps
 
@@ -224,17 +224,17 @@ SHOAL_BF16_TARGET void panel_rows(const uint32_t* x, int64_t pairs, const uint16
 }
 
 template <int MR, int NP, bool Gated>
-void rows_at(int64_t rows, const uint32_t* x, int64_t pairs, const uint16_t* panel,
-             int64_t stride, const Dest& dest, int64_t p0, Ahead ahead) {
+void bf16_rows_at(int64_t rows, const uint32_t* x, int64_t pairs, const uint16_t* panel,
+                  int64_t stride, const Dest& dest, int64_t p0, Ahead ahead) {
   if constexpr (MR > 1) {
     if (rows < MR) {
-      return rows_at<MR - 1, NP, Gated>(rows, x, pairs, panel, stride, dest, p0, ahead);
+      return bf16_rows_at<MR - 1, NP, Gated>(rows, x, pairs, panel, stride, dest, p0, ahead);
     }
   }
   panel_rows<MR, NP, Gated>(x, pairs, panel, stride, dest, p0, ahead);
 }
 
-// rows_at over the `panels` (<= NP) panels left of a group: a tile of that many
+// bf16_rows_at over the `panels` (<= NP) panels left of a group: a tile of that many
 template <int NP, bool Gated>
 void panels_at(int64_t panels, int64_t rows, const uint32_t* x, int64_t pairs,
                const uint16_t* panel, int64_t stride, const Dest& dest, int64_t p0,
@@ -244,18 +244,18 @@ void panels_at(int64_t panels, int64_t rows, const uint32_t* x, int64_t pairs,
       return panels_at<NP - 1, Gated>(panels, rows, x, pairs, panel, stride, dest, p0, ahead);
     }
   }
-  rows_at<kMaxRows, NP, Gated>(rows, x, pairs, panel, stride, dest, p0, ahead);
+  bf16_rows_at<kTileRows, NP, Gated>(rows, x, pairs, panel, stride, dest, p0, ahead);
 }
 
 // x [m, K] (bfloat16 pairs) times the panels into the destination: the rows in as few tiles of
-// at most kMaxRows as there can be, of even sizes; threads split the panels' groups.
+// at most kTileRows as there can be, of even sizes; threads split the panels' groups.
 template <bool Gated>
 void run_panels(const uint32_t* rows, int64_t m, int64_t pairs, const uint16_t* weights,
                 int64_t num_panels, const Dest& dest) {
-  const int64_t tiles = (m + kMaxRows - 1) / kMaxRows;
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
   const int64_t tile_rows = (m + tiles - 1) / tiles;
   const int64_t stride = pairs * 2 * kWidth;
-  constexpr int64_t group = Gated ? kGatedPanels : kPanels;
+  constexpr int64_t group = Gated ? kTileGatedPanels : kTilePanels;
   const int64_t groups = (num_panels + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -325,8 +325,9 @@ namespace {
 // Both ops' checks: x [M, K] float32 or bfloat16, rows contiguous, K even; out [M, N] of
 // `dtype` (`form` names it), rows contiguous; the panels [ceil(N / width), K / 2, 32] bfloat16
 // (`width` out channels a panel).
-void check_args(const char* op, const at::Tensor& x, const at::Tensor& panels,
-                const at::Tensor& out, at::ScalarType dtype, int64_t width, const char* form) {
+void check_panel_args(const char* op, const at::Tensor& x, const at::Tensor& panels,
+                      const at::Tensor& out, at::ScalarType dtype, int64_t width,
+                      const char* form) {
   TORCH_CHECK(bf16_panels_supported(), op, ": this CPU has no AVX512-BF16 dot products");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -362,7 +363,7 @@ void multiply(const at::Tensor& x, const at::Tensor& panels, const Dest& dest) {
 void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
                        const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   const char* op = "bf16_panel_linear";
-  check_args(op, x, panels, out, at::kFloat, kWidth, "a float32 [M, N]");
+  check_panel_args(op, x, panels, out, at::kFloat, kWidth, "a float32 [M, N]");
   const int64_t m = x.size(0), n = out.size(1);
   if (bias.has_value()) {
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
@@ -378,7 +379,7 @@ void bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels,
 
 void bf16_silu_mul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& out) {
   const char* op = "bf16_silu_mul";
-  check_args(op, x, panels, out, at::kBFloat16, kGatedWidth, "a bfloat16 [M, I]");
+  check_panel_args(op, x, panels, out, at::kBFloat16, kGatedWidth, "a bfloat16 [M, I]");
   const int64_t m = x.size(0), inter = out.size(1);
   if (m == 0 || inter == 0) return;
 #ifdef SHOAL_BF16_DOTS

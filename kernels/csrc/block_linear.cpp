@@ -174,9 +174,9 @@ struct PanelTile {
 
 // tile.at<rows>(m0, panel), rows <= MR
 template <int MR, typename Tile>
-void rows_at(const Tile& tile, int64_t rows, int64_t m0, int64_t panel) {
+void block_rows_at(const Tile& tile, int64_t rows, int64_t m0, int64_t panel) {
   if constexpr (MR > 1) {
-    if (rows < MR) return rows_at<MR - 1>(tile, rows, m0, panel);
+    if (rows < MR) return block_rows_at<MR - 1>(tile, rows, m0, panel);
   }
   tile.template at<MR>(m0, panel);
 }
@@ -200,7 +200,7 @@ void run(const char* op, const W& weights, int64_t panels, const at::Tensor& x,
     const PanelTile<W> tile{weights, &rows, bias_data, out.data_ptr<float>(), out.stride(0), n};
     for (int64_t panel = begin; panel < end; ++panel) {
       for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
-        rows_at<kMaxRows>(tile, std::min(tile_rows, m - m0), m0, panel);
+        block_rows_at<kMaxRows>(tile, std::min(tile_rows, m - m0), m0, panel);
       }
     }
   });

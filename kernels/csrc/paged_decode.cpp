@@ -78,10 +78,10 @@ inline void soft_cap(float* row, int64_t len, float softcap) {
   for (; t < len; ++t) row[t] = std::tanh(row[t] / softcap) * softcap;
 }
 
-void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& page_ids, const at::Tensor& seq_lens,
-                const at::Tensor& token_index, int64_t page_size, int64_t window,
-                const at::Tensor& out) {
+void check_decode_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& page_ids, const at::Tensor& seq_lens,
+                       const at::Tensor& token_index, int64_t page_size, int64_t window,
+                       const at::Tensor& out) {
   shoal_attention::check_tensors("paged_decode", q, k_cache, v_cache, page_size, out);
   for (const at::Tensor* t : {&page_ids, &seq_lens, &token_index}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
@@ -363,7 +363,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const at::Tensor& page_ids, const at::Tensor& seq_lens,
                   const at::Tensor& token_index, int64_t page_size, double scale,
                   const at::Tensor& out, int64_t window, double softcap, bool tiles) {
-  check_args(q, k_cache, v_cache, page_ids, seq_lens, token_index, page_size, window, out);
+  check_decode_args(q, k_cache, v_cache, page_ids, seq_lens, token_index, page_size, window, out);
   if (k_cache.scalar_type() == at::kBFloat16) {
     decode_pages<BFloat16>(q, k_cache, v_cache, page_ids, seq_lens, token_index, page_size,
                            scale, out, window, softcap, tiles);

@@ -158,9 +158,10 @@ void attend_item(const Item& it, const float* q_data, int64_t q_stride, const T*
   }
 }
 
-void check_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& page_ids, const at::Tensor& seq_lens, const at::Tensor& num_new,
-                const at::Tensor& token_start, int64_t page_size, const at::Tensor& out) {
+void check_extend_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& page_ids, const at::Tensor& seq_lens,
+                       const at::Tensor& num_new, const at::Tensor& token_start, int64_t page_size,
+                       const at::Tensor& out) {
   shoal_attention::check_tensors("paged_extend", q, k_cache, v_cache, page_size, out);
   for (const at::Tensor* t : {&page_ids, &seq_lens, &num_new, &token_start}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
@@ -242,7 +243,7 @@ void paged_extend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const at::Tensor& page_ids, const at::Tensor& seq_lens,
                   const at::Tensor& num_new, const at::Tensor& token_start, int64_t page_size,
                   double scale, const at::Tensor& out) {
-  check_args(q, k_cache, v_cache, page_ids, seq_lens, num_new, token_start, page_size, out);
+  check_extend_args(q, k_cache, v_cache, page_ids, seq_lens, num_new, token_start, page_size, out);
   if (seq_lens.size(0) == 0) return;
   if (k_cache.scalar_type() == at::kBFloat16) {
     extend_pages<BFloat16>(q, k_cache, v_cache, page_ids, seq_lens, num_new, token_start,

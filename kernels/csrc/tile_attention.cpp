@@ -55,7 +55,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-inline uint16_t bf16_bits(float x) {  // nearest even, as c10::BFloat16 and torch's .to()
+inline uint16_t bf16_nearest(float x) {  // nearest even, as c10::BFloat16 and torch's .to()
   return c10::BFloat16(x).x;
 }
 
@@ -106,7 +106,7 @@ SHOAL_TILE_TARGET void scores(const float* q, int64_t group, int64_t dim,
     for (int64_t r = 0; r < 16; ++r) {
       for (int64_t n = 0; n < group; ++n) {
         for (int64_t i = 0; i < 2; ++i) {
-          qp[((c * 16 + r) * group + n) * 2 + i] = bf16_bits(q[n * dim + c * 32 + 2 * r + i]);
+          qp[((c * 16 + r) * group + n) * 2 + i] = bf16_nearest(q[n * dim + c * 32 + 2 * r + i]);
         }
       }
     }
@@ -155,7 +155,7 @@ SHOAL_TILE_TARGET void values(const float* probs, int64_t probs_stride, int64_t 
   scratch.probs.assign(group * padded, 0);
   uint16_t* p = scratch.probs.data();
   for (int64_t n = 0; n < group; ++n) {
-    for (int64_t t = 0; t < len; ++t) p[n * padded + t] = bf16_bits(probs[n * probs_stride + t]);
+    for (int64_t t = 0; t < len; ++t) p[n * padded + t] = bf16_nearest(probs[n * probs_stride + t]);
   }
   scratch.block.resize(4 * 16 * 32);  // up to 4 V blocks: [16 key pairs][16 of D][2]
   uint16_t* vb = scratch.block.data();

@@ -24,7 +24,7 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
+constexpr int64_t kTopLanes = Vec::size();
 constexpr int64_t kMost = 64;
 
 // The best k (value, index) so far, best first.
@@ -69,14 +69,14 @@ void row_top(const float* row, int64_t n, int64_t k, int64_t* out) {
   for (int64_t j = 0; j < k; ++j) nan = nan || std::isnan(best.value[j]);
   // Scanned in index order, a logit equal to the k-th so far comes after it: only a larger one
   // can enter. A NaN compares false, so it is looked for apart.
-  for (; !nan && i + kLanes <= n; i += kLanes) {
+  for (; !nan && i + kTopLanes <= n; i += kTopLanes) {
     const Vec v = Vec::loadu(row + i);
-    if ((v != v).zero_mask() != (1 << kLanes) - 1) {
+    if ((v != v).zero_mask() != (1 << kTopLanes) - 1) {
       nan = true;
       break;
     }
     const int not_above = (v > Vec(best.value[k - 1])).zero_mask();
-    int above = ~not_above & ((1 << kLanes) - 1);
+    int above = ~not_above & ((1 << kTopLanes) - 1);
     while (above != 0) {
       const int lane = __builtin_ctz(static_cast<unsigned>(above));
       best.offer(row[i + lane], i + lane);

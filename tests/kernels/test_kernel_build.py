@@ -4,7 +4,7 @@ wait says for whom and gives up after a bound, a cancelled build takes its compi
 environments keep two builds, and a read-only cache loads what is built.
 
 All but the read-only test build a stand-in extension (one C function, no torch headers: ~4 s,
-most of it the build child's imports) instead of the real kernels (~2 min on 2 cores): what they
+most of it the build child's imports) instead of the real kernels (~1 min on 2 cores): what they
 test is the build's locks, folders and processes, not the sources. A compiler wrapper named by
 $CXX (which the key includes, so it has builds of its own) can make the compile step hang: it
 first writes its process group into a file, which the test waits for, kills or cancels, and
@@ -13,6 +13,7 @@ then checks that the group is gone.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -200,6 +201,7 @@ def test_every_input_of_a_build_changes_its_key(
 
     changed(cflags=("-O1",))
     changed(ldflags=("-lm",))
+    changed(units=2)
     header.write_text("// v2\n")
     changed()
     header.write_text("// v1\n")
@@ -215,7 +217,27 @@ def test_every_input_of_a_build_changes_its_key(
         patch.setenv("CXX", "clang++")
         changed()
     assert build_key(spec) in keys
-    assert len(keys) == 8, "each change gives a key of its own"
+    assert len(keys) == 9, "each change gives a key of its own"
+
+
+@needs_compiler
+def test_sources_built_as_one_unit_give_one_library_with_all_of_them(tmp_path: Path) -> None:
+    """units=1: the builder compiles one generated file that includes both sources (each of
+    which keeps a helper of its own), and the library has both functions."""
+    sources = []
+    for name, value in (("seven", 7), ("eight", 8)):
+        source = tmp_path / f"{name}.cpp"
+        source.write_text(
+            f"namespace {{ int {name}_value() {{ return {value}; }} }}\n"
+            f'extern "C" int shoal_{name}() {{ return {name}_value(); }}\n'
+        )
+        sources.append(source)
+    spec = ExtensionSpec("stand_in", tuple(sources), (), ("-O0",), (), what="the stand-in", units=1)
+    library = built_library(spec, tmp_path / "cache")
+    assert sorted(p.name for p in library.parent.glob("*.cpp")) == ["unit_0.cpp"]
+    loaded = ctypes.CDLL(str(library))
+    assert (loaded.shoal_seven(), loaded.shoal_eight()) == (7, 8)
+    assert_nothing_left_but_the_build(library.parent)
 
 
 def test_the_cpu_kernels_key_covers_every_source_and_header() -> None:
