@@ -26,25 +26,29 @@ Needs a compiler (torch's extension builder, as the CPU kernels do) and AVX2.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from bench_format import emit, machine
-from torch.utils.cpp_extension import load_inline
+from torch.utils.cpp_extension import load
 
 from shoal.kernels.cpu_features import read_cpu_features
 
 CHAINS = 12
+CHAIN_NAMES = ("f32_chains", "int8_chains", "zmm_f32_chains", "bf16_dot_chains", "vnni_u8_chains")
 _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <atomic>
 
-// Each returns a value that depends on every chain, so nothing is optimized away.
-double f32_chains(int64_t iters) {
+// Each returns a value that depends on every chain, so nothing is optimized away. C functions
+// (ctypes calls them): no Python binding, whose headers took most of a 50 s compile.
+extern "C" double f32_chains(int64_t iters) {
   std::atomic<int64_t> sink{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -65,7 +69,7 @@ double f32_chains(int64_t iters) {
   return double(sink);
 }
 
-double int8_chains(int64_t iters) {
+extern "C" double int8_chains(int64_t iters) {
   std::atomic<int64_t> sink{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -129,36 +133,38 @@ double zmm_chains(int64_t iters) {
   return double(sink);
 }
 
-double zmm_f32_chains(int64_t iters) { return zmm_chains<0>(iters); }
-double bf16_dot_chains(int64_t iters) { return zmm_chains<1>(iters); }
-double vnni_u8_chains(int64_t iters) { return zmm_chains<2>(iters); }
+extern "C" double zmm_f32_chains(int64_t iters) { return zmm_chains<0>(iters); }
+extern "C" double bf16_dot_chains(int64_t iters) { return zmm_chains<1>(iters); }
+extern "C" double vnni_u8_chains(int64_t iters) { return zmm_chains<2>(iters); }
 """
 
 
-def build(folder: Path) -> object:
-    return load_inline(
+def build(folder: Path) -> ctypes.CDLL:
+    """The chains compiled into `folder` (torch's builder, linked to torch for its threads)."""
+    source = folder / "shoal_cpu_peak.cpp"
+    source.write_text(_SOURCE)
+    library = load(
         name="shoal_cpu_peak",
-        cpp_sources=_SOURCE,
-        functions=[
-            "f32_chains",
-            "int8_chains",
-            "zmm_f32_chains",
-            "bf16_dot_chains",
-            "vnni_u8_chains",
-        ],
+        sources=[str(source)],
         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
+        is_python_module=False,
     )
+    peak = ctypes.CDLL(str(library))
+    for chain in CHAIN_NAMES:
+        function = getattr(peak, chain)
+        function.restype, function.argtypes = ctypes.c_double, [ctypes.c_int64]
+    return peak
 
 
-def rate(run: object, iters: int, per_chain_step: int, threads: int) -> float:
+def rate(run: Callable[[int], float], iters: int, per_chain_step: int, threads: int) -> float:
     """Multiply-adds a second, in billions, the best of three runs."""
-    run(1000)  # type: ignore[operator]
+    run(1000)
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        run(iters)  # type: ignore[operator]
+        run(iters)
         best = min(best, time.perf_counter() - start)
     return threads * iters * CHAINS * per_chain_step / best / 1e9
 
@@ -180,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         peak = build(Path(folder))
         for threads in args.threads:
             torch.set_num_threads(threads)
-            f32 = rate(peak.f32_chains, args.iters, 8, threads)  # type: ignore[attr-defined]
-            int8 = rate(peak.int8_chains, args.iters, 32, threads)  # type: ignore[attr-defined]
+            f32 = rate(peak.f32_chains, args.iters, 8, threads)
+            int8 = rate(peak.int8_chains, args.iters, 32, threads)
             line: dict[str, object] = {
                 "threads": threads,
                 "f32_gmacs": round(f32, 1),
