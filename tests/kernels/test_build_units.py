@@ -111,8 +111,11 @@ def own_names(source: str) -> set[str]:
 def declared(statement: list[str]) -> set[str]:
     """The name a namespace-scope statement declares: a function's (the word before its first
     parenthesis), a variable's (before `=`, `[` or a brace), a type's or an alias's."""
-    if statement[0] in ("struct", "class", "enum", "union"):
-        return {next(word for word in statement[1:] if word not in ("class", "struct"))}
+    if statement[0] in ("struct", "class", "enum", "union"):  # its first word not a keyword
+        position = 1
+        while statement[position] in ("class", "struct", "alignas", "("):
+            position = closing(statement, position) if statement[position] == "(" else position + 1
+        return {statement[position]}
     if statement[0] == "using":  # an alias, `using a::b;` (b), or `using namespace a;` (none)
         if statement[1] == "namespace":
             return set()
@@ -158,6 +161,7 @@ __attribute__((target("avx2"))) inline void rows_at(const char* s = "x;{") {
   int local = 3;
 }
 struct Tile { int inner(); };
+struct alignas(64) Config { int rows; };
 float table[4] = {1, 2, 3, 4};
 }  // namespace
 void exported() {}
@@ -169,6 +173,7 @@ void exported() {}
         "kLanes",
         "rows_at",
         "Tile",
+        "Config",
         "table",
     }
 
