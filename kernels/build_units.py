@@ -8,9 +8,10 @@ file and line in its messages. Sources are shared out largest first to the unit 
 fewest bytes so far, which depends only on the sources: every machine builds the same units.
 
 What this asks of the sources: a name one .cpp file keeps to itself (its anonymous namespace, a
-`using` in it, a macro) must not be another's too, since two files of a unit share that scope;
-the compiler then stops at the second definition (`test_kernel_build.py` checks the CPU
-kernels' sources for such names).
+`using` in it, a macro) must not be another's too, since two files of a unit share that scope:
+the compiler stops at a second definition, but a function of the same name and other parameters
+is an overload, which a call in either file could take. `tests/kernels/test_build_units.py`
+checks the CPU kernels' sources for such names.
 """
 
 from __future__ import annotations
