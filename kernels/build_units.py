@@ -28,10 +28,11 @@ def share_out(sources: tuple[Path, ...], units: int) -> list[tuple[Path, ...]]:
     loads = [0] * min(units, len(sources))
     groups: list[list[Path]] = [[] for _ in loads]
     order = {source: index for index, source in enumerate(sources)}
-    for source in sorted(sources, key=lambda path: (-path.stat().st_size, order[path])):
+    size = {source: source.stat().st_size for source in sources}
+    for source in sorted(sources, key=lambda path: (-size[path], order[path])):
         lightest = loads.index(min(loads))
         groups[lightest].append(source)
-        loads[lightest] += source.stat().st_size
+        loads[lightest] += size[source]
     return [tuple(sorted(group, key=order.__getitem__)) for group in groups]
 
 
